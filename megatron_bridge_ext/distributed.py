@@ -1,0 +1,44 @@
+"""Process-group and model-parallel setup shared by the demo, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MBX_DIST_TIMEOUT_S", "300")))
+
+
+def backend_for_device() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_from_env(tensor_parallel: int, seed: int = 1234) -> None:
+    """Initialise torch.distributed from torchrun's variables and Megatron Core's parallel state.
+
+    Idempotent for the same TP size. On CUDA each rank takes ``LOCAL_RANK`` as its device.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend_for_device(), timeout=DEFAULT_TIMEOUT)
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
+            return
+        parallel_state.destroy_model_parallel()
+    world = dist.get_world_size()
+    if world % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the world size {world}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,135 @@
+"""A small Megatron Core GPTModel (local spec) with Bridge's LoRA, for tests, the demo and benchmarks.
+
+Real Megatron Core layers (ColumnParallelLinear/RowParallelLinear, sequence-parallel mappings,
+DotProductAttention) at a size that trains in seconds on a CPU. Requires torch.distributed and
+Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.distributed`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_bridge_ext.patches import apply_all
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(kw_only=True)
+class TinyGPTShape:
+    """Shape and parallel layout of the tiny model."""
+
+    layers: int = 2
+    hidden: int = 64
+    ffn: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    seq: int = 32
+    micro_batch: int = 2
+    vocab: int = 128
+    tp: int = 2
+    sequence_parallel: bool = True
+    dtype: str = "float32"
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}") from None
+
+
+def transformer_config(shape: TinyGPTShape, **overrides):
+    """The Megatron Core TransformerConfig for ``shape``; ``overrides`` are extra config fields."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = shape.torch_dtype
+    return TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        tensor_model_parallel_size=shape.tp,
+        sequence_parallel=shape.sequence_parallel and shape.tp > 1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        gated_linear_unit=False,
+        **overrides,
+    )
+
+
+def build_gpt(shape: TinyGPTShape, seed: int = 1234, **config_overrides):
+    """Build the GPTModel on this rank's device, with identical weights for identical seeds."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_bridge_ext.distributed import device
+
+    apply_all()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    config = transformer_config(shape, **config_overrides)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.seq,
+        position_embedding_type="rope",
+    )
+    return model.to(device=device(), dtype=shape.torch_dtype)
+
+
+def bridge_lora(shape: TinyGPTShape, **fields):
+    """Megatron Bridge's own LoRA for ``shape`` (the upstream baseline)."""
+    apply_all()
+    from megatron.bridge.peft.lora import LoRA
+
+    return LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=shape.lora_alpha, **fields)
+
+
+def apply_peft(model, peft, seed: int = 4321):
+    """Apply a Bridge PEFT object (freeze base, add adapters) with deterministic adapter init.
+
+    LoRA-B is zero-initialised upstream; it is re-drawn here so that adapters contribute to
+    outputs and gradients in tests and benchmarks.
+    """
+    torch.manual_seed(seed)
+    model = peft(model, training=True)
+    model = model[0] if isinstance(model, list) else model
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("adapter.linear_out.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator).mul_(0.02).to(param))
+    return model
+
+
+def synthetic_batch(shape: TinyGPTShape, step: int = 0):
+    """Deterministic tokens, positions, labels and loss mask (same on every rank)."""
+    from megatron_bridge_ext.distributed import device
+
+    generator = torch.Generator().manual_seed(10_000 + step)
+    tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=generator)
+    dev = device()
+    return {
+        "input_ids": tokens[:, :-1].to(dev),
+        "position_ids": torch.arange(shape.seq).unsqueeze(0).expand(shape.micro_batch, -1).to(dev),
+        "labels": tokens[:, 1:].to(dev),
+    }
+
+
+def loss_of(model, batch) -> torch.Tensor:
+    """Mean token cross-entropy of one forward pass."""
+    per_token = model(batch["input_ids"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    return per_token.float().mean()

@@ -1,0 +1,87 @@
+"""The contract every patch follows: target, version range, reason, apply/revert."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+logger = logging.getLogger("megatron_bridge_ext.patches")
+
+APPLIED = "applied"
+NOT_NEEDED = "not needed"
+OUT_OF_RANGE = "out of range"
+NOT_APPLIED = "not applied"
+
+
+def installed_version(distribution: str) -> Version | None:
+    """Version of an installed distribution, or None when it is not installed."""
+    try:
+        return Version(metadata.version(distribution))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass
+class Patch:
+    """One reversible, version-gated change to upstream behaviour.
+
+    ``needed`` says whether the installed environment shows the upstream problem;
+    ``do_apply`` makes the change and returns an undo callable. ``apply()`` is idempotent.
+    """
+
+    name: str
+    target: str
+    distribution: str
+    versions: str
+    reason: str
+    needed: Callable[[], tuple[bool, str]]
+    do_apply: Callable[[], Callable[[], None]]
+    _undo: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def applied(self) -> bool:
+        return self._undo is not None
+
+    def in_range(self) -> tuple[bool, str]:
+        version = installed_version(self.distribution)
+        if version is None:
+            return False, f"{self.distribution} is not installed"
+        if version not in SpecifierSet(self.versions):
+            return False, f"{self.distribution} {version} is outside {self.versions}; nothing applied"
+        return True, f"{self.distribution} {version}"
+
+    def status(self) -> tuple[str, str]:
+        """(status, why) without changing anything."""
+        ok, why = self.in_range()
+        if not ok:
+            return OUT_OF_RANGE, why
+        if self.applied:
+            return APPLIED, why
+        is_needed, why_needed = self.needed()
+        return (NOT_APPLIED if is_needed else NOT_NEEDED), why_needed
+
+    def apply(self) -> tuple[str, str]:
+        """Apply when in range and needed; idempotent. Returns (status, why)."""
+        if self.applied:
+            return APPLIED, "already applied"
+        ok, why = self.in_range()
+        if not ok:
+            logger.info("patch %s: %s", self.name, why)
+            return OUT_OF_RANGE, why
+        is_needed, why_needed = self.needed()
+        if not is_needed:
+            return NOT_NEEDED, why_needed
+        self._undo = self.do_apply()
+        logger.info("patch %s applied to %s (%s)", self.name, self.target, why)
+        return APPLIED, why_needed
+
+    def revert(self) -> None:
+        """Undo ``apply()``; a no-op when not applied."""
+        if self._undo is not None:
+            self._undo()
+            self._undo = None

@@ -1,0 +1,49 @@
+"""The ordered list of patches, and the functions that apply, revert and report them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_bridge_ext.patches import (
+    bridge_peft_without_te,
+    bridge_truthful_te_detection,
+    core_local_norm_sequence_parallel,
+)
+from megatron_bridge_ext.patches.base import Patch
+
+# Order matters: Bridge's PEFT modules must import before their TE detection can be corrected.
+PATCHES: tuple[Patch, ...] = (
+    bridge_peft_without_te.PATCH,
+    bridge_truthful_te_detection.PATCH,
+    core_local_norm_sequence_parallel.PATCH,
+)
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    name: str
+    target: str
+    versions: str
+    status: str
+    reason: str
+
+
+def _report(patch: Patch, result: tuple[str, str]) -> PatchStatus:
+    status, why = result
+    return PatchStatus(patch.name, patch.target, f"{patch.distribution} {patch.versions}", status, why)
+
+
+def apply_all() -> list[PatchStatus]:
+    """Apply every patch in order (idempotent) and report each one's status."""
+    return [_report(patch, patch.apply()) for patch in PATCHES]
+
+
+def revert_all() -> None:
+    """Revert every applied patch, last first."""
+    for patch in reversed(PATCHES):
+        patch.revert()
+
+
+def status_all() -> list[PatchStatus]:
+    """Each patch's status, changing nothing."""
+    return [_report(patch, patch.status()) for patch in PATCHES]

@@ -1,0 +1,1 @@
+"""Test-only helpers. Never imported by the ``megatron_bridge_ext`` package."""
