@@ -1,0 +1,58 @@
+"""Functional tests run on every rank under ``torchrun --nproc_per_node=2 -m pytest tests/functional``.
+
+Every rank runs the same tests in the same order; collectives inside a test pair up across
+ranks. Rank 0 reports on the terminal, other ranks write ``build/functional-rank<N>.log``.
+Without torchrun (plain ``pytest``) these tests are not collected: they need two processes.
+On a machine without CUDA the test-support CPU emulation is installed before Megatron Core
+is imported, and the process group uses gloo; with CUDA it uses NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
+
+if WORLD_SIZE < 2:
+    collect_ignore_glob = ["test_*.py"]
+else:
+    from tests.support import cpu_emulation
+
+    cpu_emulation.install()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    if WORLD_SIZE < 2 or RANK == 0:
+        return
+    from _pytest.config import create_terminal_writer
+
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    os.makedirs("build", exist_ok=True)
+    log = open(os.path.join("build", f"functional-rank{RANK}.log"), "w")
+    reporter._tw = create_terminal_writer(config, file=log)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if WORLD_SIZE >= 2 and RANK != 0 and exitstatus not in (0, 5):
+        print(f"rank {RANK}: functional tests failed (exit {exitstatus}); see build/functional-rank{RANK}.log",
+              file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def tp2():
+    """torch.distributed and Megatron Core parallel state with TP=2 over the 2 ranks."""
+    from megatron_bridge_ext import distributed
+
+    distributed.init_from_env(tensor_parallel=2)
+    return _tp_group()
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
