@@ -1,0 +1,23 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv first (idempotent).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BRIDGE ?= 0.6.2
+
+.PHONY: setup demo test unit functional
+
+setup:
+	bash scripts/setup_env.sh --bridge $(BRIDGE)
+
+demo: setup
+	$(VENV)/bin/mbx demo
+
+unit:
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+
+functional:
+	MBX_DIST_TIMEOUT_S=$${MBX_DIST_TIMEOUT_S:-180} $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 \
+		-m pytest tests/functional -q -p no:cacheprovider
+
+test: setup
+	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory functional

@@ -1,0 +1,125 @@
+"""The main job: train the tiny LoRA model a few steps per variant and show activation memory.
+
+Run ``mbx demo`` (it starts 2 ranks) or ``torchrun --nproc_per_node=2 -m megatron_bridge_ext.demo``.
+Each rank trains the same tiny Megatron Core GPT (TP=2, sequence parallel) with LoRA on
+synthetic tokens, once per variant, from identical weights and data, and measures the bytes
+autograd retains for backward in every step, split into LoRA-A inputs / attention / other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge_ext import distributed, tiny_model, variants
+from megatron_bridge_ext.measure import SavedActivationMeter
+
+CATEGORIES = ("lora_input", "attention", "other")
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, defaults: tiny_model.TinyGPTShape) -> None:
+    """Shape options shared by the demo and the benchmarks."""
+    for flag, attr in (("--layers", "layers"), ("--hidden", "hidden"), ("--ffn", "ffn"), ("--heads", "heads"),
+                       ("--kv-heads", "kv_heads"), ("--seq", "seq"), ("--micro-batch", "micro_batch"),
+                       ("--rank", "lora_rank"), ("--tp", "tp")):
+        parser.add_argument(flag, dest=attr, type=int, default=getattr(defaults, attr))
+    parser.add_argument("--dtype", default=defaults.dtype, choices=sorted(tiny_model.DTYPES))
+
+
+def shape_from_args(args: argparse.Namespace) -> tiny_model.TinyGPTShape:
+    fields = ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "micro_batch", "lora_rank", "tp", "dtype")
+    return tiny_model.TinyGPTShape(**{f: getattr(args, f) for f in fields})
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mbx demo", description=__doc__.splitlines()[0])
+    add_shape_arguments(p, tiny_model.TinyGPTShape())
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--variants", nargs="*", default=None, help=f"subset of {sorted(variants.VARIANTS)}")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    return p
+
+
+def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps: int, progress) -> dict:
+    """Train ``steps`` steps of one variant; return this rank's losses and saved-activation bytes."""
+    model = tiny_model.build_gpt(shape, **variant.config_overrides)
+    model = tiny_model.apply_peft(model, variant.make_peft(shape))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=1e-3)
+    losses, saved = [], []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        batch = tiny_model.synthetic_batch(shape, step)
+        with SavedActivationMeter(model) as meter:
+            loss = tiny_model.loss_of(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        saved.append(meter.result())
+        progress.update(1)
+    last = saved[-1]
+    return {
+        "variant": variant.name,
+        "rank": dist.get_rank(),
+        "losses": losses,
+        "saved_bytes_per_step": [s.total_bytes for s in saved],
+        "split": {c: last.by_category.get(c, 0) for c in CATEGORIES},
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str) -> str:
+    header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}, heads {shape.heads}/"
+              f"{shape.kv_heads} kv, seq {shape.seq}, micro-batch {shape.micro_batch}, {shape.dtype}; TP={shape.tp} "
+              f"sequence parallel; LoRA r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}")
+    cols = ["rank", "variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other"]
+    body = [[str(r["rank"]), r["variant"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+             _mib(r["saved_bytes_per_step"][-1])] + [_mib(r["split"][c]) for c in CATEGORIES] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([header, line(cols), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def worker(args: argparse.Namespace) -> None:
+    shape = shape_from_args(args)
+    chosen = variants.select(args.variants)
+    distributed.init_from_env(tensor_parallel=shape.tp)
+    rank = dist.get_rank()
+    from tqdm import tqdm
+
+    with tqdm(total=len(chosen) * args.steps, desc="mbx demo", disable=rank != 0 or args.json,
+              file=sys.stderr) as progress:
+        rows = [train_variant(shape, v, args.steps, progress) for v in chosen]
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0)
+    if rank == 0:
+        all_rows = sorted((r for per_rank in gathered for r in per_rank), key=lambda r: (r["variant"], r["rank"]))
+        backend = f"{dist.get_world_size()} ranks ({dist.get_backend()}, {distributed.device().type})"
+        if args.json:
+            print(json.dumps({"shape": vars(shape), "backend": backend, "rows": all_rows}, indent=2))
+        else:
+            print(format_table(shape, all_rows, backend))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from megatron_bridge_ext import launch
+
+    if launch.under_torchrun():
+        worker(args)
+        return 0
+    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    return launch.launch("megatron_bridge_ext.demo", forwarded, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Which LoRA adapters may keep their LoRA-A input sequence-sharded, and why not.
+
+At least upstream's rules (Bridge 0.6 ``sequence_parallel_input_regather``) apply to both
+strategies: a column-parallel target (``linear_qkv``, ``linear_fc1``), TP > 1, sequence parallelism
+on, trainable LoRA-A, identity activation, no expert or all-to-all adapter, no CUDA graphs, no CPU
+activation offloading. Recompute differs by strategy:
+
+* ``regather`` is refused under full recompute, and for ``linear_fc1`` under selective ``mlp``
+  recompute: the recomputed region already drops the gathered input, and regather would only add
+  an all-gather per recompute.
+* ``shard_local`` stays correct there and is allowed: inside a recomputed region it still replaces
+  the s*b*h all-gather of the input with an s*b*r one, and it shrinks the gathered tensor that
+  lives during the recomputed backward from s*b*h to the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The verdict for one adapter: ``strategy`` is None when it keeps the gathered input."""
+
+    adapter: str
+    requested: Optional[str]
+    strategy: Optional[str]
+    reason: str
+
+    @property
+    def eligible(self) -> bool:
+        return self.strategy is not None
+
+
+def _tp_size(adapter) -> int:
+    group = getattr(adapter, "tp_group", None)
+    if group is not None:
+        return group.size()
+    return int(getattr(adapter.config, "tensor_model_parallel_size", 1) or 1)
+
+
+def _recompute_reason(config, surface: str, strategy: str) -> Optional[str]:
+    granularity = getattr(config, "recompute_granularity", None)
+    modules = getattr(config, "recompute_modules", None) or []
+    if strategy == "shard_local":
+        return None
+    if granularity == "full":
+        return "full activation recompute already drops the gathered input (shard_local is allowed here)"
+    if granularity == "selective" and surface == "linear_fc1" and "mlp" in modules:
+        return "selective 'mlp' recompute already covers linear_fc1 (shard_local is allowed here)"
+    return None
+
+
+def ineligibility(lora_linear, strategy: str) -> Optional[str]:
+    """Why this adapter cannot use ``strategy``, or None when it can."""
+    adapter = lora_linear.adapter
+    base_config = lora_linear.to_wrap.config
+    surface = adapter.base_linear_name.rsplit(".", 1)[-1]
+    checks = (
+        (surface not in ELIGIBLE_SURFACES, f"{surface} is not a column-parallel LoRA target ({', '.join(ELIGIBLE_SURFACES)})"),
+        (adapter.input_is_parallel, "the adapter is row-parallel"),
+        (not base_config.sequence_parallel, "sequence parallelism is off (nothing to save)"),
+        (_tp_size(adapter) <= 1, "tensor parallel size is 1 (nothing to save)"),
+        (getattr(adapter, "is_expert", False), "expert adapters are not supported"),
+        (getattr(adapter, "use_a2a", False), "all-to-all adapters are not supported"),
+        (not getattr(lora_linear.to_wrap, "sequence_parallel", True) or getattr(lora_linear.to_wrap, "parallel_mode", "") is None,
+         "the base linear does no sequence-parallel communication"),
+        (not adapter.linear_in.weight.requires_grad, "LoRA-A is frozen (its input is not retained anyway)"),
+        (type(adapter.activation).__name__ != "Identity", "the adapter activation is not identity"),
+        (getattr(base_config, "cuda_graph_impl", "none") not in (None, "none") or getattr(base_config, "enable_cuda_graph", False),
+         "CUDA graphs are enabled"),
+        (bool(getattr(base_config, "cpu_offloading", False) and getattr(base_config, "cpu_offloading_activations", False)),
+         "CPU activation offloading is enabled"),
+    )
+    for failed, reason in checks:
+        if failed:
+            return reason
+    return _recompute_reason(base_config, surface, strategy)
+
+
+def decide(lora_linear, strategy: Optional[str]) -> Decision:
+    """The decision for one Bridge ``LoRALinear`` under the requested strategy."""
+    name = lora_linear.adapter.base_linear_name
+    if strategy is None:
+        return Decision(name, None, None, "off (no strategy requested)")
+    reason = ineligibility(lora_linear, strategy)
+    if reason is not None:
+        return Decision(name, strategy, None, reason)
+    return Decision(name, strategy, strategy, "eligible")

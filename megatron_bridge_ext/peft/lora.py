@@ -1,0 +1,144 @@
+"""Drop-in LoRA for Megatron Bridge with LoRA-A input under sequence parallelism.
+
+``megatron_bridge_ext.peft.LoRA`` accepts every field of Bridge's ``LoRA`` plus:
+
+* ``sequence_parallel_input_regather`` — upstream's flag (Bridge >= 0.6), also on Bridge releases
+  that lack it; served by our own regather implementation.
+* ``sequence_parallel_input_strategy`` — ``"regather"`` or ``"shard_local"`` (None: ``"regather"``
+  when the flag is set, otherwise off).
+
+Bridge builds every adapter exactly as it always does (same parameters, names, shapes, TP
+attributes, checkpoints). For each eligible column-parallel adapter we then (1) stop the adapter
+from gathering its input along the sequence (``disable_sequence_parallel_comm``) — with TE, the
+fused LayerNorm returns its local output instead of the gathered one — and (2) let LoRA-A's
+``ColumnParallelLinear`` run one of our autograd functions from :mod:`.sp_lora` on the local
+shard, by giving the module a subclass that overrides only ``forward``. Everything after LoRA-A
+(activation, dropout, LoRA-B, scaling) stays Bridge's code.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.nn as nn
+
+from megatron_bridge_ext.patches import apply_all
+
+apply_all()
+
+from megatron.bridge.peft.lora import LoRA as BridgeLoRA  # noqa: E402
+from megatron.bridge.peft.lora_layers import LoRALinear  # noqa: E402
+from megatron.bridge.peft.utils import ParallelLinearAdapter  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear  # noqa: E402
+from megatron.core.tensor_parallel.mappings import (  # noqa: E402
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+
+from megatron_bridge_ext.peft import sp_lora  # noqa: E402
+from megatron_bridge_ext.peft.eligibility import Decision, decide  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("regather", "shard_local")
+
+
+class SequenceParallelLoRAIn(ColumnParallelLinear):
+    """LoRA-A that consumes the local sequence shard [s/t, b, h] and returns the full [s, b, r] input of LoRA-B.
+
+    Same parameters and state as the ColumnParallelLinear it replaces (only ``forward`` differs);
+    ``_mbx_strategy`` names the autograd function. When LoRA-A is frozen nothing needs its input
+    for a weight gradient, so it falls back to the gathered path, which then retains nothing.
+    """
+
+    _mbx_strategy: str = "regather"
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        fusion = bool(self.gradient_accumulation_fusion)
+        if not weight.requires_grad:
+            gathered = gather_from_sequence_parallel_region(input_, group=self.tp_group)
+            output = gather_from_tensor_model_parallel_region(gathered.matmul(weight.t()), group=self.tp_group)
+        elif self._mbx_strategy == "shard_local":
+            output = sp_lora.shard_local_lora_a(input_, weight, self.tp_group, gradient_accumulation_fusion=fusion)
+        else:
+            partial = sp_lora.regather_lora_a(input_, weight, self.tp_group, gradient_accumulation_fusion=fusion)
+            output = gather_from_tensor_model_parallel_region(partial, group=self.tp_group)
+        return output, None
+
+
+def _wrapped_te_layernorm_linear(base: nn.Module) -> bool:
+    return hasattr(base, "return_layernorm_output_gathered")
+
+
+def enable_sp_input(lora_linear: LoRALinear, strategy: str) -> None:
+    """Switch one Bridge adapter to the sequence-local LoRA-A input (no new parameters)."""
+    adapter = lora_linear.adapter
+    adapter.disable_sequence_parallel_comm = True
+    if _wrapped_te_layernorm_linear(lora_linear.to_wrap):
+        lora_linear.to_wrap.return_layernorm_output_gathered = False
+    adapter.linear_in.__class__ = SequenceParallelLoRAIn
+    adapter.linear_in._mbx_strategy = strategy
+
+
+@dataclass
+class LoRA(BridgeLoRA):
+    """Megatron Bridge's LoRA with the LoRA-A input kept sequence-sharded where eligible.
+
+    Accepts every field of Bridge's LoRA. Use it as ``cfg.peft`` or through Bridge's overrides
+    (``peft._target_=megatron_bridge_ext.peft.LoRA``). See the module docstring for the two fields
+    it adds and :mod:`megatron_bridge_ext.peft.eligibility` for when an adapter is eligible.
+    """
+
+    sequence_parallel_input_regather: bool = False
+    sequence_parallel_input_strategy: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        parent_post_init = getattr(super(), "__post_init__", None)
+        if parent_post_init is not None:
+            parent_post_init()
+        if self.sequence_parallel_input_strategy not in (None, *STRATEGIES):
+            raise ValueError(
+                f"LoRA.sequence_parallel_input_strategy={self.sequence_parallel_input_strategy!r} is not valid; "
+                f"use one of {STRATEGIES} or None (off)"
+            )
+        self._decisions: dict[str, Decision] = {}
+        self._logged_reasons: set[str] = set()
+
+    @property
+    def strategy(self) -> Optional[str]:
+        """The strategy in effect: explicit strategy, else ``regather`` when the upstream flag is set."""
+        if self.sequence_parallel_input_strategy is not None:
+            return self.sequence_parallel_input_strategy
+        return "regather" if self.sequence_parallel_input_regather else None
+
+    def transform(self, module: nn.Module, name: Optional[str] = None, prefix: Optional[str] = None) -> nn.Module:
+        already = isinstance(module, LoRALinear)
+        upstream_flag = getattr(self, "sequence_parallel_input_regather", False)
+        # Bridge must build its default (gathered) adapter; the sequence-local input is ours.
+        if upstream_flag:
+            object.__setattr__(self, "sequence_parallel_input_regather", False)
+        try:
+            result = super().transform(module, name=name, prefix=prefix)
+        finally:
+            if upstream_flag:
+                object.__setattr__(self, "sequence_parallel_input_regather", True)
+        if already or not isinstance(result, LoRALinear) or not isinstance(result.adapter, ParallelLinearAdapter):
+            return result
+        full_name = result.adapter.base_linear_name
+        decision = decide(result, self.strategy)
+        self._decisions[full_name] = decision
+        if decision.strategy is not None:
+            enable_sp_input(result, decision.strategy)
+            logger.info("LoRA-A input under SP: %s uses %s", full_name, decision.strategy)
+        elif self.strategy is not None and decision.reason not in self._logged_reasons:
+            self._logged_reasons.add(decision.reason)
+            logger.info("LoRA-A input under SP requested (%s) but %s keeps the gathered input: %s "
+                        "(logged once per reason)", self.strategy, full_name, decision.reason)
+        return result
+
+    def report(self) -> list[Decision]:
+        """One row per adapter this LoRA created: eligible, strategy and reason."""
+        return list(self._decisions.values())
