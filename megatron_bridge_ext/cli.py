@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="train the tiny LoRA model on 2 ranks and show activation memory per variant",
                    add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench.add_parser("memory", help="LoRA-A input variants side by side (mbx bench memory --help)", add_help=False)
     return parser
 
 
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_bridge_ext import demo
 
         return demo.main(argv[1:])
+    if argv[:2] == ["bench", "memory"]:
+        from megatron_bridge_ext import bench
+
+        return bench.main(argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

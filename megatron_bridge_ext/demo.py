@@ -89,6 +89,9 @@ def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str)
 
 
 def worker(args: argparse.Namespace) -> None:
+    from megatron_bridge_ext import logs
+
+    logs.configure()
     shape = shape_from_args(args)
     chosen = variants.select(args.variants)
     distributed.init_from_env(tensor_parallel=shape.tp)
@@ -101,7 +104,8 @@ def worker(args: argparse.Namespace) -> None:
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(rows, gathered, dst=0)
     if rank == 0:
-        all_rows = sorted((r for per_rank in gathered for r in per_rank), key=lambda r: (r["variant"], r["rank"]))
+        order = {v.name: i for i, v in enumerate(chosen)}
+        all_rows = sorted((r for per_rank in gathered for r in per_rank), key=lambda r: (order[r["variant"]], r["rank"]))
         backend = f"{dist.get_world_size()} ranks ({dist.get_backend()}, {distributed.device().type})"
         if args.json:
             print(json.dumps({"shape": vars(shape), "backend": backend, "rows": all_rows}, indent=2))

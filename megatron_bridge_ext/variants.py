@@ -26,20 +26,64 @@ class Variant:
     available: Callable[[], tuple[bool, str]] = _always
 
 
+def _our_lora(strategy: str) -> Callable[[TinyGPTShape], Any]:
+    def make(shape: TinyGPTShape):
+        from megatron_bridge_ext.peft import LoRA
+
+        return LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=shape.lora_alpha,
+                    sequence_parallel_input_strategy=strategy)
+
+    return make
+
+
+def _upstream_has_regather_flag() -> tuple[bool, str]:
+    from dataclasses import fields
+
+    from megatron_bridge_ext.patches import apply_all
+
+    apply_all()
+    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
+
+    if any(f.name == "sequence_parallel_input_regather" for f in fields(BridgeLoRA)):
+        return True, ""
+    return False, "the installed Megatron Bridge has no sequence_parallel_input_regather"
+
+
 BASELINE = Variant(
     name="baseline",
     description="Megatron Bridge's LoRA as shipped (LoRA-A keeps the gathered [s, b, h] input)",
     make_peft=bridge_lora,
 )
+UPSTREAM_REGATHER = Variant(
+    name="upstream_regather",
+    description="Bridge's own LoRA(sequence_parallel_input_regather=True) (Bridge >= 0.6)",
+    make_peft=lambda shape: bridge_lora(shape, sequence_parallel_input_regather=True),
+    available=_upstream_has_regather_flag,
+)
+REGATHER = Variant(
+    name="regather",
+    description="our regather: LoRA-A keeps the shard, all-gathers it again in backward",
+    make_peft=_our_lora("regather"),
+)
+SHARD_LOCAL = Variant(
+    name="shard_local",
+    description="our shard-local LoRA-A: gathers the r x h weight and the s x b x r hidden, never the input",
+    make_peft=_our_lora("shard_local"),
+)
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (BASELINE,)}
+VARIANTS: dict[str, Variant] = {v.name: v for v in (BASELINE, UPSTREAM_REGATHER, REGATHER, SHARD_LOCAL)}
 
 
 def select(names: list[str] | None) -> list[Variant]:
     """The named variants in the order given (all registered ones when ``names`` is empty)."""
     if not names:
-        return list(VARIANTS.values())
+        return [v for v in VARIANTS.values() if v.available()[0]]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
-    return [VARIANTS[n] for n in names]
+    chosen = [VARIANTS[n] for n in names]
+    for variant in chosen:
+        ok, why = variant.available()
+        if not ok:
+            raise ValueError(f"variant {variant.name!r} is not available: {why}")
+    return chosen

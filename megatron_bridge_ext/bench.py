@@ -1,0 +1,148 @@
+"""``mbx bench memory``: the LoRA-A input variants side by side on identical weights and data.
+
+For each variant, on every rank: build the same tiny model (same seeds), apply the variant's LoRA,
+run one instrumented forward/backward (saved-activation bytes, bytes retained by LoRA-A, collective
+elements, loss and gradients for parity against the baseline), then ``--steps`` timed forward/
+backward passes without instruments. Rank 0 prints rank 0's figures (ranks are symmetric);
+parity errors are the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge_ext import distributed, tiny_model, variants
+from megatron_bridge_ext.demo import add_shape_arguments, shape_from_args
+from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
+
+BENCH_VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local")
+DEFAULT_SHAPE = tiny_model.TinyGPTShape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=4, seq=256, micro_batch=2,
+                                        lora_rank=16)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mbx bench memory", description=__doc__.splitlines()[0])
+    add_shape_arguments(p, DEFAULT_SHAPE)
+    p.add_argument("--steps", type=int, default=5, help="timed forward/backward passes per variant")
+    p.add_argument("--variants", nargs="*", default=None, help=f"subset of {list(BENCH_VARIANTS)}")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    return p
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _forward_backward(model, batch) -> torch.Tensor:
+    for p in model.parameters():
+        p.grad = None
+    loss = tiny_model.loss_of(model, batch)
+    loss.backward()
+    return loss.detach()
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = reference.double().abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    return float((value.double() - reference.double()).abs().max() / scale)
+
+
+def run_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps: int) -> tuple[dict, dict]:
+    """One variant's figures on this rank, and its loss and gradients for parity."""
+    model = tiny_model.build_gpt(shape, **variant.config_overrides)
+    model = tiny_model.apply_peft(model, variant.make_peft(shape))
+    batch = tiny_model.synthetic_batch(shape, 0)
+    with SavedActivationMeter(model) as meter, CollectiveCounter() as counter:
+        loss = _forward_backward(model, batch)
+    outputs = {"loss": loss.reshape(1)}
+    outputs.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    times = []
+    for _ in range(steps):
+        _sync()
+        start = time.perf_counter()
+        _forward_backward(model, batch)
+        _sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    saved = meter.result()
+    row = {
+        "name": variant.name,
+        "saved_bytes": saved.total_bytes,
+        "lora_input_saved_bytes": saved.module_bytes("lora_input"),
+        "collective_elements": counter.elements_by_kind(),
+        "step_time_ms": statistics.median(times) if times else float("nan"),
+    }
+    return row, outputs
+
+
+def _parity(outputs: dict, reference: dict) -> float:
+    if outputs.keys() != reference.keys():
+        raise RuntimeError(f"gradient sets differ from the baseline: {sorted(outputs.keys() ^ reference.keys())}")
+    local = max(_relative_error(outputs[k], reference[k]) for k in reference)
+    value = torch.tensor([local], dtype=torch.float64, device=distributed.device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def run(shape: tiny_model.TinyGPTShape, names: list[str] | None, steps: int) -> dict:
+    chosen = variants.select(names or [n for n in BENCH_VARIANTS if variants.VARIANTS[n].available()[0]])
+    rows, reference = [], None
+    for variant in chosen:
+        row, outputs = run_variant(shape, variant, steps)
+        reference = outputs if reference is None else reference
+        row["parity_max_rel_err"] = _parity(outputs, reference)
+        rows.append(row)
+    base_time = rows[0]["step_time_ms"]
+    for row in rows:
+        row["step_time_ratio"] = row["step_time_ms"] / base_time
+    keys = ("name", "saved_bytes", "lora_input_saved_bytes", "collective_elements", "step_time_ms",
+            "step_time_ratio", "parity_max_rel_err")
+    return {"tp": shape.tp, "shape": vars(shape), "variants": [{k: r[k] for k in keys} for r in rows]}
+
+
+def format_table(result: dict) -> str:
+    s = result["shape"]
+    header = (f"mbx bench memory: TP={result['tp']}, seq {s['seq']}, micro-batch {s['micro_batch']}, hidden {s['hidden']}, "
+              f"ffn {s['ffn']}, heads {s['heads']}/{s['kv_heads']}, layers {s['layers']}, LoRA r={s['lora_rank']}, "
+              f"{s['dtype']} (figures of rank 0; first variant is the reference)")
+    cols = ["variant", "saved MiB", "LoRA-A input MiB", "collective Melem", "step ms", "ratio", "parity rel err"]
+    body = [[r["name"], f"{r['saved_bytes'] / 2**20:.3f}", f"{r['lora_input_saved_bytes'] / 2**20:.3f}",
+             f"{r['collective_elements'].get('total', 0) / 1e6:.3f}", f"{r['step_time_ms']:.1f}",
+             f"{r['step_time_ratio']:.3f}", f"{r['parity_max_rel_err']:.2e}"] for r in result["variants"]]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([header, line(cols), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def worker(args: argparse.Namespace) -> None:
+    from megatron_bridge_ext import logs
+
+    logs.configure()
+    shape = shape_from_args(args)
+    distributed.init_from_env(tensor_parallel=shape.tp)
+    result = run(shape, args.variants, args.steps)
+    if dist.get_rank() == 0:
+        print(json.dumps(result, indent=2) if args.json else format_table(result))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    from megatron_bridge_ext import launch
+
+    if launch.under_torchrun():
+        worker(args)
+        return 0
+    return launch.launch("megatron_bridge_ext.bench", argv, nproc=args.nproc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
