@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge_ext import distributed, tiny_model, variants
+from megatron_bridge_ext.patches import apply_all
 from megatron_bridge_ext.demo import add_shape_arguments, shape_from_args
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
 
@@ -127,6 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     logs.configure()
     shape = shape_from_args(args)
     distributed.init_from_env(tensor_parallel=shape.tp)
+    apply_all()
     result = run(shape, args.variants, args.steps)
     if dist.get_rank() == 0:
         print(json.dumps(result, indent=2) if args.json else format_table(result))

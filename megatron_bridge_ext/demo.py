@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge_ext import distributed, tiny_model, variants
+from megatron_bridge_ext.patches import apply_all
 from megatron_bridge_ext.measure import SavedActivationMeter
 
 CATEGORIES = ("lora_input", "attention", "other")
@@ -50,11 +51,11 @@ def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, ste
     model = tiny_model.build_gpt(shape, **variant.config_overrides)
     model = tiny_model.apply_peft(model, variant.make_peft(shape))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=1e-3)
+    optimizer = torch.optim.Adam(trainable, lr=1e-2)
     losses, saved = [], []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        batch = tiny_model.synthetic_batch(shape, step)
+        batch = tiny_model.synthetic_batch(shape, 0)  # one batch, so the loss shows the adapters learning
         with SavedActivationMeter(model) as meter:
             loss = tiny_model.loss_of(model, batch)
         loss.backward()
@@ -95,6 +96,7 @@ def worker(args: argparse.Namespace) -> None:
     shape = shape_from_args(args)
     chosen = variants.select(args.variants)
     distributed.init_from_env(tensor_parallel=shape.tp)
+    apply_all()
     rank = dist.get_rank()
     from tqdm import tqdm
 

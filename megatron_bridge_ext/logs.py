@@ -12,15 +12,28 @@ _IMPORT_NOISE = (
     r".*Transformer Engine and Apex are not installed.*",
     r".*absl\.logging is not installed.*",
     r".*is deprecated\. Please use `torch\.distributed\..*",
+    r".*set the environment variable CUDA_DEVICE_MAX_CONNECTIONS.*",
+    r".*supports MoE experts, but your version is 0\.0\.0.*",
 )
 
 
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
 def configure() -> None:
-    """INFO for ``megatron_bridge_ext`` (what was applied), WARNING for upstream (``MBX_LOG_LEVEL`` overrides)."""
+    """INFO for ``megatron_bridge_ext`` (what was applied), WARNING for upstream (``MBX_LOG_LEVEL`` overrides).
+    """
     level = os.environ.get("MBX_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron_bridge_ext").setLevel(level)
     for name in ("megatron", "megatron.bridge", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Bridge's import helper sets INFO on itself when imported and logs a traceback per missing TE
+    # symbol; a filter on the logger object survives that (a level would be overwritten).
+    import_logger = logging.getLogger("megatron.bridge.utils.import_utils")
+    if level != "DEBUG" and not any(isinstance(f, _BelowWarning) for f in import_logger.filters):
+        import_logger.addFilter(_BelowWarning())
     for pattern in _IMPORT_NOISE:
         warnings.filterwarnings("ignore", message=pattern)

@@ -55,12 +55,19 @@ def _all_gather_tokens_into_buffer(x_local: torch.Tensor, group, async_op: bool)
     return total, handle
 
 
-def _all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
-    """All-gather a tensor along dim 0 into a fresh tensor (it outlives the call)."""
+def _all_gather_dim0_async(tensor: torch.Tensor, group):
+    """Start an all-gather of a tensor along dim 0 into a fresh tensor; returns (output, handle)."""
     shape = list(tensor.shape)
     shape[0] *= group.size()
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    torch.distributed.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    handle = torch.distributed.all_gather_into_tensor(out, tensor.contiguous(), group=group, async_op=True)
+    return out, handle
+
+
+def _all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
+    """All-gather a tensor along dim 0 into a fresh tensor (it outlives the call)."""
+    out, handle = _all_gather_dim0_async(tensor, group)
+    handle.wait()
     return out
 
 
@@ -103,7 +110,9 @@ def _accumulate_wgrad_gemm(main_grad: torch.Tensor, grad_2d: torch.Tensor, input
         raise RuntimeError(f"gradient accumulation fusion does not support main_grad of dtype {main_grad.dtype}")
 
 
-def _grad_after_main_grad(weight: torch.Tensor, main_grad: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _grad_after_main_grad(
+    weight: torch.Tensor, main_grad: torch.Tensor, dtype: torch.dtype
+) -> Optional[torch.Tensor]:
     """The weight grad to return once the wgrad went into main_grad (Megatron Core's contract).
 
     Megatron Core's DDP marks weights with ``grad_added_to_main_grad``; it then expects a dummy grad
@@ -149,7 +158,7 @@ class _RegatherLoRAA(torch.autograd.Function):
         gather.wait()
         grad_2d, total_2d = _tokens_2d(grad_y), _tokens_2d(total)
         grad_x = torch.empty_like(x_local)
-        scatter = torch.distributed.reduce_scatter_tensor(grad_x, grad_total.contiguous(), group=group, async_op=True)
+        scatter = torch.distributed.reduce_scatter_tensor(grad_x, grad_total, group=group, async_op=True)
         if main_grad is None:
             grad_weight = grad_2d.t().matmul(total_2d)
         else:
@@ -164,11 +173,12 @@ class _ShardLocalLoRAA(torch.autograd.Function):
 
     Forward: all-gather weight A_k [r/t, h] -> A [r, h]; h_k = x_local @ A^T -> [s/t, b, r];
     all-gather h_k along the sequence -> h [s, b, r], complete over the rank dim.
-    Saves: x_local and A (``ctx.save_for_backward``); main_grad is kept on ctx and the weight by
-    weak reference (its attributes carry Megatron Core's DDP flags; its memory is not retained here).
-    Backward, under the contract that grad_h is replicated over the TP group: grad_h_k = this rank's
-    sequence slice of grad_h (no communication); partial wgrad grad_h_k^T @ x_local -> [r, h] over this
-    rank's tokens, reduce-scattered(sum) along dim 0 -> [r/t, h] (async, overlapping the dgrad GEMM
+    Saves: x_local and the weight shard A_k (a parameter, no extra memory); main_grad is kept on
+    ctx and the weight also by weak reference, to set Megatron Core's DDP flag on the parameter.
+    Backward, under the contract that grad_h is replicated over the TP group: all-gather A_k -> A
+    again (r*h elements, async, overlapping the wgrad GEMM); grad_h_k = this rank's sequence slice of
+    grad_h (no communication); partial wgrad grad_h_k^T @ x_local -> [r, h] over this rank's tokens,
+    reduce-scattered(sum) along dim 0 -> [r/t, h] (async, overlapping the dgrad GEMM
     grad_h_k @ A -> [s/t, b, h], which needs no communication).
     The partial wgrad is reduced in at least float32 (main_grad's dtype under fusion).
     """
@@ -178,7 +188,7 @@ class _ShardLocalLoRAA(torch.autograd.Function):
     def forward(ctx, x_local, weight, tp_group, gradient_accumulation_fusion):
         full_weight = _all_gather_dim0(weight, tp_group)
         h_local = torch.matmul(x_local, full_weight.t())
-        ctx.save_for_backward(x_local, full_weight)
+        ctx.save_for_backward(x_local, weight)
         ctx.tp_group = tp_group
         ctx.main_grad = _fusion_target(weight, gradient_accumulation_fusion)
         ctx.weight_ref = weakref.ref(weight)
@@ -187,8 +197,9 @@ class _ShardLocalLoRAA(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_h):
-        x_local, full_weight = ctx.saved_tensors
+        x_local, weight = ctx.saved_tensors
         group, main_grad = ctx.tp_group, ctx.main_grad
+        full_weight, gather = _all_gather_dim0_async(weight, group)
         tokens = x_local.shape[0]
         grad_local = grad_h.narrow(0, group.rank() * tokens, tokens)
         partial = _tokens_2d(grad_local).t().matmul(_tokens_2d(x_local))
@@ -198,10 +209,11 @@ class _ShardLocalLoRAA(torch.autograd.Function):
             (partial.shape[0] // group.size(), partial.shape[1]), dtype=reduce_dtype, device=partial.device
         )
         scatter = torch.distributed.reduce_scatter_tensor(grad_shard, partial, group=group, async_op=True)
+        gather.wait()
         grad_x = grad_local.matmul(full_weight)
         scatter.wait()
         if main_grad is None:
-            return grad_x, grad_shard.to(full_weight.dtype), None, None
+            return grad_x, grad_shard.to(weight.dtype), None, None
         main_grad.add_(grad_shard)
         return grad_x, _grad_after_main_grad(ctx.weight_ref(), main_grad, x_local.dtype), None, None
 
@@ -232,7 +244,8 @@ def shard_local_lora_a(
     Contract: the grad arriving at the output must be replicated across ``tp_group`` (in Bridge's
     adapter LoRA-B is a ColumnParallelLinear whose input region all-reduces its input grad). Each rank
     back-propagates only its sequence slice of it. The caller must not gather the output again.
-    Retains x_local and the gathered A [r, h]. See :class:`_ShardLocalLoRAA` for saves and collectives.
+    Retains only x_local (and the weight shard, a parameter). See :class:`_ShardLocalLoRAA` for saves and
+    collectives.
     """
     return _ShardLocalLoRAA.apply(x_local, weight, tp_group, gradient_accumulation_fusion)
 

@@ -7,6 +7,7 @@ machines without CUDA (CI, laptops), so that the product itself never imports th
 import runpy
 import sys
 
+from megatron_bridge_ext import logs
 from tests.support import cpu_emulation
 
 
@@ -15,6 +16,7 @@ def main() -> None:
         raise SystemExit("usage: python -m tests.support.cpu_run MODULE [ARGS...]")
     module = sys.argv[1]
     sys.argv = [module] + sys.argv[2:]
+    logs.configure()
     cpu_emulation.install()
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
