@@ -14,6 +14,7 @@ _IMPORT_NOISE = (
     r".*is deprecated\. Please use `torch\.distributed\..*",
     r".*set the environment variable CUDA_DEVICE_MAX_CONNECTIONS.*",
     r".*supports MoE experts, but your version is 0\.0\.0.*",
+    r".*full scope is deprecated.*",
 )
 
 
@@ -27,9 +28,13 @@ def configure() -> None:
     """
     level = os.environ.get("MBX_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("megatron_bridge_ext").setLevel(level)
+    # Ranks other than 0 repeat rank 0's decisions: they log warnings only.
+    rank_level = level if os.environ.get("RANK", "0") == "0" else "WARNING"
+    logging.getLogger("megatron_bridge_ext").setLevel(rank_level)
     for name in ("megatron", "megatron.bridge", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # The tiny model is a GPTModel on purpose (the class Bridge's GPT providers build).
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     # Bridge's import helper sets INFO on itself when imported and logs a traceback per missing TE
     # symbol; a filter on the logger object survives that (a level would be overwritten).
     import_logger = logging.getLogger("megatron.bridge.utils.import_utils")

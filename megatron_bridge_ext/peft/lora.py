@@ -132,11 +132,19 @@ class LoRA(BridgeLoRA):
         self._decisions[full_name] = decision
         if decision.strategy is not None:
             enable_sp_input(result, decision.strategy)
-            logger.info("LoRA-A input under SP: %s uses %s", full_name, decision.strategy)
+            logger.debug("LoRA-A input under SP: %s uses %s", full_name, decision.strategy)
         elif self.strategy is not None and decision.reason not in self._logged_reasons:
             self._logged_reasons.add(decision.reason)
-            logger.info("LoRA-A input under SP requested (%s) but %s keeps the gathered input: %s "
-                        "(logged once per reason)", self.strategy, full_name, decision.reason)
+            logger.info("LoRA-A input under SP (%s): %s keeps the gathered input: %s (logged once per reason)",
+                        self.strategy, full_name, decision.reason)
+        return result
+
+    def __call__(self, model, training: bool = True):
+        result = super().__call__(model, training=training)
+        if self.strategy is not None:
+            used = sum(d.eligible for d in self._decisions.values())
+            logger.info("LoRA-A input under SP (%s): applied to %d of %d adapters (LoRA.report() lists each)",
+                        self.strategy, used, len(self._decisions))
         return result
 
     def report(self) -> list[Decision]:
