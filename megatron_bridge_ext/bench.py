@@ -1,9 +1,10 @@
 """``mbx bench memory``: the LoRA-A input variants side by side on identical weights and data.
 
 For each variant, on every rank: build the same tiny model (same seeds), apply the variant's LoRA,
-run one instrumented forward/backward (saved-activation bytes, bytes retained by LoRA-A, collective
-elements, loss and gradients for parity against the baseline), then ``--steps`` timed forward/
-backward passes without instruments. Rank 0 prints rank 0's figures (ranks are symmetric);
+run one instrumented forward/backward (saved-activation bytes, bytes retained by LoRA-A modules of
+all adapters, collective elements per kind and in total, loss and gradients for parity against the
+baseline), one warm-up pass, then ``--steps`` timed forward/backward passes without instruments
+(``step_time_ms`` is their median). Rank 0 prints rank 0's figures (ranks are symmetric);
 parity errors are the maximum over ranks.
 """
 
@@ -65,6 +66,7 @@ def run_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps
         loss = _forward_backward(model, batch)
     outputs = {"loss": loss.reshape(1)}
     outputs.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    _forward_backward(model, batch)  # warm-up outside the instruments
     times = []
     for _ in range(steps):
         _sync()
@@ -77,7 +79,7 @@ def run_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps
         "name": variant.name,
         "saved_bytes": saved.total_bytes,
         "lora_input_saved_bytes": saved.module_bytes("lora_input"),
-        "collective_elements": counter.elements_by_kind(),
+        "collective_elements": {**counter.elements_by_kind(), "total": counter.total_elements()},
         "step_time_ms": statistics.median(times) if times else float("nan"),
     }
     return row, outputs
