@@ -31,6 +31,7 @@ class TinyGPTShape:
     tp: int = 2
     sequence_parallel: bool = True
     dtype: str = "float32"
+    swiglu: bool = False
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
@@ -63,7 +64,8 @@ def transformer_config(shape: TinyGPTShape, **overrides):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=False,
-        gated_linear_unit=False,
+        gated_linear_unit=shape.swiglu,
+        activation_func=torch.nn.functional.silu if shape.swiglu else torch.nn.functional.gelu,
         **overrides,
     )
 
