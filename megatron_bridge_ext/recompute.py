@@ -1,0 +1,142 @@
+"""Selective activation recompute: which modules exist, what ``core_attn`` can save, and proof it ran.
+
+Megatron Core recomputes the modules named in ``recompute_modules`` when
+``recompute_granularity="selective"``. For ``core_attn`` the gain depends on the attention kernel:
+
+* unfused attention (Megatron Core's local ``DotProductAttention``, or TE with the unfused backend)
+  materialises the [b, a/t, s, s] softmax output (and, with attention dropout, its mask and output):
+  per layer 5*a*s^2*b bytes in 16-bit with dropout, divided by t (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", section 4); recompute drops them.
+* fused/flash attention (TE's fused or flash backends) keeps no s x s matrix: recomputing it costs
+  time for little or no memory (Bridge measured -0.01% memory for +3.85% step time on Moonlight 16B).
+
+:class:`RecomputeProbe` counts, during a training step, the checkpointed core-attention calls in
+forward and their recomputation in backward, so a run can show the flag took effect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# Megatron Core 0.17-0.19's accepted ``recompute_modules`` (TransformerConfig.__post_init__).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
+
+UNFUSED = "unfused"
+FUSED = "fused"
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """Which attention implementation a model uses, and what that means for ``core_attn`` recompute."""
+
+    kind: str
+    implementation: str
+
+    @property
+    def materialises_scores(self) -> bool:
+        return self.kind == UNFUSED
+
+    def core_attn_effect(self) -> str:
+        if self.materialises_scores:
+            return (f"{self.implementation} materialises the s x s softmax output per layer; core_attn recompute "
+                    "drops it (and the dropout mask/output) at the cost of recomputing attention in backward")
+        return (f"{self.implementation} keeps no s x s matrix: core_attn recompute costs time for little or "
+                "no memory; prefer other recompute modules or a LoRA input strategy")
+
+
+def attention_kind(model: torch.nn.Module) -> AttentionKind:
+    """The attention implementation of a built model, from its core-attention modules."""
+    names = {type(m).__name__ for n, m in model.named_modules() if n.endswith("core_attention")}
+    if not names:
+        raise ValueError("no core_attention module found: is this a Megatron Core transformer?")
+    implementation = ", ".join(sorted(names))
+    te_names = {n for n in names if n.startswith("TE")}
+    if te_names and not _te_unfused_backend():
+        return AttentionKind(FUSED, implementation)
+    return AttentionKind(UNFUSED, implementation)
+
+
+def attention_kind_from_config(config) -> AttentionKind:
+    """The attention implementation a Bridge model provider/TransformerConfig will build, before building it.
+
+    Megatron Core's local spec builds ``DotProductAttention`` (unfused); the TE spec builds
+    ``TEDotProductAttention`` whose backend follows ``attention_backend`` (auto/flash/fused: fused).
+    """
+    backend = str(getattr(config, "attention_backend", "auto")).rsplit(".", 1)[-1].lower()
+    spec = getattr(config, "transformer_layer_spec", None)
+    spec_name = getattr(spec, "__name__", repr(spec)) if spec is not None else ""
+    uses_te = "te" in spec_name.lower().split("_") or "transformer_engine" in spec_name.lower()
+    if backend in ("local", UNFUSED) or (spec is not None and not uses_te):
+        return AttentionKind(UNFUSED, f"unfused attention (attention_backend={backend}, spec={spec_name or 'default'})")
+    return AttentionKind(FUSED, f"TE attention (attention_backend={backend}, spec={spec_name or 'default'})")
+
+
+def _te_unfused_backend() -> bool:
+    import os
+
+    return os.environ.get("NVTE_FLASH_ATTN") == "0" and os.environ.get("NVTE_FUSED_ATTN") == "0"
+
+
+def core_attn_bytes_per_layer(*, seq: int, micro_batch: int, heads: int, tp: int, element_size: int,
+                              attention_dropout: float = 0.0) -> int:
+    """Bytes of the s x s tensors unfused attention keeps per layer on one TP rank.
+
+    The softmax output [b, a/t, s, s]; with dropout also its mask (1 byte per element) and output.
+    With 16-bit elements and dropout this is Korthikanti et al.'s 5*a*s^2*b / t.
+    """
+    elements = micro_batch * (heads // tp) * seq * seq
+    with_dropout = elements * (1 + element_size) if attention_dropout > 0 else 0
+    return elements * element_size + with_dropout
+
+
+class RecomputeProbe:
+    """Counts checkpointed core-attention forwards and their recomputation in backward.
+
+    Use around training steps: ``checkpointed_forwards`` counts calls of Megatron Core's
+    ``Attention._checkpointed_attention_forward``; ``recomputed`` counts core-attention forwards that
+    ran inside the backward pass (the recomputation). Both equal the number of layers per step when
+    ``core_attn`` recompute is active, and 0 when it is not.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None) -> None:
+        self.model = model
+        self.checkpointed_forwards = 0
+        self.recomputed = 0
+        self._handles: list = []
+        self._original = None
+
+    def __enter__(self) -> "RecomputeProbe":
+        from megatron.core.transformer.attention import Attention
+
+        self._original = Attention._checkpointed_attention_forward
+        probe = self
+
+        def counted(attention, *args, **kwargs):
+            probe.checkpointed_forwards += 1
+            return probe._original(attention, *args, **kwargs)
+
+        Attention._checkpointed_attention_forward = counted
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                if name.endswith("core_attention"):
+                    self._handles.append(module.register_forward_pre_hook(self._on_core_attention))
+        return self
+
+    def _on_core_attention(self, module, args) -> None:
+        if torch._C._current_autograd_node() is not None:
+            self.recomputed += 1
+
+    def __exit__(self, *exc) -> bool:
+        from megatron.core.transformer.attention import Attention
+
+        Attention._checkpointed_attention_forward = self._original
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return False
+
+    def as_dict(self) -> dict:
+        return {"checkpointed_forwards": self.checkpointed_forwards, "recomputed": self.recomputed}
