@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from megatron_bridge_ext.patches import bridge_peft_without_te
 from megatron_bridge_ext.patches.base import Patch
 
 TARGET_MODULES = ("megatron.bridge.peft.utils", "megatron.bridge.peft.module_matcher")
@@ -35,7 +36,18 @@ def _false_positive_flags() -> dict[str, list[str]]:
     return found
 
 
+def _bridge_peft_cannot_import() -> bool:
+    """True while Bridge's PEFT modules still need bridge_peft_without_te to import."""
+    peft_patch = bridge_peft_without_te.PATCH
+    return not peft_patch.applied and peft_patch.in_range()[0] and peft_patch.needed()[0]
+
+
 def _needed() -> tuple[bool, str]:
+    if _bridge_peft_cannot_import():
+        # Importing them now would fail half-way and leave megatron.bridge half-imported in sys.modules,
+        # which breaks every later import of Bridge in this process (status_all() must change nothing).
+        return True, ("Bridge's PEFT modules cannot be imported (to inspect their TE flags) before "
+                      "bridge_peft_without_te is applied; apply_all() applies both in order")
     try:
         if _core_has_te():
             return False, "Transformer Engine is installed; Bridge's detection is correct"

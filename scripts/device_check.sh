@@ -45,3 +45,23 @@ summary = {"date": datetime.date.today().isoformat(), "functional": json.load(op
 json.dump(summary, open(f"{out}/device_check.json", "w"), indent=2)
 print(json.dumps(summary, indent=2))
 PY
+
+# (d) allocator: the fragmentation workload under a 1 GiB + 48 MiB cap, once with the default
+#     allocator (expected: OOM diagnosed as fragmentation) and once with expandable segments via
+#     megatron_bridge_ext.init() (expected: completes, reserved stays under the cap, verify_allocator
+#     finds the probe's segment expandable); each in its own process.
+: > "$out/fragmentation.jsonl"
+for mode in default expandable; do
+  env -u PYTORCH_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF timeout 120 python3 scripts/fragmentation_workload.py \
+    --mode "$mode" --json >> "$out/fragmentation.jsonl" 2>> "$out/fragmentation.err" \
+    || echo "{\"mode\": \"$mode\", \"exit\": $?}" >> "$out/fragmentation.jsonl"
+done
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = [json.loads(l) for l in open(f"{out}/fragmentation.jsonl") if l.startswith("{")]
+done = [r for r in rows if "expected" in r]  # a run that crashed leaves only {"mode", "exit"}
+summary = {"runs": rows, "as_expected": len(done) == 2 and all(r["expected"] for r in done)}
+json.dump(summary, open(f"{out}/fragmentation.json", "w"), indent=2)
+print(json.dumps({"fragmentation_as_expected": summary["as_expected"]}))
+PY

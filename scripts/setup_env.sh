@@ -15,7 +15,7 @@ reqs=$root/requirements
 bridge=0.6.2
 force=0
 
-supported() { local f; for f in "$reqs"/bridge-*.txt; do f=${f##*/bridge-}; printf '%s ' "${f%.txt}"; done; }
+supported() { local f names=(); for f in "$reqs"/bridge-*.txt; do f=${f##*/bridge-}; names+=("${f%.txt}"); done; echo "${names[*]}"; }
 usage() { echo "usage: $0 [--bridge VERSION] [--force]   (VERSION: $(supported))" >&2; exit 2; }
 say() { echo "setup_env: $*"; }
 die() { echo "setup_env: error: $*" >&2; exit 1; }

@@ -1,0 +1,371 @@
+"""The three upstream patches: upstream fails each scenario, the patched upstream passes it.
+
+Imports are process-global (a module imported once stays imported, a patched class stays patched),
+so every scenario runs in a fresh interpreter: ``run(*parts)`` executes the code ``parts`` with
+``sys.executable -c`` from the repository root and returns what it passed to ``report(...)``.
+Only the version-gate tests run in this process: an out-of-range patch imports nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from megatron_bridge_ext.patches import PATCHES, apply_all, base, status_all
+from megatron_bridge_ext.patches.base import APPLIED, NOT_APPLIED, NOT_NEEDED, OUT_OF_RANGE
+
+ROOT = Path(__file__).resolve().parents[2]
+TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
+without_te = pytest.mark.skipif(TE_INSTALLED, reason="Transformer Engine is installed: upstream imports and detects it")
+
+pytestmark = [pytest.mark.unit]
+
+PRELUDE = """
+import json, sys
+
+def report(**values):
+    print("RESULT " + json.dumps(values))
+"""
+
+
+def run(*parts: str) -> dict:
+    """Run the code ``parts`` in a fresh interpreter; return the keyword arguments of its last ``report()``."""
+    script = "\n".join(textwrap.dedent(part) for part in (PRELUDE, *parts))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(results[-1].removeprefix("RESULT "))
+
+
+# --------------------------------------------------------------------------------------------
+# bridge_peft_without_te: Bridge's PEFT modules import Transformer Engine at module level
+# --------------------------------------------------------------------------------------------
+
+@without_te
+def test_upstream_bridge_lora_import_fails_without_te():
+    result = run("""
+        try:
+            import megatron.bridge.peft.lora
+        except ImportError as exc:
+            report(error=type(exc).__name__, name=exc.name, message=str(exc))
+        else:
+            report(error=None)
+    """)
+    assert result["error"] in ("ModuleNotFoundError", "ImportError")
+    assert "transformer_engine" in f"{result['name']} {result['message']}"
+
+
+@without_te
+def test_patched_bridge_lora_imports_and_the_placeholder_stays_scoped():
+    result = run("""
+        import importlib.util
+        from megatron_bridge_ext.patches import bridge_peft_without_te
+
+        status = bridge_peft_without_te.PATCH.apply()
+        import megatron.bridge.peft.lora
+        from megatron.bridge.peft import lora_layers
+        from megatron.bridge.utils.import_utils import safe_import
+
+        try:
+            lora_layers.te.Linear(4, 4)
+            use_error = None
+        except ImportError as exc:
+            use_error = str(exc)
+        report(
+            status=status[0],
+            te_modules=[name for name in sys.modules if name.split(".")[0] == "transformer_engine"],
+            te_spec=importlib.util.find_spec("transformer_engine") is not None,
+            bridge_sees_te=safe_import("transformer_engine")[1],
+            use_error=use_error,
+        )
+    """)
+    assert result["status"] == APPLIED
+    assert result["te_modules"] == []  # the placeholder never reaches sys.modules
+    assert result["te_spec"] is False
+    assert result["bridge_sees_te"] is False  # Bridge's own checks elsewhere still see TE as absent
+    assert result["use_error"] is not None, "instantiating a placeholder TE class must raise ImportError"
+    assert "Transformer Engine is not installed" in result["use_error"]
+    assert "transformer_engine.Linear" in result["use_error"]
+
+
+# --------------------------------------------------------------------------------------------
+# bridge_truthful_te_detection: LoRA() on Megatron Core's tensor-parallel linears
+# --------------------------------------------------------------------------------------------
+
+# One process, world size 1, TP=1; the CPU emulation goes in before Megatron Core's layers import.
+LORA_SETUP = """
+import tempfile
+
+from tests.support import cpu_emulation
+
+cpu_emulation.install()
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_bridge_ext.patches import bridge_peft_without_te, bridge_truthful_te_detection
+
+assert bridge_peft_without_te.PATCH.apply()[0] == "applied"
+dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/rendezvous", rank=0, world_size=1)
+from megatron.core import parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+parallel_state.initialize_model_parallel()
+from megatron.bridge.peft import utils as peft_utils
+from megatron.bridge.peft.lora import LoRA
+from megatron.bridge.peft.lora_layers import LoRALinear
+
+
+def model():
+    config = ModelParallelConfig(use_cpu_initialization=True)
+    init = nn.init.xavier_normal_
+    m = nn.Module()
+    m.linear_qkv = ColumnParallelLinear(8, 12, config=config, init_method=init, bias=False, gather_output=False)
+    m.linear_proj = RowParallelLinear(12, 8, config=config, init_method=init, bias=False, input_is_parallel=True,
+                                      skip_bias_add=True)
+    return m
+
+
+def transform():
+    '''(model with LoRA on both linears, None) or (None, the TypeError's text).'''
+    try:
+        out = LoRA(target_modules=["linear_qkv", "linear_proj"], dim=4, alpha=8)(model(), training=True)
+    except TypeError as exc:
+        return None, str(exc)
+    return (out[0] if isinstance(out, list) else out), None
+"""
+
+
+@without_te
+def test_upstream_lora_transform_fails_on_core_parallel_linears():
+    result = run(LORA_SETUP, """
+        out, error = transform()
+        report(error=error, have_te=peft_utils.HAVE_TE)
+    """)
+    assert result["have_te"] is True  # Core's TE placeholder classes make Bridge believe TE is there
+    assert result["error"] is not None, "upstream LoRA() was expected to raise TypeError"
+    assert "isinstance" in result["error"]
+
+
+@without_te
+def test_patched_lora_transform_wraps_core_parallel_linears_and_revert_restores_upstream():
+    result = run(LORA_SETUP, """
+        status = bridge_truthful_te_detection.PATCH.apply()
+        out, error = transform()
+        y, _ = out.linear_qkv(torch.randn(3, 2, 8))
+        patched = dict(
+            status=status[0], error=error,
+            types=[type(out.linear_qkv).__name__, type(out.linear_proj).__name__],
+            lora_linear=[isinstance(out.linear_qkv, LoRALinear), isinstance(out.linear_proj, LoRALinear)],
+            trainable=sorted(n for n, p in out.named_parameters() if p.requires_grad),
+            out_shape=list(y.shape),
+        )
+        bridge_truthful_te_detection.PATCH.revert()
+        _, error_after_revert = transform()
+        report(**patched, have_te_after_revert=peft_utils.HAVE_TE, error_after_revert=error_after_revert)
+    """)
+    assert result["status"] == APPLIED
+    assert result["error"] is None
+    assert result["types"] == ["LoRALinear", "LoRALinear"]
+    assert result["lora_linear"] == [True, True]
+    assert result["trainable"] and all(".adapter." in name for name in result["trainable"])  # base weights frozen
+    assert result["out_shape"] == [3, 2, 12]
+    assert result["have_te_after_revert"] is True
+    assert result["error_after_revert"] is not None and "isinstance" in result["error_after_revert"]
+
+
+# --------------------------------------------------------------------------------------------
+# core_local_norm_sequence_parallel: the local spec's norm under sequence parallelism
+# --------------------------------------------------------------------------------------------
+
+# TP=2 in the config only: building a norm needs no process group.
+NORM_SETUP = """
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+HIDDEN = 16
+
+
+def config(sequence_parallel, **fields):
+    return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, tensor_model_parallel_size=2,
+                             sequence_parallel=sequence_parallel, use_cpu_initialization=True, **fields)
+
+
+def build(cfg):
+    '''(norm, None) or (None, the AssertionError's text).'''
+    try:
+        return WrappedTorchNorm(cfg, HIDDEN), None
+    except AssertionError as exc:
+        return None, str(exc) or "AssertionError"
+
+
+def describe(norm):
+    return {
+        "type": type(norm).__name__,
+        "shape": list(norm.normalized_shape),
+        "eps": norm.eps,
+        "sequence_parallel": [getattr(p, "sequence_parallel", None) for p in norm.parameters()],
+        "state": {k: v.tolist() for k, v in norm.state_dict().items()},
+    }
+"""
+
+
+def test_upstream_local_norm_refuses_sequence_parallel():
+    result = run(NORM_SETUP, """
+        norm, error = build(config(True))
+        report(error=error)
+    """)
+    assert result["error"] is not None, "upstream WrappedTorchNorm was expected to assert under SP"
+    assert "sequence parallel" in result["error"]
+
+
+def test_patched_local_norm_builds_under_sequence_parallel_and_revert_restores_upstream():
+    result = run(NORM_SETUP, """
+        from megatron_bridge_ext.patches import core_local_norm_sequence_parallel
+
+        original_new = WrappedTorchNorm.__dict__["__new__"]
+        upstream_plain, _ = build(config(False))
+        status = core_local_norm_sequence_parallel.PATCH.apply()
+
+        sp_config = config(True)
+        layer_norm, layer_norm_error = build(sp_config)
+        rms_norm, rms_error = build(config(True, normalization="RMSNorm"))
+        patched_plain, _ = build(config(False))
+        persist_config = config(True, persist_layer_norm=True)
+        _, persist_error = build(persist_config)
+
+        core_local_norm_sequence_parallel.PATCH.revert()
+        _, error_after_revert = build(config(True))
+        report(
+            status=status[0],
+            layer_norm_error=layer_norm_error, layer_norm=describe(layer_norm), config_sp_after=sp_config.sequence_parallel,
+            rms_error=rms_error, rms_norm=describe(rms_norm),
+            upstream_plain=describe(upstream_plain), patched_plain=describe(patched_plain),
+            persist_error=persist_error, persist_config_sp_after=persist_config.sequence_parallel,
+            new_restored=WrappedTorchNorm.__dict__["__new__"] is original_new, error_after_revert=error_after_revert,
+        )
+    """)
+    assert result["status"] == APPLIED
+    assert result["layer_norm_error"] is None
+    assert result["layer_norm"]["type"] == "LayerNorm" and result["layer_norm"]["shape"] == [16]
+    assert result["layer_norm"]["sequence_parallel"] == [True, True]  # weight and bias: grads summed over TP
+    assert result["config_sp_after"] is True  # the config is not left changed
+    assert result["rms_error"] is None
+    assert result["rms_norm"]["type"] == "RMSNorm" and result["rms_norm"]["sequence_parallel"] == [True]
+    # Without SP the patch hands back exactly what upstream builds, parameters unmarked.
+    assert result["patched_plain"] == result["upstream_plain"]
+    assert result["patched_plain"]["sequence_parallel"] == [None, None]
+    # Upstream's other assertions still hold under SP, and the config is restored when one fires.
+    assert result["persist_error"] is not None and "persist_layer_norm" in result["persist_error"]
+    assert result["persist_config_sp_after"] is True
+    assert result["new_restored"] is True
+    assert result["error_after_revert"] is not None and "sequence parallel" in result["error_after_revert"]
+
+
+# --------------------------------------------------------------------------------------------
+# The registry: idempotence, version gates, status
+# --------------------------------------------------------------------------------------------
+
+@without_te
+def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
+    result = run("""
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        from megatron_bridge_ext import patches
+        from megatron_bridge_ext.patches import bridge_peft_without_te
+
+        def finders():
+            return sum(isinstance(f, bridge_peft_without_te._ScopedTEImportFinder) for f in sys.meta_path)
+
+        original_new = WrappedTorchNorm.__dict__["__new__"]
+        first = patches.apply_all()
+        wrapped_new = WrappedTorchNorm.__dict__["__new__"]
+        second = patches.apply_all()
+        from megatron.bridge.peft import utils as peft_utils
+
+        state_applied = dict(finders=finders(), same_wrapper=WrappedTorchNorm.__dict__["__new__"] is wrapped_new,
+                             have_te=peft_utils.HAVE_TE)
+        patches.revert_all()
+        report(
+            first=[s.status for s in first], second=[[s.status, s.reason] for s in second], **state_applied,
+            finders_after_revert=finders(), new_restored=WrappedTorchNorm.__dict__["__new__"] is original_new,
+            have_te_after_revert=peft_utils.HAVE_TE, applied_after_revert=[p.applied for p in patches.PATCHES],
+        )
+    """)
+    assert result["first"] == [APPLIED] * 3
+    assert result["second"] == [[APPLIED, "already applied"]] * 3
+    assert result["finders"] == 1
+    assert result["same_wrapper"] is True  # not wrapped twice
+    assert result["have_te"] is False
+    assert result["finders_after_revert"] == 0
+    assert result["new_restored"] is True
+    assert result["have_te_after_revert"] is True
+    assert result["applied_after_revert"] == [False, False, False]
+
+
+@pytest.mark.parametrize("installed", ["0.4.0", "1.0.0", None], ids=["below", "above", "not-installed"])
+def test_out_of_range_version_is_reported_and_applies_nothing(monkeypatch, installed):
+    calls = []
+    monkeypatch.setattr(base, "installed_version", lambda dist: None if installed is None else Version(installed))
+    for patch in PATCHES:
+        monkeypatch.setattr(patch, "needed", lambda name=patch.name: calls.append(("needed", name)) or (True, ""))
+        monkeypatch.setattr(patch, "do_apply", lambda name=patch.name: calls.append(("apply", name)) or (lambda: None))
+
+    applied = apply_all()
+    reported = status_all()
+
+    assert calls == []  # neither inspected nor applied
+    assert [p.applied for p in PATCHES] == [False, False, False]
+    for patch, result in zip(PATCHES, applied):
+        assert result.status == OUT_OF_RANGE
+        assert patch.distribution in result.reason
+        if installed is None:
+            assert "not installed" in result.reason
+        else:
+            assert installed in result.reason and patch.versions in result.reason
+    assert [(s.status, s.reason) for s in reported] == [(s.status, s.reason) for s in applied]
+
+
+@without_te
+def test_status_all_lists_every_patch_and_changes_nothing():
+    result = run("""
+        from dataclasses import asdict
+
+        from megatron_bridge_ext import patches
+
+        before = patches.status_all()
+        bridge_imported_by_status = any(name.startswith("megatron.bridge") for name in sys.modules)
+        patches.apply_all()
+        after = patches.status_all()
+        import megatron.bridge.peft.lora  # Bridge still imports cleanly after a status report
+
+        report(before=[asdict(s) for s in before], after=[asdict(s) for s in after],
+               bridge_imported_by_status=bridge_imported_by_status)
+    """)
+    before, after = result["before"], result["after"]
+    assert [s["name"] for s in before] == [p.name for p in PATCHES] == [
+        "bridge_peft_without_te", "bridge_truthful_te_detection", "core_local_norm_sequence_parallel"]
+    for patch, row in zip(PATCHES, before):
+        assert row["target"] == patch.target and row["target"]
+        assert row["versions"] == f"{patch.distribution} {patch.versions}"
+        assert row["status"] in (APPLIED, NOT_NEEDED, OUT_OF_RANGE, NOT_APPLIED)
+        assert row["reason"]
+    assert "lora_layers" in before[0]["target"]
+    assert "HAVE_TE" in before[1]["target"]
+    assert "WrappedTorchNorm" in before[2]["target"]
+    assert before[0]["status"] == NOT_APPLIED and before[2]["status"] == NOT_APPLIED
+    assert APPLIED not in [s["status"] for s in before]
+    assert result["bridge_imported_by_status"] is False  # a half-failed Bridge import would poison the process
+    assert [s["status"] for s in after] == [APPLIED] * 3
+    assert all(s["reason"] for s in after)
