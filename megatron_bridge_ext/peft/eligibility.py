@@ -2,15 +2,17 @@
 
 At least upstream's rules (Bridge 0.6 ``sequence_parallel_input_regather``) apply to both
 strategies: a column-parallel target (``linear_qkv``, ``linear_fc1``), TP > 1, sequence parallelism
-on, trainable LoRA-A, identity activation, no expert or all-to-all adapter, no CUDA graphs, no CPU
-activation offloading. Recompute differs by strategy:
+on, a base linear that gathers its input over the sequence (not one whose communication Megatron
+switched off, as for overlapped shared experts), trainable LoRA-A, identity activation, no expert
+or all-to-all adapter, no CUDA graphs, no CPU activation offloading. Recompute differs by strategy:
 
 * ``regather`` is refused under full recompute, and for ``linear_fc1`` under selective ``mlp``
   recompute: the recomputed region already drops the gathered input, and regather would only add
   an all-gather per recompute.
 * ``shard_local`` stays correct there and is allowed: inside a recomputed region it still replaces
-  the s*b*h all-gather of the input with an s*b*r one, and it shrinks the gathered tensor that
-  lives during the recomputed backward from s*b*h to the shard.
+  the s*b*h all-gather of the input (and the s*b*h reduce-scatter of its grad) with all-gathers of
+  the r x h weight, and it shrinks the gathered tensor that lives during the recomputed backward
+  from s*b*h to the shard.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ def _tp_size(adapter) -> int:
     return int(getattr(adapter.config, "tensor_model_parallel_size", 1) or 1)
 
 
+def _base_skips_sequence_parallel_comm(base) -> bool:
+    """True when the base linear receives no sequence shard to gather (so neither does LoRA-A).
+
+    Megatron switches the communication of a base linear off with ``parallel_mode=None`` (TE) or
+    ``explicit_expert_comm=True`` (Megatron Core's own linears, e.g. shared experts with
+    ``moe_shared_expert_overlap``); the input then arrives already complete.
+    """
+    return (
+        not getattr(base, "sequence_parallel", True)
+        or getattr(base, "parallel_mode", "") is None
+        or bool(getattr(base, "explicit_expert_comm", False))
+    )
+
+
 def _recompute_reason(config, surface: str, strategy: str) -> Optional[str]:
     granularity = getattr(config, "recompute_granularity", None)
     modules = getattr(config, "recompute_modules", None) or []
@@ -66,8 +82,7 @@ def ineligibility(lora_linear, strategy: str) -> Optional[str]:
         (_tp_size(adapter) <= 1, "tensor parallel size is 1 (nothing to save)"),
         (getattr(adapter, "is_expert", False), "expert adapters are not supported"),
         (getattr(adapter, "use_a2a", False), "all-to-all adapters are not supported"),
-        (not getattr(lora_linear.to_wrap, "sequence_parallel", True) or getattr(lora_linear.to_wrap, "parallel_mode", "") is None,
-         "the base linear does no sequence-parallel communication"),
+        (_base_skips_sequence_parallel_comm(lora_linear.to_wrap), "the base linear does no sequence-parallel communication"),
         (not adapter.linear_in.weight.requires_grad, "LoRA-A is frozen (its input is not retained anyway)"),
         (type(adapter.activation).__name__ != "Identity", "the adapter activation is not identity"),
         (getattr(base_config, "cuda_graph_impl", "none") not in (None, "none") or getattr(base_config, "enable_cuda_graph", False),

@@ -69,6 +69,31 @@ class SequenceParallelLoRAIn(ColumnParallelLinear):
         return output, None
 
 
+def _check_strategy(value) -> None:
+    if value not in (None, *STRATEGIES):
+        raise ValueError(
+            f"LoRA.sequence_parallel_input_strategy={value!r} is not valid; use one of {STRATEGIES} or None (off)"
+        )
+
+
+def _allow_bridge_instantiation() -> None:
+    """Let Bridge's ``_target_`` instantiation (overrides, saved run configs) build our classes.
+
+    Bridge >= 0.6 only instantiates targets under an allowlist of module prefixes, which does not
+    cover this package: a config naming ``megatron_bridge_ext.peft.LoRA`` (as a saved run config of
+    a run with ``cfg.peft = LoRA(...)`` does) would be refused. Releases without the allowlist
+    need nothing.
+    """
+    try:
+        from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+    except ImportError:
+        return
+    register_allowed_target_prefix("megatron_bridge_ext")
+
+
+_allow_bridge_instantiation()
+
+
 def _wrapped_te_layernorm_linear(base: nn.Module) -> bool:
     return hasattr(base, "return_layernorm_output_gathered")
 
@@ -87,9 +112,14 @@ def enable_sp_input(lora_linear: LoRALinear, strategy: str) -> None:
 class LoRA(BridgeLoRA):
     """Megatron Bridge's LoRA with the LoRA-A input kept sequence-sharded where eligible.
 
-    Accepts every field of Bridge's LoRA. Use it as ``cfg.peft`` or through Bridge's overrides
-    (``peft._target_=megatron_bridge_ext.peft.LoRA``). See the module docstring for the two fields
-    it adds and :mod:`megatron_bridge_ext.peft.eligibility` for when an adapter is eligible.
+    Accepts every field of Bridge's LoRA. Use it as ``cfg.peft``, or create it with Bridge's
+    overrides where ``cfg.peft`` is None (``+peft._target_=megatron_bridge_ext.peft.LoRA
+    +peft.sequence_parallel_input_strategy=shard_local``; Bridge keeps an existing PEFT object out
+    of its override config, so overrides cannot change one). Bridge instantiates ``_target_`` only
+    from allowlisted packages: importing this module adds ``megatron_bridge_ext``, so import it
+    before Bridge processes such an override or loads a saved run config. See the module docstring
+    for the two fields it adds and :mod:`megatron_bridge_ext.peft.eligibility` for when an adapter
+    is eligible.
     """
 
     sequence_parallel_input_regather: bool = False
@@ -99,13 +129,15 @@ class LoRA(BridgeLoRA):
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
-        if self.sequence_parallel_input_strategy not in (None, *STRATEGIES):
-            raise ValueError(
-                f"LoRA.sequence_parallel_input_strategy={self.sequence_parallel_input_strategy!r} is not valid; "
-                f"use one of {STRATEGIES} or None (off)"
-            )
         self._decisions: dict[str, Decision] = {}
         self._logged_reasons: set[str] = set()
+
+    def __setattr__(self, name: str, value) -> None:
+        # Checked on every assignment, not only in __init__: Bridge's config overrides set fields
+        # of an existing object, and an unknown strategy must not silently run as another one.
+        if name == "sequence_parallel_input_strategy":
+            _check_strategy(value)
+        super().__setattr__(name, value)
 
     @property
     def strategy(self) -> Optional[str]:

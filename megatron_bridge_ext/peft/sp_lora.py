@@ -136,6 +136,9 @@ class _RegatherLoRAA(torch.autograd.Function):
     wgrad GEMM grad_y^T @ total -> [r/t, h]).
     The GEMMs have the shapes and order of Bridge's baseline (gather_from_sequence_parallel_region,
     then ColumnParallelLinear without SP), so results are bitwise equal to it.
+    Only the grads autograd needs are formed: when x_local needs none (the first layer's input
+    under a frozen embedding) neither the dgrad GEMM nor its reduce-scatter runs, as in the
+    baseline, whose gather then has no backward; without a weight grad x is not gathered again.
     """
 
     @staticmethod
@@ -153,18 +156,26 @@ class _RegatherLoRAA(torch.autograd.Function):
     def backward(ctx, grad_y):
         x_local, weight = ctx.saved_tensors
         group, main_grad = ctx.tp_group, ctx.main_grad
-        total, gather = _all_gather_tokens_into_buffer(x_local, group, async_op=True)
-        grad_total = grad_y.matmul(weight)
-        gather.wait()
-        grad_2d, total_2d = _tokens_2d(grad_y), _tokens_2d(total)
-        grad_x = torch.empty_like(x_local)
-        scatter = torch.distributed.reduce_scatter_tensor(grad_x, grad_total, group=group, async_op=True)
-        if main_grad is None:
-            grad_weight = grad_2d.t().matmul(total_2d)
-        else:
-            _accumulate_wgrad_gemm(main_grad, grad_2d, total_2d)
-            grad_weight = _grad_after_main_grad(weight, main_grad, x_local.dtype)
-        scatter.wait()
+        need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_weight = None
+        if need_weight:
+            total, gather = _all_gather_tokens_into_buffer(x_local, group, async_op=True)
+        if need_x:
+            grad_total = grad_y.matmul(weight)
+        if need_weight:
+            gather.wait()
+        if need_x:
+            grad_x = torch.empty_like(x_local)
+            scatter = torch.distributed.reduce_scatter_tensor(grad_x, grad_total, group=group, async_op=True)
+        if need_weight:
+            grad_2d, total_2d = _tokens_2d(grad_y), _tokens_2d(total)
+            if main_grad is None:
+                grad_weight = grad_2d.t().matmul(total_2d)
+            else:
+                _accumulate_wgrad_gemm(main_grad, grad_2d, total_2d)
+                grad_weight = _grad_after_main_grad(weight, main_grad, x_local.dtype)
+        if need_x:
+            scatter.wait()
         return grad_x, grad_weight, None, None
 
 
@@ -181,6 +192,8 @@ class _ShardLocalLoRAA(torch.autograd.Function):
     reduce-scattered(sum) along dim 0 -> [r/t, h] (async, overlapping the dgrad GEMM
     grad_h_k @ A -> [s/t, b, h], which needs no communication).
     The partial wgrad is reduced in at least float32 (main_grad's dtype under fusion).
+    Only the grads autograd needs are formed: no A gather and dgrad GEMM when x_local needs no
+    grad, no wgrad GEMM and reduce-scatter when the weight needs none.
     """
 
     @staticmethod
@@ -199,18 +212,25 @@ class _ShardLocalLoRAA(torch.autograd.Function):
     def backward(ctx, grad_h):
         x_local, weight = ctx.saved_tensors
         group, main_grad = ctx.tp_group, ctx.main_grad
-        full_weight, gather = _all_gather_dim0_async(weight, group)
+        need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = None
+        if need_x:
+            full_weight, gather = _all_gather_dim0_async(weight, group)
         tokens = x_local.shape[0]
         grad_local = grad_h.narrow(0, group.rank() * tokens, tokens)
-        partial = _tokens_2d(grad_local).t().matmul(_tokens_2d(x_local))
-        reduce_dtype = main_grad.dtype if main_grad is not None else torch.promote_types(partial.dtype, torch.float32)
-        partial = partial.to(reduce_dtype).contiguous()
-        grad_shard = torch.empty(
-            (partial.shape[0] // group.size(), partial.shape[1]), dtype=reduce_dtype, device=partial.device
-        )
-        scatter = torch.distributed.reduce_scatter_tensor(grad_shard, partial, group=group, async_op=True)
-        gather.wait()
-        grad_x = grad_local.matmul(full_weight)
+        if need_weight:
+            partial = _tokens_2d(grad_local).t().matmul(_tokens_2d(x_local))
+            reduce_dtype = main_grad.dtype if main_grad is not None else torch.promote_types(partial.dtype, torch.float32)
+            partial = partial.to(reduce_dtype).contiguous()
+            grad_shard = torch.empty(
+                (partial.shape[0] // group.size(), partial.shape[1]), dtype=reduce_dtype, device=partial.device
+            )
+            scatter = torch.distributed.reduce_scatter_tensor(grad_shard, partial, group=group, async_op=True)
+        if need_x:
+            gather.wait()
+            grad_x = grad_local.matmul(full_weight)
+        if not need_weight:
+            return grad_x, None, None, None
         scatter.wait()
         if main_grad is None:
             return grad_x, grad_shard.to(weight.dtype), None, None

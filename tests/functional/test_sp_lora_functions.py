@@ -19,30 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_bridge_ext.peft import sp_lora
+from tests.support.dist_checks import all_ranks_equal as _all_ranks_equal
+from tests.support.dist_checks import max_over_ranks as _max_over_ranks
+from tests.support.dist_checks import rel_err as _rel_err
 
 TP = 2
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def _max_over_ranks(value: float, group) -> float:
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.item()
-
-
-def _all_ranks_equal(got: torch.Tensor, want: torch.Tensor, group) -> bool:
-    """True when got and want are bitwise equal (same shape, dtype, values) on every rank."""
-    return _max_over_ranks(0.0 if torch.equal(got, want) else 1.0, group) == 0.0
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor, group) -> float:
-    """max|got - want| / max|want| (in float64), the largest over the ranks."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    got, want = got.double(), want.double()
-    err = (got - want).abs().max() / want.abs().max().clamp_min(1e-300)
-    return _max_over_ranks(err.item(), group)
 
 
 def _global_problem(seed: int, s: int, b: int, h: int, r: int, dtype=torch.float32):
