@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
 def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps: int, progress) -> dict:
     """Train ``steps`` steps of one variant; return this rank's losses and saved-activation bytes."""
     model = tiny_model.build_gpt(shape, **variant.config_overrides)
-    model = tiny_model.apply_peft(model, variant.make_peft(shape))
+    peft = variant.make_peft(shape)
+    model = tiny_model.apply_peft(model, peft)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=1e-2)
     losses, saved = [], []
@@ -70,6 +71,7 @@ def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, ste
         "losses": losses,
         "saved_bytes_per_step": [s.total_bytes for s in saved],
         "split": {c: last.by_category.get(c, 0) for c in CATEGORIES},
+        "lora_report": [vars(d) for d in peft.report()] if hasattr(peft, "report") else [],
     }
 
 
@@ -87,6 +89,19 @@ def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str)
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([header, line(cols), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def format_report(rows: list[dict]) -> str:
+    """Per adapter, where the last variant with a LoRA report applied its strategy, and why not elsewhere."""
+    reported = [r for r in rows if r["rank"] == 0 and r["lora_report"]]
+    if not reported:
+        return ""
+    row = reported[-1]
+    lines = [f"LoRA-A input decisions ({row['variant']}; LoRA.report()):"]
+    for decision in row["lora_report"]:
+        used = decision["strategy"] or "gathered"
+        lines.append(f"  {decision['adapter']:<45} {used:<12} {decision['reason']}")
+    return "\n".join(lines)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -113,6 +128,7 @@ def worker(args: argparse.Namespace) -> None:
             print(json.dumps({"shape": vars(shape), "backend": backend, "rows": all_rows}, indent=2))
         else:
             print(format_table(shape, all_rows, backend))
+            print(format_report(all_rows))
     dist.destroy_process_group()
 
 

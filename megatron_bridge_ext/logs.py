@@ -15,6 +15,7 @@ _IMPORT_NOISE = (
     r".*set the environment variable CUDA_DEVICE_MAX_CONNECTIONS.*",
     r".*supports MoE experts, but your version is 0\.0\.0.*",
     r".*full scope is deprecated.*",
+    r".*transformers>=5\.0 support is experimental.*",
 )
 
 
