@@ -26,6 +26,109 @@ def _patches(args: argparse.Namespace) -> int:
     return 0
 
 
+def _guard_options(p: argparse.ArgumentParser) -> None:
+    """The settings the allocator guards depend on (as in the training config)."""
+    p.add_argument("--nccl-ub", action="store_true", help="ddp.nccl_ub is on (NCCL user-buffer registration)")
+    p.add_argument("--cuda-graph-impl", default=None, help="model.cuda_graph_impl (e.g. local, transformer_engine)")
+    p.add_argument("--ipc", action="store_true", default=None,
+                   help="this job shares CUDA memory between processes through IPC (also: MBX_ALLOCATOR_IPC=1)")
+
+
+def _env(args: argparse.Namespace) -> int:
+    from megatron_bridge_ext.allocator import describe_environment
+
+    report = describe_environment(nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
+    if args.verify and "error" not in report:
+        report["verify"] = _verify_after_setup(args)
+    errors = "error" in report or any(f["level"] == "error" for f in report.get("findings", []))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 1 if errors else 0
+    print("  ".join(f"{k} {v or 'not installed'}" for k, v in report["versions"].items()))
+    for name, value in report["variables"].items():
+        print(f"{name:24} {'(unset)' if value is None else repr(value)}")
+    if "error" in report:
+        print(f"error: {report['error']}")
+        return 1
+    eff = report["effective"]
+    print(f"torch reads: {report['reader']}")
+    print(f"effective now: {eff['variable'] or 'none set'} -> {eff['value']!r} "
+          f"(expandable_segments {'on' if eff['expandable_segments'] else 'off'})")
+    changes = report["setup_would_change"]
+    print("megatron_bridge_ext.init() / mbx run would set: "
+          + ("; ".join(f"{k}={c['new']!r}" for k, c in changes.items()) if changes else "nothing"))
+    print("findings:" if report["findings"] else "findings: none")
+    for f in report["findings"]:
+        print(f"  [{f['level']}] {f['setting']}: {f['message']}" + (f" Fix: {f['fix']}" if f["fix"] else ""))
+    if "verify" in report:
+        print(f"verify: {report['verify']['message']}")
+    return 1 if errors else 0
+
+
+def _verify_after_setup(args: argparse.Namespace) -> dict:
+    """Apply the setup to this process, then check on the device (imports torch)."""
+    from megatron_bridge_ext.allocator import setup_allocator, verify_allocator
+
+    setup_allocator(nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
+    return verify_allocator().to_dict()
+
+
+def _parse_size(text: str) -> int:
+    import re
+
+    units = {"": 1, "b": 1, "bytes": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in units:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or e.g. 80GiB")
+    return int(float(match.group(1)) * units[match.group(2)])
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from megatron_bridge_ext.diagnose import diagnose_file
+
+    expandable = {"on": True, "off": False, None: None}[args.expandable_segments]
+    try:
+        diagnosis = diagnose_file(args.stats, total_memory=args.total_memory, expandable_segments=expandable)
+    except (OSError, ValueError) as error:
+        print(f"mbx diagnose: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(diagnosis.to_dict(), indent=2) if args.json else diagnosis.format())
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+
+    from megatron_bridge_ext import logs
+    from megatron_bridge_ext.allocator import AllocatorSetupError, setup_allocator
+
+    command = list(args.cmd)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("mbx run: no command; usage: mbx run [--nccl-ub] [--cuda-graph-impl X] [--ipc] -- torchrun ...",
+              file=sys.stderr)
+        return 2
+    logs.configure()
+    env = dict(os.environ)
+    try:
+        setup_allocator(env, nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
+    except (AllocatorSetupError, ValueError) as error:
+        print(f"mbx run: {error}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:  # replace this process: signals, stdin/stdout and the exit status belong to the command
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        print(f"mbx run: command not found: {command[0]}", file=sys.stderr)
+        return 127
+    except PermissionError:
+        print(f"mbx run: not executable: {command[0]}", file=sys.stderr)
+        return 126
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mbx", description="megatron-bridge-ext: cut peak GPU memory in Megatron Bridge training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,6 +138,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report without applying (status of patches that need imports may read 'not applied')")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_patches)
+
+    p = sub.add_parser("env", help="effective allocator settings, guard findings, and torch/Megatron/TE versions")
+    _guard_options(p)
+    p.add_argument("--verify", action="store_true",
+                   help="also apply the setup to this process and check it on the device (imports torch)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_env)
+
+    p = sub.add_parser("diagnose", help="fragmentation or capacity: diagnose an OOM from a memory_stats() JSON dump "
+                                        "or an OOM report")
+    p.add_argument("stats", help="JSON of torch.cuda.memory_stats(), or oom_rank<N>.json written by the OOM handler")
+    p.add_argument("--total-memory", type=_parse_size, default=None, help="device memory, bytes or e.g. 80GiB")
+    p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
+                   help="allocator state at the OOM, when the file does not say")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_diagnose)
+
+    p = sub.add_parser("run", help="turn on expandable segments in the environment, then run the command "
+                                   "(mbx run -- torchrun ...); the exit status is the command's")
+    _guard_options(p)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- then the launcher and its arguments")
+    p.set_defaults(func=_run)
 
     sub.add_parser("demo", help="train the tiny LoRA model on 2 ranks and show activation memory per variant",
                    add_help=False)

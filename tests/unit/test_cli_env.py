@@ -1,0 +1,118 @@
+"""`mbx env`, `mbx diagnose` and `mbx run`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge_ext.cli import main
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
+ALLOC, CUDA = "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (ALLOC, CUDA, "MBX_ALLOCATOR_IPC", "NCCL_GRAPH_REGISTER"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_env_json_reports_versions_settings_and_findings(clean_env, capsys):
+    clean_env.setenv(CUDA, "max_split_size_mb:512")
+    assert main(["env", "--json", "--cuda-graph-impl", "local"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["versions"]["torch"] == importlib.metadata.version("torch")
+    assert report["versions"]["megatron-core"] == importlib.metadata.version("megatron-core")
+    assert report["versions"]["megatron-bridge"] == importlib.metadata.version("megatron-bridge")
+    assert "transformer-engine" in report["versions"]
+    assert report["effective"] == {"variable": CUDA, "value": "max_split_size_mb:512", "expandable_segments": False}
+    assert report["setup_would_change"] == {
+        CUDA: {"old": "max_split_size_mb:512", "new": "max_split_size_mb:512,expandable_segments:True"},
+        "NCCL_GRAPH_REGISTER": {"old": None, "new": "0"}}
+    assert {f["code"] for f in report["findings"]} == {"max_split_size", "cuda_graphs"}
+    assert os.environ[CUDA] == "max_split_size_mb:512"  # mbx env changes nothing
+
+
+def test_env_text_and_error_exit(clean_env, capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch reads: PYTORCH_CUDA_ALLOC_CONF if set" in out and "PYTORCH_ALLOC_CONF='expandable_segments:True'" in out
+    clean_env.setenv("NCCL_GRAPH_REGISTER", "1")
+    assert main(["env", "--cuda-graph-impl", "local"]) == 1
+    assert "[error] NCCL_GRAPH_REGISTER" in capsys.readouterr().out
+    clean_env.setenv(ALLOC, "expandable_segments:yes")
+    assert main(["env"]) == 1
+    assert "expandable_segments:yes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, kind", [("memory_stats_fragmentation.json", "fragmentation"),
+                                        ("memory_stats_capacity.json", "capacity")])
+def test_diagnose_first_line_starts_with_the_class(name, kind, capsys):
+    assert main(["diagnose", str(DATA / name)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(kind + ":")
+    assert main(["diagnose", str(DATA / name), "--json", "--total-memory", "80GiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == kind and data["metrics"]["total_memory"] == 80 << 30
+
+
+def test_shipped_stats_use_torch_key_names():
+    from tests.unit.memstats import capacity_stats, fragmentation_stats
+
+    assert json.loads((DATA / "memory_stats_fragmentation.json").read_text()) == fragmentation_stats()
+    assert json.loads((DATA / "memory_stats_capacity.json").read_text()) == capacity_stats()
+
+
+def test_diagnose_bad_input_exits_2(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    assert main(["diagnose", str(bad)]) == 2
+    assert "expected a JSON object" in capsys.readouterr().err
+    assert main(["diagnose", str(tmp_path / "missing.json")]) == 2
+
+
+def _mbx(args, env_overrides=None):
+    env = {k: v for k, v in os.environ.items() if k not in (ALLOC, CUDA, "MBX_ALLOCATOR_IPC", "NCCL_GRAPH_REGISTER")}
+    env.update(env_overrides or {})
+    return subprocess.run([sys.executable, "-m", "megatron_bridge_ext.cli", *args], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+_PRINT_ENV = ("import json, os, sys; print(json.dumps({'alloc': os.environ.get('PYTORCH_ALLOC_CONF'), "
+              "'cuda': os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), 'argv': sys.argv[1:]})); sys.exit(int(sys.argv[1]))")
+
+
+def test_run_sets_the_variable_for_the_child_and_passes_everything_through():
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_ENV, "3", "--nproc_per_node=8", "a b", "--"])
+    assert out.returncode == 3, out.stderr
+    child = json.loads(out.stdout)
+    assert child == {"alloc": "expandable_segments:True", "cuda": None, "argv": ["3", "--nproc_per_node=8", "a b", "--"]}
+    assert "PYTORCH_ALLOC_CONF: unset -> 'expandable_segments:True'" in out.stderr
+
+
+def test_run_keeps_the_users_options():
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_ENV, "0"], {CUDA: "garbage_collection_threshold:0.6"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["cuda"] == "garbage_collection_threshold:0.6,expandable_segments:True"
+
+
+def test_run_refuses_before_starting_the_command():
+    out = _mbx(["run", "--cuda-graph-impl", "local", "--", sys.executable, "-c", "print('started')"],
+               {"NCCL_GRAPH_REGISTER": "1"})
+    assert out.returncode == 2 and "started" not in out.stdout
+    assert "NCCL_GRAPH_REGISTER" in out.stderr and "Fix:" in out.stderr
+
+
+def test_run_without_command_or_unknown_command():
+    assert _mbx(["run"]).returncode == 2
+    missing = _mbx(["run", "--", "no-such-command-mbx"])
+    assert missing.returncode == 127 and "command not found" in missing.stderr
