@@ -24,7 +24,7 @@ from megatron_bridge_ext.patches import apply_all
 from megatron_bridge_ext.demo import add_shape_arguments, shape_from_args
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
 
-BENCH_VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local")
+BENCH_VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local", "core_attn", "shard_local+core_attn")
 DEFAULT_SHAPE = tiny_model.TinyGPTShape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=4, seq=256, micro_batch=2,
                                         lora_rank=16)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_bridge_ext import distributed, tiny_model, variants
 from megatron_bridge_ext.patches import apply_all
 from megatron_bridge_ext.measure import SavedActivationMeter
+from megatron_bridge_ext.recompute import RecomputeProbe
 
 CATEGORIES = ("lora_input", "attention", "other")
 
@@ -57,9 +58,10 @@ def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, ste
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         batch = tiny_model.synthetic_batch(shape, 0)  # one batch, so the loss shows the adapters learning
-        with SavedActivationMeter(model) as meter:
-            loss = tiny_model.loss_of(model, batch)
-        loss.backward()
+        with RecomputeProbe(model) as probe:
+            with SavedActivationMeter(model) as meter:
+                loss = tiny_model.loss_of(model, batch)
+            loss.backward()
         optimizer.step()
         losses.append(loss.item())
         saved.append(meter.result())
@@ -71,6 +73,7 @@ def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, ste
         "losses": losses,
         "saved_bytes_per_step": [s.total_bytes for s in saved],
         "split": {c: last.by_category.get(c, 0) for c in CATEGORIES},
+        "core_attn_recompute": probe.as_dict(),
         "lora_report": [vars(d) for d in peft.report()] if hasattr(peft, "report") else [],
     }
 
@@ -83,9 +86,11 @@ def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str)
     header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}, heads {shape.heads}/"
               f"{shape.kv_heads} kv, seq {shape.seq}, micro-batch {shape.micro_batch}, {shape.dtype}; TP={shape.tp} "
               f"sequence parallel; LoRA r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}")
-    cols = ["rank", "variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other"]
+    cols = ["rank", "variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other",
+            "core_attn ckpt/recomputed"]
     body = [[str(r["rank"]), r["variant"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
-             _mib(r["saved_bytes_per_step"][-1])] + [_mib(r["split"][c]) for c in CATEGORIES] for r in rows]
+             _mib(r["saved_bytes_per_step"][-1])] + [_mib(r["split"][c]) for c in CATEGORIES]
+            + ["{checkpointed_forwards}/{recomputed}".format(**r["core_attn_recompute"])] for r in rows]
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([header, line(cols), line(["-" * w for w in widths]), *map(line, body)])

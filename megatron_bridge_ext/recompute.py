@@ -68,8 +68,13 @@ def attention_kind_from_config(config) -> AttentionKind:
     backend = str(getattr(config, "attention_backend", "auto")).rsplit(".", 1)[-1].lower()
     spec = getattr(config, "transformer_layer_spec", None)
     spec_name = getattr(spec, "__name__", repr(spec)) if spec is not None else ""
-    uses_te = "te" in spec_name.lower().split("_") or "transformer_engine" in spec_name.lower()
-    if backend in ("local", UNFUSED) or (spec is not None and not uses_te):
+    if spec is None or spec_name == "default_layer_spec":  # Bridge's default: the TE spec when TE is present
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+
+        uses_te = bool(HAVE_TE)
+    else:
+        uses_te = "te" in spec_name.lower().split("_") or "transformer_engine" in spec_name.lower()
+    if backend in ("local", UNFUSED) or not uses_te:
         return AttentionKind(UNFUSED, f"unfused attention (attention_backend={backend}, spec={spec_name or 'default'})")
     return AttentionKind(FUSED, f"TE attention (attention_backend={backend}, spec={spec_name or 'default'})")
 

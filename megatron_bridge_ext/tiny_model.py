@@ -7,6 +7,7 @@ Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +82,7 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, **config_overrides):
     apply_all()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(shape, **config_overrides)
+    config = transformer_config(shape, **copy.deepcopy(config_overrides))  # Core may edit lists in place
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),

@@ -71,7 +71,23 @@ SHARD_LOCAL = Variant(
     make_peft=_our_lora("shard_local"),
 )
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (BASELINE, UPSTREAM_REGATHER, REGATHER, SHARD_LOCAL)}
+SELECTIVE_CORE_ATTN = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+CORE_ATTN = Variant(
+    name="core_attn",
+    description="Bridge's LoRA with selective recompute of core attention (drops the s x s tensors of unfused attention)",
+    make_peft=bridge_lora,
+    config_overrides=SELECTIVE_CORE_ATTN,
+)
+SHARD_LOCAL_CORE_ATTN = Variant(
+    name="shard_local+core_attn",
+    description="shard-local LoRA-A input and core_attn recompute together",
+    make_peft=_our_lora("shard_local"),
+    config_overrides=SELECTIVE_CORE_ATTN,
+)
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v for v in (BASELINE, UPSTREAM_REGATHER, REGATHER, SHARD_LOCAL, CORE_ATTN, SHARD_LOCAL_CORE_ATTN)
+}
 
 
 def select(names: list[str] | None) -> list[Variant]:
