@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from megatron_bridge_ext.patches import PATCHES, apply_all, base, status_all
+from megatron_bridge_ext.patches import PATCHES, apply_all, base, revert_all, status_all
 from megatron_bridge_ext.patches.base import APPLIED, NOT_APPLIED, NOT_NEEDED, OUT_OF_RANGE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -314,8 +314,19 @@ def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
     assert result["applied_after_revert"] == [False, False, False]
 
 
+@pytest.fixture
+def patches_unapplied():
+    """Start from no applied patch (another test module in this process may have applied them), and
+    put back whatever was applied afterwards."""
+    was_applied = any(p.applied for p in PATCHES)
+    revert_all()
+    yield
+    if was_applied:
+        apply_all()
+
+
 @pytest.mark.parametrize("installed", ["0.4.0", "1.0.0", None], ids=["below", "above", "not-installed"])
-def test_out_of_range_version_is_reported_and_applies_nothing(monkeypatch, installed):
+def test_out_of_range_version_is_reported_and_applies_nothing(patches_unapplied, monkeypatch, installed):
     calls = []
     monkeypatch.setattr(base, "installed_version", lambda dist: None if installed is None else Version(installed))
     for patch in PATCHES:
