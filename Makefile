@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BRIDGE ?= 0.6.2
 
-.PHONY: setup demo test unit functional
+.PHONY: setup demo test unit functional test-bridge-0.5.1
 
 setup:
 	bash scripts/setup_env.sh --bridge $(BRIDGE)
@@ -21,3 +21,8 @@ functional:
 test: setup
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory functional
+
+# The backport check: the functional tests (our LoRA and its upstream flag included) on Bridge 0.5.1.
+test-bridge-0.5.1:
+	$(MAKE) --no-print-directory setup BRIDGE=0.5.1
+	$(MAKE) --no-print-directory functional VENV=.venv-bridge0.5.1
