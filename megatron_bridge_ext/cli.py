@@ -12,8 +12,10 @@ from dataclasses import asdict
 
 
 def _patches(args: argparse.Namespace) -> int:
+    from megatron_bridge_ext import logs
     from megatron_bridge_ext.patches import apply_all, status_all
 
+    logs.configure()
     statuses = apply_all() if args.apply else status_all()
     if args.json:
         print(json.dumps([asdict(s) for s in statuses], indent=2))

@@ -4,7 +4,7 @@ Flow: ``MemoryConfig(...)`` (the flags) -> :meth:`MemoryConfig.validate` against
 ``ConfigContainer`` it will be applied to (every error names the setting and the fix, before any
 GPU time is spent) -> :meth:`MemoryConfig.apply`, which sets the Bridge config and returns a summary
 of every field it changed, with old and new values. From a command line, :meth:`MemoryConfig.overrides`
-gives the equivalent Bridge override set (``mbx flags`` prints it).
+gives the equivalent Bridge override set.
 """
 
 from __future__ import annotations
