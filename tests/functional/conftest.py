@@ -46,13 +46,9 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def tp2():
     """torch.distributed and Megatron Core parallel state with TP=2 over the 2 ranks."""
+    from megatron.core import parallel_state
+
     from megatron_bridge_ext import distributed
 
     distributed.init_from_env(tensor_parallel=2)
-    return _tp_group()
-
-
-def _tp_group():
-    from megatron.core import parallel_state
-
     return parallel_state.get_tensor_model_parallel_group()
