@@ -42,7 +42,7 @@ from megatron_bridge_ext.peft.eligibility import Decision, decide  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("regather", "shard_local")
+STRATEGIES = sp_lora.STRATEGIES
 
 
 class SequenceParallelLoRAIn(ColumnParallelLinear):
