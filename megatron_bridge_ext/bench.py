@@ -23,6 +23,7 @@ from megatron_bridge_ext import distributed, tiny_model, variants
 from megatron_bridge_ext.patches import apply_all
 from megatron_bridge_ext.demo import add_shape_arguments, shape_from_args
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
+from megatron_bridge_ext.table import text_table
 
 BENCH_VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local", "core_attn", "shard_local+core_attn")
 DEFAULT_SHAPE = tiny_model.TinyGPTShape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=4, seq=256, micro_batch=2,
@@ -119,9 +120,7 @@ def format_table(result: dict) -> str:
     body = [[r["name"], f"{r['saved_bytes'] / 2**20:.3f}", f"{r['lora_input_saved_bytes'] / 2**20:.3f}",
              f"{r['collective_elements'].get('total', 0) / 1e6:.3f}", f"{r['step_time_ms']:.1f}",
              f"{r['step_time_ratio']:.3f}", f"{r['parity_max_rel_err']:.2e}"] for r in result["variants"]]
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([header, line(cols), line(["-" * w for w in widths]), *map(line, body)])
+    return header + "\n" + text_table(cols, body, right_aligned=True)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -14,17 +14,15 @@ from dataclasses import asdict
 def _patches(args: argparse.Namespace) -> int:
     from megatron_bridge_ext import logs
     from megatron_bridge_ext.patches import apply_all, status_all
+    from megatron_bridge_ext.table import text_table
 
     logs.configure()
     statuses = apply_all() if args.apply else status_all()
     if args.json:
         print(json.dumps([asdict(s) for s in statuses], indent=2))
         return 0
-    cols = ("name", "target", "versions", "status", "reason")
-    rows = [[getattr(s, c) for c in cols] for s in statuses]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols[:-1])]
-    for cells in [list(cols), *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(cells[:-1], widths)) + "  " + cells[-1])
+    cols = ["name", "target", "versions", "status", "reason"]
+    print(text_table(cols, [[getattr(s, c) for c in cols] for s in statuses], rule=False))
     return 0
 
 

@@ -19,6 +19,7 @@ from megatron_bridge_ext import distributed, tiny_model, variants
 from megatron_bridge_ext.patches import apply_all
 from megatron_bridge_ext.measure import SavedActivationMeter
 from megatron_bridge_ext.recompute import RecomputeProbe
+from megatron_bridge_ext.table import text_table
 
 CATEGORIES = ("lora_input", "attention", "other")
 
@@ -91,9 +92,7 @@ def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str)
     body = [[str(r["rank"]), r["variant"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
              _mib(r["saved_bytes_per_step"][-1])] + [_mib(r["split"][c]) for c in CATEGORIES]
             + ["{checkpointed_forwards}/{recomputed}".format(**r["core_attn_recompute"])] for r in rows]
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([header, line(cols), line(["-" * w for w in widths]), *map(line, body)])
+    return header + "\n" + text_table(cols, body)
 
 
 def format_report(rows: list[dict]) -> str:
