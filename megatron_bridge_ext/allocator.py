@@ -296,20 +296,19 @@ def init(*, nccl_ub: bool = False, cuda_graph_impl: Optional[str] = None, ipc: O
     return setup_allocator(nccl_ub=nccl_ub, cuda_graph_impl=cuda_graph_impl, ipc=ipc)
 
 
-def configure_bridge_env(cfg, *, ipc: Optional[bool] = None, environ: Optional[MutableMapping[str, str]] = None,
-                         torch_version: Optional[str] = None) -> AllocatorResult:
-    """Fill a Bridge ``ConfigContainer``'s ``env_vars`` with the allocator settings.
+def plan_bridge_env(cfg, *, ipc: Optional[bool] = None, environ: Optional[MutableMapping[str, str]] = None,
+                    torch_version: Optional[str] = None) -> AllocatorResult:
+    """What :func:`configure_bridge_env` would write into ``cfg.env_vars``, changing and logging nothing.
 
     Bridge 0.6.2 applies ``cfg.env_vars`` with ``os.environ.setdefault`` (training/config.py,
     ``apply_environment_variables``, first step of ``runtime_config_update``): a value already
     in the shell wins. So the plan is made on what Bridge will end up with (env_vars under the
     shell), and a shell value that differs from what we need is reported with the fix. The
-    guards read ``cfg.ddp.nccl_ub`` and ``cfg.model.cuda_graph_impl``.
+    guards read ``cfg.ddp.nccl_ub`` and ``cfg.model.cuda_graph_impl``. Raises
+    :class:`AllocatorSetupError` when a guard refuses.
     """
     env = os.environ if environ is None else environ
-    if getattr(cfg, "env_vars", None) is None:
-        cfg.env_vars = {}
-    view = {k: str(v) for k, v in cfg.env_vars.items()}
+    view = {k: str(v) for k, v in (getattr(cfg, "env_vars", None) or {}).items()}
     view.update(env)
     version = torch_version or installed_torch_version()
     plan = plan_allocator(
@@ -325,15 +324,24 @@ def configure_bridge_env(cfg, *, ipc: Optional[bool] = None, environ: Optional[M
     if plan.errors:
         raise AllocatorSetupError(plan.errors)
     for name, (_, new) in plan.changes.items():
-        cfg.env_vars[name] = new
         if name in env and env[name] != new:
             plan.findings.append(Finding(
                 "shell_wins", "warning", name,
                 f"is {env[name]!r} in the shell; Bridge applies cfg.env_vars with os.environ.setdefault, so the "
                 f"shell value wins and {new!r} from cfg.env_vars is not applied.",
                 f"export {name}={new!r} in the launch script, or call megatron_bridge_ext.init() first"))
-    result = AllocatorResult(version, plan.reader, "bridge_env_vars" if plan.changes else "unchanged", plan.changes,
-                             plan.expandable_segments, plan.findings)
+    return AllocatorResult(version, plan.reader, "bridge_env_vars" if plan.changes else "unchanged", plan.changes,
+                           plan.expandable_segments, plan.findings)
+
+
+def configure_bridge_env(cfg, *, ipc: Optional[bool] = None, environ: Optional[MutableMapping[str, str]] = None,
+                         torch_version: Optional[str] = None) -> AllocatorResult:
+    """Fill a Bridge ``ConfigContainer``'s ``env_vars`` with the allocator settings (see :func:`plan_bridge_env`)."""
+    result = plan_bridge_env(cfg, ipc=ipc, environ=environ, torch_version=torch_version)
+    if getattr(cfg, "env_vars", None) is None:
+        cfg.env_vars = {}
+    for name, (_, new) in result.changes.items():
+        cfg.env_vars[name] = new
     _log(result)
     return result
 

@@ -9,7 +9,6 @@ gives the equivalent Bridge override set.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -154,10 +153,8 @@ class MemoryConfig:
             return []
         from megatron_bridge_ext import allocator
 
-        scratch = copy.copy(cfg)
-        scratch.env_vars = dict(getattr(cfg, "env_vars", None) or {})
         try:
-            result = allocator.configure_bridge_env(scratch, ipc=self.allocator_ipc)
+            result = allocator.plan_bridge_env(cfg, ipc=self.allocator_ipc)
         except allocator.AllocatorSetupError as exc:
             return [Finding(ERROR, f"allocator ({f.setting})", f.message, f.fix) for f in exc.findings]
         return [Finding(WARNING if f.level != "info" else NO_EFFECT, f"allocator ({f.setting})", f.message, f.fix)

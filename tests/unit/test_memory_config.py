@@ -167,3 +167,16 @@ def test_documented_overrides_reproduce_apply(bridge, cfg):
     assert list(overridden.model.recompute_modules) == cfg.model.recompute_modules
     assert type(overridden.peft) is type(cfg.peft)
     assert overridden.peft.sequence_parallel_input_strategy == cfg.peft.sequence_parallel_input_strategy
+
+
+def test_validate_changes_and_logs_nothing(cfg, caplog):
+    import copy
+    import logging
+
+    cfg.env_vars = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"}
+    before_env, before_model = dict(cfg.env_vars), copy.deepcopy(vars(cfg.model))
+    with caplog.at_level(logging.INFO, logger="megatron_bridge_ext"):
+        MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"]).validate(cfg)
+    assert cfg.env_vars == before_env
+    assert cfg.model.recompute_modules == before_model["recompute_modules"]
+    assert not [r for r in caplog.records if "cfg.env_vars" in r.getMessage()]
