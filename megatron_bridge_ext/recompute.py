@@ -10,14 +10,12 @@ Megatron Core recomputes the modules named in ``recompute_modules`` when
 * fused/flash attention (TE's fused or flash backends) keeps no s x s matrix: recomputing it costs
   time for little or no memory (Bridge measured -0.01% memory for +3.85% step time on Moonlight 16B).
 
-:class:`RecomputeProbe` counts, during a training step, the checkpointed core-attention calls in
-forward and their recomputation in backward, so a run can show the flag took effect.
+:class:`megatron_bridge_ext.measure.RecomputeProbe` shows at run time that the flag took effect.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -95,53 +93,3 @@ def core_attn_bytes_per_layer(*, seq: int, micro_batch: int, heads: int, tp: int
     elements = micro_batch * (heads // tp) * seq * seq
     with_dropout = elements * (1 + element_size) if attention_dropout > 0 else 0
     return elements * element_size + with_dropout
-
-
-class RecomputeProbe:
-    """Counts checkpointed core-attention forwards and their recomputation in backward.
-
-    Use around training steps: ``checkpointed_forwards`` counts calls of Megatron Core's
-    ``Attention._checkpointed_attention_forward``; ``recomputed`` counts core-attention forwards that
-    ran inside the backward pass (the recomputation). Both equal the number of layers per step when
-    ``core_attn`` recompute is active, and 0 when it is not.
-    """
-
-    def __init__(self, model: Optional[torch.nn.Module] = None) -> None:
-        self.model = model
-        self.checkpointed_forwards = 0
-        self.recomputed = 0
-        self._handles: list = []
-        self._original = None
-
-    def __enter__(self) -> "RecomputeProbe":
-        from megatron.core.transformer.attention import Attention
-
-        self._original = Attention._checkpointed_attention_forward
-        probe = self
-
-        def counted(attention, *args, **kwargs):
-            probe.checkpointed_forwards += 1
-            return probe._original(attention, *args, **kwargs)
-
-        Attention._checkpointed_attention_forward = counted
-        if self.model is not None:
-            for name, module in self.model.named_modules():
-                if name.endswith("core_attention"):
-                    self._handles.append(module.register_forward_pre_hook(self._on_core_attention))
-        return self
-
-    def _on_core_attention(self, module, args) -> None:
-        if torch._C._current_autograd_node() is not None:
-            self.recomputed += 1
-
-    def __exit__(self, *exc) -> bool:
-        from megatron.core.transformer.attention import Attention
-
-        Attention._checkpointed_attention_forward = self._original
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        return False
-
-    def as_dict(self) -> dict:
-        return {"checkpointed_forwards": self.checkpointed_forwards, "recomputed": self.recomputed}

@@ -36,7 +36,8 @@ def init_fake_tp2() -> None:
 
 
 def main() -> None:
-    from megatron_bridge_ext import logs, tiny_model, variants
+    from megatron_bridge_ext import logs
+    from megatron_bridge_ext.demo import tiny_model, variants
     from megatron_bridge_ext.measure import SavedActivationMeter
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -48,7 +49,7 @@ def main() -> None:
     args = p.parse_args()
     logs.configure()
     if not torch.cuda.is_available():
-        from tests.support import cpu_emulation
+        from megatron_bridge_ext.demo import cpu_emulation
 
         cpu_emulation.install()
     else:

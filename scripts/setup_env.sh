@@ -97,11 +97,11 @@ pip_install --no-deps $megatron
 say "installing megatron-bridge-ext (editable, --no-deps)"
 pip_install --no-deps --no-build-isolation -e "$root"
 
-say "checking that Bridge's LoRA imports with our patches"
+say "checking that Bridge's LoRA and ours import"
 if ! (cd "$root" && "$venv/bin/python" -c '
+from megatron_bridge_ext.peft import LoRA
 import megatron_bridge_ext.patches as p
-bad = [s for s in p.apply_all() if s.reason.startswith("cannot inspect")]
-import megatron.bridge.peft.lora
+bad = [s for s in p.status_all() if s.reason.startswith("cannot inspect")]
 assert not bad, bad[0].reason
 ' >>"$log" 2>&1); then
     tail -n 20 "$log" >&2

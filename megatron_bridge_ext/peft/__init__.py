@@ -1,7 +1,9 @@
 """PEFT: the drop-in LoRA with LoRA-A input under sequence parallelism.
 
-``from megatron_bridge_ext.peft import LoRA`` imports Megatron Bridge (patched where needed);
-the autograd core in :mod:`.sp_lora` imports only torch and Megatron Core.
+``import megatron_bridge_ext.peft`` imports nothing else. Accessing ``LoRA`` (or
+``SequenceParallelLoRAIn``) imports Megatron Bridge's PEFT modules (on a machine without
+Transformer Engine through the ``bridge_peft_without_te`` import hook, installed for that import
+only). The autograd core in :mod:`.sp_lora` imports only torch and Megatron Core.
 """
 
 

@@ -20,21 +20,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_bridge_ext.peft.sp_lora import OFF, STRATEGIES
+
 ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The verdict for one adapter: ``strategy`` is None when it keeps the gathered input."""
+    """The verdict for one adapter: ``strategy`` is ``"off"`` when it keeps the gathered input."""
 
     adapter: str
-    requested: Optional[str]
-    strategy: Optional[str]
+    requested: str
+    strategy: str
     reason: str
 
     @property
     def eligible(self) -> bool:
-        return self.strategy is not None
+        return self.strategy != OFF
 
 
 def _tp_size(adapter) -> int:
@@ -58,15 +60,21 @@ def _base_skips_sequence_parallel_comm(base) -> bool:
     )
 
 
-def _recompute_reason(config, surface: str, strategy: str) -> Optional[str]:
+def recompute_reason(config, surface: str, strategy: str) -> Optional[str]:
+    """Why ``strategy`` is not used for a ``surface`` adapter under the config's recompute settings, or None.
+
+    ``config`` needs ``recompute_granularity`` and ``recompute_modules`` (a TransformerConfig or a
+    Bridge model provider); ``MemoryConfig.validate`` asks the same question before the model exists.
+    """
+    if STRATEGIES[strategy].inside_recompute:
+        return None
     granularity = getattr(config, "recompute_granularity", None)
     modules = getattr(config, "recompute_modules", None) or []
-    if strategy == "shard_local":
-        return None
+    allowed = ", ".join(name for name, s in STRATEGIES.items() if s.inside_recompute)
     if granularity == "full":
-        return "full activation recompute already drops the gathered input (shard_local is allowed here)"
+        return f"full activation recompute already drops the gathered input ({allowed} is allowed here)"
     if granularity == "selective" and surface == "linear_fc1" and "mlp" in modules:
-        return "selective 'mlp' recompute already covers linear_fc1 (shard_local is allowed here)"
+        return f"selective 'mlp' recompute already covers linear_fc1 ({allowed} is allowed here)"
     return None
 
 
@@ -93,15 +101,15 @@ def ineligibility(lora_linear, strategy: str) -> Optional[str]:
     for failed, reason in checks:
         if failed:
             return reason
-    return _recompute_reason(base_config, surface, strategy)
+    return recompute_reason(base_config, surface, strategy)
 
 
-def decide(lora_linear, strategy: Optional[str]) -> Decision:
-    """The decision for one Bridge ``LoRALinear`` under the requested strategy."""
+def decide(lora_linear, strategy: str) -> Decision:
+    """The decision for one Bridge ``LoRALinear`` under the requested strategy (``"off"`` included)."""
     name = lora_linear.adapter.base_linear_name
-    if strategy is None:
-        return Decision(name, None, None, "off (no strategy requested)")
+    if strategy == OFF:
+        return Decision(name, OFF, OFF, "off (no strategy requested)")
     reason = ineligibility(lora_linear, strategy)
     if reason is not None:
-        return Decision(name, strategy, None, reason)
+        return Decision(name, strategy, OFF, reason)
     return Decision(name, strategy, strategy, "eligible")

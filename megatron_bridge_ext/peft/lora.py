@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch.nn as nn
 
-from megatron_bridge_ext.patches import apply_all
+from megatron_bridge_ext.patches import bridge_peft_without_te, bridge_truthful_te_detection
 
-apply_all()
+bridge_peft_without_te.import_bridge_peft()
 
 from megatron.bridge.peft.lora import LoRA as BridgeLoRA  # noqa: E402
 from megatron.bridge.peft.lora_layers import LoRALinear  # noqa: E402
@@ -42,38 +42,25 @@ from megatron_bridge_ext.peft.eligibility import Decision, decide  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = sp_lora.STRATEGIES
-
 
 class SequenceParallelLoRAIn(ColumnParallelLinear):
     """LoRA-A that consumes the local sequence shard [s/t, b, h] and returns the full [s, b, r] input of LoRA-B.
 
     Same parameters and state as the ColumnParallelLinear it replaces (only ``forward`` differs);
-    ``_mbx_strategy`` names the autograd function. When LoRA-A is frozen nothing needs its input
-    for a weight gradient, so it falls back to the gathered path, which then retains nothing.
+    ``_mbx_strategy`` names the strategy in :data:`megatron_bridge_ext.peft.sp_lora.STRATEGIES`.
+    When LoRA-A is frozen nothing needs its input for a weight gradient, so it falls back to the
+    gathered path, which then retains nothing.
     """
 
-    _mbx_strategy: str = "regather"
+    _mbx_strategy: str = sp_lora.REGATHER
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
-        fusion = bool(self.gradient_accumulation_fusion)
         if not weight.requires_grad:
             gathered = gather_from_sequence_parallel_region(input_, group=self.tp_group)
-            output = gather_from_tensor_model_parallel_region(gathered.matmul(weight.t()), group=self.tp_group)
-        elif self._mbx_strategy == "shard_local":
-            output = sp_lora.shard_local_lora_a(input_, weight, self.tp_group, gradient_accumulation_fusion=fusion)
-        else:
-            partial = sp_lora.regather_lora_a(input_, weight, self.tp_group, gradient_accumulation_fusion=fusion)
-            output = gather_from_tensor_model_parallel_region(partial, group=self.tp_group)
-        return output, None
-
-
-def _check_strategy(value) -> None:
-    if value not in (None, *STRATEGIES):
-        raise ValueError(
-            f"LoRA.sequence_parallel_input_strategy={value!r} is not valid; use one of {STRATEGIES} or None (off)"
-        )
+            return gather_from_tensor_model_parallel_region(gathered.matmul(weight.t()), group=self.tp_group), None
+        strategy = sp_lora.STRATEGIES[self._mbx_strategy]
+        return strategy.output(input_, weight, self.tp_group, bool(self.gradient_accumulation_fusion)), None
 
 
 def _allow_bridge_instantiation() -> None:
@@ -124,6 +111,7 @@ class LoRA(BridgeLoRA):
 
     sequence_parallel_input_regather: bool = False
     sequence_parallel_input_strategy: Optional[str] = None
+    """``"off"``, ``"regather"`` or ``"shard_local"``; None: ``"regather"`` when the upstream flag is set, else off."""
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -136,15 +124,15 @@ class LoRA(BridgeLoRA):
         # Checked on every assignment, not only in __init__: Bridge's config overrides set fields
         # of an existing object, and an unknown strategy must not silently run as another one.
         if name == "sequence_parallel_input_strategy":
-            _check_strategy(value)
+            sp_lora.check_choice(value, "LoRA.sequence_parallel_input_strategy", allow_none=True)
         super().__setattr__(name, value)
 
     @property
-    def strategy(self) -> Optional[str]:
-        """The strategy in effect: explicit strategy, else ``regather`` when the upstream flag is set."""
+    def strategy(self) -> str:
+        """The strategy in effect: the explicit one, else ``regather`` when the upstream flag is set, else ``off``."""
         if self.sequence_parallel_input_strategy is not None:
             return self.sequence_parallel_input_strategy
-        return "regather" if self.sequence_parallel_input_regather else None
+        return sp_lora.REGATHER if self.sequence_parallel_input_regather else sp_lora.OFF
 
     def transform(self, module: nn.Module, name: Optional[str] = None, prefix: Optional[str] = None) -> nn.Module:
         already = isinstance(module, LoRALinear)
@@ -162,18 +150,19 @@ class LoRA(BridgeLoRA):
         full_name = result.adapter.base_linear_name
         decision = decide(result, self.strategy)
         self._decisions[full_name] = decision
-        if decision.strategy is not None:
+        if decision.eligible:
             enable_sp_input(result, decision.strategy)
             logger.debug("LoRA-A input under SP: %s uses %s", full_name, decision.strategy)
-        elif self.strategy is not None and decision.reason not in self._logged_reasons:
+        elif self.strategy != sp_lora.OFF and decision.reason not in self._logged_reasons:
             self._logged_reasons.add(decision.reason)
             logger.info("LoRA-A input under SP (%s): %s keeps the gathered input: %s (logged once per reason)",
                         self.strategy, full_name, decision.reason)
         return result
 
     def __call__(self, model, training: bool = True):
+        bridge_truthful_te_detection.PATCH.apply()  # Bridge's TE check must be right before it matches modules
         result = super().__call__(model, training=training)
-        if self.strategy is not None:
+        if self.strategy != sp_lora.OFF:
             used = sum(d.eligible for d in self._decisions.values())
             logger.info("LoRA-A input under SP (%s): applied to %d of %d adapters (LoRA.report() lists each)",
                         self.strategy, used, len(self._decisions))

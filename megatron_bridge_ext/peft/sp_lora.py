@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed
 
+OFF = "off"
+"""LoRA-A takes the gathered input, as in Megatron Bridge (the one spelling of "no strategy")."""
 REGATHER = "regather"
 SHARD_LOCAL = "shard_local"
-STRATEGIES = (REGATHER, SHARD_LOCAL)
-"""Names of the LoRA-A input strategies under sequence parallelism."""
 
 REGATHER_BUFFER_NAME = "mbx_lora_regather"
 """Name of the gathered-input buffer in Megatron Core's global memory buffer (never retained)."""
@@ -270,6 +271,55 @@ def shard_local_lora_a(
     return _ShardLocalLoRAA.apply(x_local, weight, tp_group, gradient_accumulation_fusion)
 
 
+def _regather_output(x_local, weight, tp_group, gradient_accumulation_fusion):
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    partial = regather_lora_a(x_local, weight, tp_group, gradient_accumulation_fusion)
+    return gather_from_tensor_model_parallel_region(partial, group=tp_group)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One LoRA-A input strategy: how it computes LoRA-A's complete output from the sequence shard.
+
+    ``output(x_local, weight, tp_group, gradient_accumulation_fusion)`` returns [s, b, r]; the grad
+    of the result must be replicated across ``tp_group``, as in Bridge's adapter (LoRA-B's input
+    region all-reduces it). ``inside_recompute`` says whether the strategy is worth using for an
+    adapter inside a recomputed region (see :mod:`megatron_bridge_ext.peft.eligibility`).
+    """
+
+    name: str
+    output: Callable[..., torch.Tensor]
+    retains: str
+    communicates: str
+    inside_recompute: bool
+
+
+STRATEGIES: dict[str, Strategy] = {
+    REGATHER: Strategy(
+        REGATHER, _regather_output, retains="the input shard s*b*h/t",
+        communicates="all-gather of x (s*b*h) in forward and again in backward, reduce-scatter of its grad",
+        inside_recompute=False),
+    SHARD_LOCAL: Strategy(
+        SHARD_LOCAL, shard_local_lora_a, retains="the input shard s*b*h/t",
+        communicates="all-gathers of A (r*h) and of the rank-r output (s*b*r), reduce-scatter of A's grad (r*h)",
+        inside_recompute=True),
+}
+"""The LoRA-A input strategies under sequence parallelism, by name."""
+
+CHOICES = (OFF, *STRATEGIES)
+"""Every accepted value of a strategy setting."""
+
+
+def check_choice(value, setting: str, *, allow_none: bool = False) -> None:
+    """Refuse anything but one of :data:`CHOICES` (or None where the setting allows it), naming ``setting``."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str) or value not in CHOICES:
+        allowed = ", ".join(repr(c) for c in CHOICES) + (" or None" if allow_none else "")
+        raise ValueError(f"{setting}={value!r} is not valid; use one of {allowed}")
+
+
 def lora_a_output(
     strategy: str,
     x_local: torch.Tensor,
@@ -277,15 +327,7 @@ def lora_a_output(
     tp_group: torch.distributed.ProcessGroup,
     gradient_accumulation_fusion: bool = False,
 ) -> torch.Tensor:
-    """LoRA-A's complete output [s, b, r] from the sequence shard, by one of :data:`STRATEGIES`.
-
-    Either way the grad of the result must be replicated across ``tp_group``, as in Bridge's adapter.
-    """
-    if strategy == REGATHER:
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-        partial = regather_lora_a(x_local, weight, tp_group, gradient_accumulation_fusion)
-        return gather_from_tensor_model_parallel_region(partial, group=tp_group)
-    if strategy == SHARD_LOCAL:
-        return shard_local_lora_a(x_local, weight, tp_group, gradient_accumulation_fusion)
-    raise ValueError(f"unknown LoRA-A strategy {strategy!r}; expected one of {STRATEGIES}")
+    """LoRA-A's complete output [s, b, r] from the sequence shard, by one of :data:`STRATEGIES`."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown LoRA-A strategy {strategy!r}; expected one of {tuple(STRATEGIES)}")
+    return STRATEGIES[strategy].output(x_local, weight, tp_group, gradient_accumulation_fusion)

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_bridge_ext import demo, tiny_model, variants
+from megatron_bridge_ext.demo import tiny_model, train, variants
 
 
 class _Progress:
@@ -16,7 +16,7 @@ class _Progress:
 def test_demo_rows_show_the_lora_input_saving(tp2):
     shape = tiny_model.TinyGPTShape()
     progress = _Progress()
-    rows = {name: demo.train_variant(shape, variants.VARIANTS[name], steps=2, progress=progress)
+    rows = {name: train.train_variant(shape, variants.VARIANTS[name], steps=2, progress=progress)
             for name in ("baseline", "shard_local")}
     assert progress.count == 4
     base, local = rows["baseline"], rows["shard_local"]
@@ -27,6 +27,6 @@ def test_demo_rows_show_the_lora_input_saving(tp2):
     assert base["saved_bytes_per_step"][-1] - local["saved_bytes_per_step"][-1] == expected_saving
     assert abs(base["losses"][-1] - local["losses"][-1]) < 1e-5 * abs(base["losses"][-1])
     assert base["losses"][-1] < base["losses"][0]  # the adapters learn
-    table = demo.format_table(shape, [base, local], "2 ranks")
+    table = train.format_table(shape, [base, local], "2 ranks")
     lines = table.splitlines()
     assert [line.split()[1] for line in lines[3:]] == ["baseline", "shard_local"]

@@ -11,7 +11,7 @@ transient gather buffers, which the strategies reuse differently.
 import pytest
 import torch
 
-from megatron_bridge_ext import tiny_model, variants
+from megatron_bridge_ext.demo import tiny_model, variants
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,15 +2,16 @@
 
 import torch
 
-from megatron_bridge_ext import recompute, tiny_model
-from megatron_bridge_ext.measure import SavedActivationMeter
+from megatron_bridge_ext import recompute
+from megatron_bridge_ext.demo import tiny_model
+from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
 
 SELECTIVE_CORE_ATTN = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
 
 
 def _one_step(shape, **overrides):
     model = tiny_model.apply_peft(tiny_model.build_gpt(shape, **overrides), tiny_model.bridge_lora(shape))
-    with recompute.RecomputeProbe(model) as probe:
+    with RecomputeProbe(model) as probe:
         with SavedActivationMeter(model) as meter:
             loss = tiny_model.loss_of(model, tiny_model.synthetic_batch(shape))
         loss.backward()

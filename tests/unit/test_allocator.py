@@ -17,16 +17,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_bridge_ext import allocator
+from megatron_bridge_ext.allocator import runtime as allocator_runtime
+from megatron_bridge_ext.findings import Refused
 from megatron_bridge_ext.allocator import (
     ALLOC_VAR,
     CUDA_VAR,
-    AllocatorSetupError,
     configure_bridge_env,
     plan_allocator,
     setup_allocator,
     verify_allocator,
 )
-from megatron_bridge_ext.allocator_conf import (
+from megatron_bridge_ext.allocator.options import (
     BOOLEAN_KEYS,
     AllocConf,
     AllocatorConfigError,
@@ -230,7 +231,7 @@ def test_nccl_ub_with_expandable_segments_before_torch_2_11_is_refused_before_la
     if not refused:
         assert plan({}, version, nccl_ub=True).errors == []
         return
-    with pytest.raises(AllocatorSetupError) as info:
+    with pytest.raises(Refused) as info:
         setup_allocator({}, torch_version=version, nccl_ub=True)
     message = str(info.value)
     assert "ddp.nccl_ub" in message and "expandable_segments:False" in message and "torch >= 2.11" in message
@@ -252,7 +253,7 @@ def test_cuda_graphs_set_nccl_graph_register_when_absent():
 def test_cuda_graphs_accept_zero_and_refuse_another_user_value():
     assert "NCCL_GRAPH_REGISTER" not in plan({"NCCL_GRAPH_REGISTER": "0"}, cuda_graph_impl="local").changes
     env = {"NCCL_GRAPH_REGISTER": "1"}
-    with pytest.raises(AllocatorSetupError, match="NCCL_GRAPH_REGISTER.*is '1'"):
+    with pytest.raises(Refused, match="NCCL_GRAPH_REGISTER.*is '1'"):
         setup_allocator(env, torch_version=NEW, cuda_graph_impl="local")
     assert env == {"NCCL_GRAPH_REGISTER": "1"}
 
@@ -271,7 +272,7 @@ def test_cuda_malloc_async_is_not_given_expandable_segments():
 
 
 def test_cuda_malloc_async_with_explicit_expandable_segments_is_refused():
-    with pytest.raises(AllocatorSetupError, match="backend:cudaMallocAsync"):
+    with pytest.raises(Refused, match="backend:cudaMallocAsync"):
         setup_allocator({CUDA_VAR: "backend:cudaMallocAsync," + ES}, torch_version=NEW)
 
 
@@ -337,8 +338,8 @@ def live_env(monkeypatch):
 
 def test_cuda_initialised_applies_at_run_time_and_says_so(live_env):
     calls = []
-    live_env.setattr(allocator, "_cuda_initialized", lambda: True)
-    live_env.setattr(allocator, "_runtime_setter", lambda: (calls.append, "torch._C._accelerator_setAllocatorSettings"))
+    live_env.setattr(allocator_runtime, "cuda_initialized", lambda: True)
+    live_env.setattr(allocator_runtime, "setter", lambda: (calls.append, "torch._C._accelerator_setAllocatorSettings"))
     result = setup_allocator(torch_version=NEW)
     assert calls == [ES]
     assert result.applied == "runtime" and result.cuda_initialized is True
@@ -348,22 +349,22 @@ def test_cuda_initialised_applies_at_run_time_and_says_so(live_env):
 
 
 def test_cuda_initialised_without_setter_raises_how_to_call_it_earlier(live_env):
-    live_env.setattr(allocator, "_cuda_initialized", lambda: True)
-    live_env.setattr(allocator, "_runtime_setter", lambda: (None, None))
-    with pytest.raises(AllocatorSetupError, match=r"megatron_bridge_ext.init\(\) as the first line"):
+    live_env.setattr(allocator_runtime, "cuda_initialized", lambda: True)
+    live_env.setattr(allocator_runtime, "setter", lambda: (None, None))
+    with pytest.raises(Refused, match=r"megatron_bridge_ext.init\(\) as the first line"):
         setup_allocator(torch_version=NEW)
     assert ALLOC_VAR not in os.environ
 
 
 def test_torch_imported_with_stale_settings_gets_them_at_run_time(live_env):
     calls = []
-    live_env.setattr(allocator, "_cuda_initialized", lambda: False)
-    live_env.setattr(allocator, "_runtime_setter", lambda: (calls.append, "setter"))
-    live_env.setattr(allocator, "_runtime_getter", lambda: (lambda: "max_split_size_mb:64"))
+    live_env.setattr(allocator_runtime, "cuda_initialized", lambda: False)
+    live_env.setattr(allocator_runtime, "setter", lambda: (calls.append, "setter"))
+    live_env.setattr(allocator_runtime, "getter", lambda: (lambda: "max_split_size_mb:64"))
     assert setup_allocator(torch_version=NEW).applied == "runtime" and calls == [ES]
     calls.clear()
     live_env.delenv(ALLOC_VAR)
-    live_env.setattr(allocator, "_runtime_getter", lambda: (lambda: ES))
+    live_env.setattr(allocator_runtime, "getter", lambda: (lambda: ES))
     assert setup_allocator(torch_version=NEW).applied == "environment" and calls == []
 
 
@@ -471,9 +472,9 @@ def test_bridge_shell_value_that_agrees_is_not_reported():
 
 
 def test_bridge_guards_read_the_config():
-    with pytest.raises(AllocatorSetupError, match="ddp.nccl_ub"):
+    with pytest.raises(Refused, match="ddp.nccl_ub"):
         configure_bridge_env(_cfg(nccl_ub=True), environ={}, torch_version="2.10.0")
-    with pytest.raises(AllocatorSetupError, match="NCCL_GRAPH_REGISTER"):
+    with pytest.raises(Refused, match="NCCL_GRAPH_REGISTER"):
         configure_bridge_env(_cfg({"NCCL_GRAPH_REGISTER": 1}, cuda_graph_impl="local"), environ={}, torch_version=NEW)
 
 

@@ -10,18 +10,10 @@ import os
 import pytest
 import torch
 
-from megatron_bridge_ext import diagnose
-from megatron_bridge_ext.diagnose import (
-    DECISION_ORDER,
-    GAP_FRACTION,
-    MIN_GAP_BYTES,
-    OOMHandler,
-    classify,
-    diagnose_file,
-    oom_guard,
-    parse_oom_message,
-    write_atomic,
-)
+from megatron_bridge_ext.diagnose import classifier as diagnose
+from megatron_bridge_ext.diagnose import DECISION_ORDER, OOMHandler, classify, diagnose_file, oom_guard, parse_oom_message
+from megatron_bridge_ext.diagnose.classifier import GAP_FRACTION, MIN_GAP_BYTES
+from megatron_bridge_ext.diagnose.handler import write_atomic
 from tests.unit.memstats import GiB, MiB, capacity_stats, fragmentation_stats, memory_stats
 
 pytestmark = pytest.mark.unit

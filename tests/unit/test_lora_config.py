@@ -71,7 +71,8 @@ def test_bridge_fields_pass_through(ours):
 @pytest.mark.parametrize(
     "regather_flag, strategy, effective",
     [
-        (False, None, None),
+        (False, None, "off"),
+        (False, "off", "off"),
         (True, None, "regather"),
         (False, "regather", "regather"),
         (False, "shard_local", "shard_local"),
@@ -98,8 +99,10 @@ def test_an_invalid_strategy_is_refused_on_assignment_too(ours):
     assert lora.strategy == "regather"
     lora.sequence_parallel_input_strategy = "shard_local"
     assert lora.strategy == "shard_local"
+    lora.sequence_parallel_input_strategy = "off"
+    assert lora.strategy == "off"
     lora.sequence_parallel_input_strategy = None
-    assert lora.strategy is None
+    assert lora.strategy == "off"
 
 
 # ------------------------------------------------------------------------------------------ Bridge's config machinery
@@ -297,7 +300,7 @@ def test_eligibility_rule(strategy, case, fields, refused_by, reason):
     decision = decide(lora_linear, strategy)
     assert decision.adapter == lora_linear.adapter.base_linear_name and decision.requested == strategy
     if strategy in refused_by:
-        assert (decision.strategy, decision.eligible) == (None, False)
+        assert (decision.strategy, decision.eligible) == ("off", False)
         assert reason in decision.reason
         assert ineligibility(lora_linear, strategy) == decision.reason
     else:
@@ -306,8 +309,8 @@ def test_eligibility_rule(strategy, case, fields, refused_by, reason):
 
 
 def test_no_strategy_requested_is_off_for_every_adapter():
-    decision = decide(_stand_in(), None)
-    assert decision == Decision(decision.adapter, None, None, "off (no strategy requested)")
+    decision = decide(_stand_in(), "off")
+    assert decision == Decision(decision.adapter, "off", "off", "off (no strategy requested)")
     assert not decision.eligible
 
 

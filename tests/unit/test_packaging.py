@@ -1,4 +1,4 @@
-"""The wheel ships patches/ as megatron_bridge_ext.patches and never as a top-level ``patches`` module."""
+"""The wheel ships the package (patches and demo harness included) and nothing of the tests."""
 
 import subprocess
 import sys
@@ -8,13 +8,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_wheel_maps_patches_into_the_package_namespace(tmp_path):
+def test_wheel_ships_every_package_module_and_no_tests(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
                     str(ROOT)], check=True, capture_output=True, text=True)
     (wheel,) = tmp_path.glob("megatron_bridge_ext-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    expected = {f"megatron_bridge_ext/patches/{p.name}" for p in (ROOT / "patches").glob("*.py")}
-    assert expected and expected <= set(names)
+    expected = {str(p.relative_to(ROOT)) for p in (ROOT / "megatron_bridge_ext").rglob("*.py")}
+    assert {"megatron_bridge_ext/patches/registry.py", "megatron_bridge_ext/demo/cpu_emulation.py"} <= expected
+    assert expected <= set(names), sorted(expected - set(names))
     assert not [n for n in names if n.split("/")[0] == "patches"]
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()

@@ -106,7 +106,7 @@ def test_patched_bridge_lora_imports_and_the_placeholder_stays_scoped():
 LORA_SETUP = """
 import tempfile
 
-from tests.support import cpu_emulation
+from megatron_bridge_ext.demo import cpu_emulation
 
 cpu_emulation.install()
 import torch

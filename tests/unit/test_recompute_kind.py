@@ -33,7 +33,8 @@ def test_attention_kind_from_config(spec, backend, kind):
 
 
 def test_fused_attention_makes_core_attn_a_no_effect_finding():
-    from megatron_bridge_ext.config import NO_EFFECT, MemoryConfig
+    from megatron_bridge_ext.config import MemoryConfig
+    from megatron_bridge_ext.findings import NO_EFFECT
 
     model = SimpleNamespace(transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec,
                             attention_backend="AttnBackend.auto")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megatron_bridge_ext.tiny_model import TinyGPTShape, bridge_lora
+from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, bridge_lora
 
 
 def _always() -> tuple[bool, str]:
@@ -39,9 +39,9 @@ def _our_lora(strategy: str) -> Callable[[TinyGPTShape], Any]:
 def _upstream_has_regather_flag() -> tuple[bool, str]:
     from dataclasses import fields
 
-    from megatron_bridge_ext.patches import apply_all
+    from megatron_bridge_ext.patches import bridge_peft_without_te
 
-    apply_all()
+    bridge_peft_without_te.import_bridge_peft()
     from megatron.bridge.peft.lora import LoRA as BridgeLoRA
 
     if any(f.name == "sequence_parallel_input_regather" for f in fields(BridgeLoRA)):
@@ -91,7 +91,7 @@ VARIANTS: dict[str, Variant] = {
 
 
 def select(names: list[str] | None) -> list[Variant]:
-    """The named variants in the order given (all registered ones when ``names`` is empty)."""
+    """The named variants in the order given (all available ones when ``names`` is empty)."""
     if not names:
         return [v for v in VARIANTS.values() if v.available()[0]]
     unknown = [n for n in names if n not in VARIANTS]

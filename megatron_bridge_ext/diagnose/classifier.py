@@ -2,7 +2,7 @@
 
 The input is the dictionary of ``torch.cuda.memory_stats()`` taken on the rank that ran out
 (plus, when known, the device's total memory, the allocator settings and the failed request).
-Importing this module does not import torch; only the OOM handler touches it, at OOM time.
+Pure: this module imports neither torch nor the device; :mod:`.handler` records the stats at the OOM.
 
 Why these signals: before raising an OOM the caching allocator frees every cached segment it
 can (whole free segments) and retries (``num_alloc_retries``). What it cannot free is free
@@ -30,17 +30,11 @@ expandable segments being off are reported as supporting evidence, not used to d
 from __future__ import annotations
 
 import json
-import logging
-import os
 import re
-import socket
-import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-log = logging.getLogger("megatron_bridge_ext.diagnose")
+from megatron_bridge_ext.evidence import LEVERS, sources
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -54,30 +48,8 @@ INACTIVE_SPLIT = "inactive_split_bytes.all.current"
 RETRIES = "num_alloc_retries"
 OOMS = "num_ooms"
 
-REPORT_FORMAT = "megatron_bridge_ext.oom_report/1"
-REPORT_DIR_ENV = "MBX_OOM_REPORT_DIR"
-
-# The decision order: cheapest first. Costs are the measured ones on Llama3 70B SFT (32x H100,
-# TP4 PP4 VPP5 DP2) where we have them.
-DECISION_ORDER: tuple[dict[str, Any], ...] = (
-    {"step": 1, "name": "allocator",
-     "action": "turn on expandable segments: megatron_bridge_ext.init() first in the training script, "
-               "configure_bridge_env(cfg) in a Bridge recipe, or `mbx run -- torchrun ...`",
-     "cost": "none: fixed a fragmentation OOM at 58.8 GB peak on Llama3 70B with no throughput change"},
-    {"step": 2, "name": "LoRA input under sequence parallelism",
-     "action": 'megatron_bridge_ext.peft.LoRA(sequence_parallel_input_strategy="shard_local"): LoRA-A works on '
-               "the local sequence shard instead of saving a gathered copy of its input",
-     "cost": "LoRA with sequence parallelism only; measure the saving with `mbx bench memory`"},
-    {"step": 3, "name": "selective recompute",
-     "action": "recompute_granularity='selective' with recompute_modules, cheapest modules first",
-     "cost": "`mlp` recompute: about -16% throughput for about 3 GB on Llama3 70B"},
-    {"step": 4, "name": "parallelism",
-     "action": "raise PP at the cost of DP, or double TP",
-     "cost": "PP 4->8: -5.9% throughput; TP 4->8: -28.4% (Llama3 70B)"},
-    {"step": 5, "name": "CPU offloading",
-     "action": "cpu_offloading=True (activations and weights of some layers to host memory)",
-     "cost": "only possible with PP = 1 (and without recompute, in Megatron Core)"},
-)
+DECISION_ORDER = LEVERS
+"""The levers in the order to try them, cheapest first (:data:`megatron_bridge_ext.evidence.LEVERS`)."""
 
 TABLE: dict[str, dict[str, str]] = {
     "fragmentation": {
@@ -121,6 +93,7 @@ class Diagnosis:
         lines += [f"note: {n}" for n in self.notes]
         lines.append("decision order:")
         lines += [f"  {s['step']}. {s['name']}: {s['action']} [cost: {s['cost']}]" for s in self.decision_order]
+        lines += [f"source of the figures: {source}" for source in sources(self.decision_order)]
         return "\n".join(lines)
 
 
@@ -137,7 +110,7 @@ def _expandable_from(settings) -> Optional[bool]:
     if isinstance(settings, Mapping):
         value = settings.get("expandable_segments")
         return None if value is None else bool(value)
-    from megatron_bridge_ext.allocator_conf import AllocConf
+    from megatron_bridge_ext.allocator.options import AllocConf
 
     return bool(AllocConf.parse(str(settings), "allocator settings").flag("expandable_segments"))
 
@@ -242,167 +215,3 @@ def diagnose_file(path: str, *, total_memory: Optional[int] = None,
                         else allocator.get("expandable_segments"),
                         request_bytes=data.get("request_bytes"))
     return classify(data, total_memory=total_memory, expandable_segments=expandable_segments)
-
-
-# --------------------------------------------------------------------------------------------
-# OOM handler
-# --------------------------------------------------------------------------------------------
-
-
-def _is_oom(exc: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
-
-
-def write_atomic(path: str, write: Callable[[Any], None], binary: bool = False) -> None:
-    """Write through a temporary file in the same directory, then os.replace: never a half-written report."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-class OOMHandler:
-    """On ``torch.OutOfMemoryError``: record this rank's stats, write a JSON report, print the diagnosis.
-
-    The original exception always propagates unchanged (same object, same traceback):
-    ``__exit__`` returns False, and a failure while reporting is logged, never raised in its
-    place. Use as a context manager, or :func:`oom_guard` as a decorator. ``stats_fn`` and
-    ``total_memory_fn`` replace the CUDA queries (tests, other devices).
-    """
-
-    def __init__(self, report_dir: Optional[str] = None, *, rank: Optional[int] = None, device=None,
-                 stats_fn: Optional[Callable[[], Mapping[str, Any]]] = None,
-                 total_memory_fn: Optional[Callable[[], Optional[int]]] = None, stream=None):
-        self.report_dir = report_dir or os.environ.get(REPORT_DIR_ENV, "oom_reports")
-        self.rank, self.device, self.stream = rank, device, stream
-        self.stats_fn, self.total_memory_fn = stats_fn, total_memory_fn
-        self.report: Optional[dict[str, Any]] = None
-        self.report_path: Optional[str] = None
-
-    def __enter__(self) -> "OOMHandler":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None and _is_oom(exc):
-            try:
-                self.handle(exc)
-            except Exception:  # reporting must never replace the OOM
-                log.exception("could not write the OOM report; the original OutOfMemoryError follows")
-        return False
-
-    def handle(self, exc: BaseException) -> str:
-        import torch
-
-        rank = self.rank if self.rank is not None else _rank(torch)
-        device = self.device
-        if device is None and self.stats_fn is None and torch.cuda.is_available():
-            device = torch.cuda.current_device()
-        stats = dict(self.stats_fn() if self.stats_fn else torch.cuda.memory_stats(device))
-        parsed = parse_oom_message(str(exc))
-        total = self.total_memory_fn() if self.total_memory_fn else _total_memory(torch, device)
-        total = total or parsed["total_capacity_bytes"]
-        allocator = _allocator_state(torch)
-        report: dict[str, Any] = {
-            "format": REPORT_FORMAT, "rank": rank, "local_rank": _int_env("LOCAL_RANK"),
-            "world_size": _int_env("WORLD_SIZE"), "hostname": socket.gethostname(), "pid": os.getpid(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": _device_index(device),
-            "exception": {"type": type(exc).__name__, "message": str(exc)},
-            "request_bytes": parsed["request_bytes"], "total_memory": total, "allocator": allocator,
-            "stats": stats, "diagnosis": None, "diagnosis_error": None, "snapshot": None,
-        }
-        try:
-            diagnosis = classify(stats, total_memory=total, expandable_segments=allocator["expandable_segments"],
-                                 request_bytes=parsed["request_bytes"])
-            report["diagnosis"] = diagnosis.to_dict()
-            text = diagnosis.format()
-        except ValueError as error:
-            report["diagnosis_error"] = str(error)
-            text = f"no diagnosis: {error}"
-        path = os.path.join(self.report_dir, f"oom_rank{rank}.json")
-        snapshot_path = _write_snapshot(torch, path[:-len(".json")] + ".snapshot.pickle")
-        report["snapshot"] = snapshot_path
-        write_atomic(path, lambda f: json.dump(report, f, indent=2, default=str))
-        self.report, self.report_path = report, path
-        print(f"[rank {rank}] out of memory; report: {path}" + (f", snapshot: {snapshot_path}" if snapshot_path else "")
-              + "\n" + text, file=self.stream or sys.stderr, flush=True)
-        return path
-
-
-def oom_guard(fn: Optional[Callable] = None, **handler_kwargs):
-    """Decorator form of :class:`OOMHandler`, e.g. around Bridge's ``train_step``::
-
-        import megatron.bridge.training.train as bridge_train
-        bridge_train.train_step = oom_guard(bridge_train.train_step)
-    """
-    import functools
-
-    def wrap(f: Callable) -> Callable:
-        @functools.wraps(f)
-        def guarded(*args, **kwargs):
-            with OOMHandler(**handler_kwargs):
-                return f(*args, **kwargs)
-        return guarded
-
-    return wrap(fn) if fn is not None else wrap
-
-
-def _rank(torch) -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return _int_env("RANK") or 0
-
-
-def _int_env(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    return int(value) if value and value.lstrip("-").isdigit() else None
-
-
-def _device_index(device) -> Optional[int]:
-    if device is None or isinstance(device, int):
-        return device
-    return getattr(device, "index", None)
-
-
-def _total_memory(torch, device) -> Optional[int]:
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).total_memory)
-
-
-def _allocator_state(torch) -> dict[str, Any]:
-    from megatron_bridge_ext.allocator_conf import effective, parse_version, VARIABLES
-
-    state: dict[str, Any] = {name: os.environ.get(name) for name in VARIABLES}
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    state["torch_settings"] = getter() if getter else None
-    try:
-        conf = effective(os.environ, parse_version(torch.__version__))[1]
-        state["expandable_segments"] = bool(conf.flag("expandable_segments"))
-    except ValueError as error:
-        state["expandable_segments"] = None
-        state["error"] = str(error)
-    return state
-
-
-def _write_snapshot(torch, path: str) -> Optional[str]:
-    """A memory snapshot, only when history recording is on (without it the snapshot has no traces)."""
-    if not torch.cuda.is_available():
-        return None
-    enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
-    if enabled is None or not enabled():
-        return None
-    import pickle
-
-    snapshot = torch.cuda.memory._snapshot()
-    write_atomic(path, lambda f: pickle.dump(snapshot, f), binary=True)
-    return path

@@ -1,6 +1,8 @@
-"""The ``mbx`` command.
+"""The ``mbx`` command: parsing and printing only.
 
-Subcommands are thin: each parses its options and calls the module that does the work.
+Each subcommand parses its options and calls the module that does the work (``mbx env`` is in
+:mod:`.env`; ``mbx demo`` and ``mbx bench memory`` parse their own options in
+:mod:`megatron_bridge_ext.demo`).
 """
 
 from __future__ import annotations
@@ -8,22 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
 
-
-def _patches(args: argparse.Namespace) -> int:
-    from megatron_bridge_ext import logs
-    from megatron_bridge_ext.patches import apply_all, status_all
-    from megatron_bridge_ext.table import text_table
-
-    logs.configure()
-    statuses = apply_all() if args.apply else status_all()
-    if args.json:
-        print(json.dumps([asdict(s) for s in statuses], indent=2))
-        return 0
-    cols = ["name", "target", "versions", "status", "reason"]
-    print(text_table(cols, [[getattr(s, c) for c in cols] for s in statuses], rule=False))
-    return 0
+from megatron_bridge_ext.cli import env, patches
 
 
 def _guard_options(p: argparse.ArgumentParser) -> None:
@@ -32,45 +20,6 @@ def _guard_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-impl", default=None, help="model.cuda_graph_impl (e.g. local, transformer_engine)")
     p.add_argument("--ipc", action="store_true", default=None,
                    help="this job shares CUDA memory between processes through IPC (also: MBX_ALLOCATOR_IPC=1)")
-
-
-def _env(args: argparse.Namespace) -> int:
-    from megatron_bridge_ext.allocator import describe_environment
-
-    report = describe_environment(nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
-    if args.verify and "error" not in report:
-        report["verify"] = _verify_after_setup(args)
-    errors = "error" in report or any(f["level"] == "error" for f in report.get("findings", []))
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 1 if errors else 0
-    print("  ".join(f"{k} {v or 'not installed'}" for k, v in report["versions"].items()))
-    for name, value in report["variables"].items():
-        print(f"{name:24} {'(unset)' if value is None else repr(value)}")
-    if "error" in report:
-        print(f"error: {report['error']}")
-        return 1
-    eff = report["effective"]
-    print(f"torch reads: {report['reader']}")
-    print(f"effective now: {eff['variable'] or 'none set'} -> {eff['value']!r} "
-          f"(expandable_segments {'on' if eff['expandable_segments'] else 'off'})")
-    changes = report["setup_would_change"]
-    print("megatron_bridge_ext.init() / mbx run would set: "
-          + ("; ".join(f"{k}={c['new']!r}" for k, c in changes.items()) if changes else "nothing"))
-    print("findings:" if report["findings"] else "findings: none")
-    for f in report["findings"]:
-        print(f"  [{f['level']}] {f['setting']}: {f['message']}" + (f" Fix: {f['fix']}" if f["fix"] else ""))
-    if "verify" in report:
-        print(f"verify: {report['verify']['message']}")
-    return 1 if errors else 0
-
-
-def _verify_after_setup(args: argparse.Namespace) -> dict:
-    """Apply the setup to this process, then check on the device (imports torch)."""
-    from megatron_bridge_ext.allocator import setup_allocator, verify_allocator
-
-    setup_allocator(nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
-    return verify_allocator().to_dict()
 
 
 def _parse_size(text: str) -> int:
@@ -101,7 +50,8 @@ def _run(args: argparse.Namespace) -> int:
     import os
 
     from megatron_bridge_ext import logs
-    from megatron_bridge_ext.allocator import AllocatorSetupError, setup_allocator
+    from megatron_bridge_ext.allocator import setup_allocator
+    from megatron_bridge_ext.findings import Refused
 
     command = list(args.cmd)
     if command[:1] == ["--"]:
@@ -114,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     try:
         setup_allocator(env, nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
-    except (AllocatorSetupError, ValueError) as error:
+    except (Refused, ValueError) as error:
         print(f"mbx run: {error}", file=sys.stderr)
         return 2
     sys.stdout.flush()
@@ -133,18 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mbx", description="megatron-bridge-ext: cut peak GPU memory in Megatron Bridge training")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("patches", help="list every upstream patch with target, version range, status and reason")
-    p.add_argument("--no-apply", dest="apply", action="store_false",
-                   help="report without applying (status of patches that need imports may read 'not applied')")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_patches)
+    p = sub.add_parser("patches", help="list every upstream patch: version range, whether this environment needs it")
+    p.add_argument("--apply", action="store_true", help="apply every needed patch to this process, then report")
+    p.add_argument("--verbose", action="store_true", help="also each patch's target, reason and when it is applied")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=patches.command)
 
     p = sub.add_parser("env", help="effective allocator settings, guard findings, and torch/Megatron/TE versions")
     _guard_options(p)
     p.add_argument("--verify", action="store_true",
                    help="also apply the setup to this process and check it on the device (imports torch)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_env)
+    p.set_defaults(func=env.command)
 
     p = sub.add_parser("diagnose", help="fragmentation or capacity: diagnose an OOM from a memory_stats() JSON dump "
                                         "or an OOM report")
@@ -171,16 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
-        from megatron_bridge_ext import demo
+        from megatron_bridge_ext.demo import train
 
-        return demo.main(argv[1:])
+        return train.main(argv[1:])
     if argv[:2] == ["bench", "memory"]:
-        from megatron_bridge_ext import bench
+        from megatron_bridge_ext.demo import bench
 
         return bench.main(argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())

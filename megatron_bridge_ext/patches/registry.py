@@ -1,4 +1,8 @@
-"""The ordered list of patches, and the functions that apply, revert and report them."""
+"""The ordered list of patches, and the functions that apply, revert and report them.
+
+Features apply the patches they need where they need them (each patch's ``applied_by``);
+:func:`apply_all` is for ``mbx patches --apply`` and tests.
+"""
 
 from __future__ import annotations
 
@@ -26,11 +30,13 @@ class PatchStatus:
     versions: str
     status: str
     reason: str
+    applied_by: str
 
 
 def _report(patch: Patch, result: tuple[str, str]) -> PatchStatus:
     status, why = result
-    return PatchStatus(patch.name, patch.target, f"{patch.distribution} {patch.versions}", status, why)
+    return PatchStatus(patch.name, patch.target, f"{patch.distribution} {patch.versions}", status, why,
+                       patch.applied_by)
 
 
 def apply_all() -> list[PatchStatus]:

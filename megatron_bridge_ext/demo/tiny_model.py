@@ -2,7 +2,9 @@
 
 Real Megatron Core layers (ColumnParallelLinear/RowParallelLinear, sequence-parallel mappings,
 DotProductAttention) at a size that trains in seconds on a CPU. Requires torch.distributed and
-Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.distributed`).
+Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.demo.distributed`).
+Building the model applies the ``core_local_norm_sequence_parallel`` patch (the local spec's norm
+refuses sequence parallelism upstream); applying a PEFT applies ``bridge_truthful_te_detection``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_bridge_ext.patches import apply_all
+from megatron_bridge_ext.patches import bridge_peft_without_te, bridge_truthful_te_detection
+from megatron_bridge_ext.patches import core_local_norm_sequence_parallel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -43,6 +46,29 @@ class TinyGPTShape:
             return DTYPES[self.dtype]
         except KeyError:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}") from None
+
+
+def shape_problems(shape: TinyGPTShape) -> list[str]:
+    """What Megatron Core (or the LoRA layout) would refuse about ``shape``, one line each, naming the option."""
+    problems = []
+    for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "micro_batch", "lora_rank", "tp"):
+        if getattr(shape, name) < 1:
+            problems.append(f"--{name.replace('_', '-')}={getattr(shape, name)}: must be at least 1")
+    if problems:
+        return problems
+    checks = (
+        (shape.hidden % shape.heads, f"--hidden={shape.hidden} is not divisible by --heads={shape.heads}"),
+        (shape.heads % shape.kv_heads, f"--heads={shape.heads} is not divisible by --kv-heads={shape.kv_heads}"),
+        (shape.heads % shape.tp, f"--heads={shape.heads} is not divisible by --tp={shape.tp}"),
+        (shape.kv_heads % shape.tp, f"--kv-heads={shape.kv_heads} is not divisible by --tp={shape.tp}"),
+        (shape.ffn % shape.tp, f"--ffn={shape.ffn} is not divisible by --tp={shape.tp}"),
+        (shape.lora_rank % shape.tp, f"--lora-rank={shape.lora_rank} is not divisible by --tp={shape.tp} "
+                                     "(Bridge shards LoRA-A on the rank dimension)"),
+        (shape.sequence_parallel and shape.seq % shape.tp,
+         f"--seq={shape.seq} is not divisible by --tp={shape.tp} (sequence parallelism splits the sequence)"),
+        (shape.vocab % shape.tp, f"vocab {shape.vocab} is not divisible by --tp={shape.tp}"),
+    )
+    return [message for failed, message in checks if failed]
 
 
 def transformer_config(shape: TinyGPTShape, **overrides):
@@ -77,9 +103,9 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, **config_overrides):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_bridge_ext.distributed import device
+    from megatron_bridge_ext.demo.distributed import device
 
-    apply_all()
+    core_local_norm_sequence_parallel.PATCH.apply()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     config = transformer_config(shape, **copy.deepcopy(config_overrides))  # Core may edit lists in place
@@ -95,7 +121,7 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, **config_overrides):
 
 def bridge_lora(shape: TinyGPTShape, **fields):
     """Megatron Bridge's own LoRA for ``shape`` (the upstream baseline)."""
-    apply_all()
+    bridge_peft_without_te.import_bridge_peft()
     from megatron.bridge.peft.lora import LoRA
 
     return LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=shape.lora_alpha, **fields)
@@ -107,6 +133,7 @@ def apply_peft(model, peft, seed: int = 4321):
     LoRA-B is zero-initialised upstream; it is re-drawn here so that adapters contribute to
     outputs and gradients in tests and benchmarks.
     """
+    bridge_truthful_te_detection.PATCH.apply()  # Bridge's own LoRA needs it as much as ours
     torch.manual_seed(seed)
     model = peft(model, training=True)
     model = model[0] if isinstance(model, list) else model
@@ -120,7 +147,7 @@ def apply_peft(model, peft, seed: int = 4321):
 
 def synthetic_batch(shape: TinyGPTShape, step: int = 0):
     """Deterministic tokens, positions, labels and loss mask (same on every rank)."""
-    from megatron_bridge_ext.distributed import device
+    from megatron_bridge_ext.demo.distributed import device
 
     generator = torch.Generator().manual_seed(10_000 + step)
     tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=generator)

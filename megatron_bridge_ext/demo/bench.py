@@ -19,9 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext import distributed, tiny_model, variants
-from megatron_bridge_ext.patches import apply_all
-from megatron_bridge_ext.demo import add_shape_arguments, shape_from_args
+from megatron_bridge_ext.demo import distributed, launch, options, tiny_model, variants
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
 from megatron_bridge_ext.table import text_table
 
@@ -31,13 +29,9 @@ DEFAULT_SHAPE = tiny_model.TinyGPTShape(layers=2, hidden=256, ffn=512, heads=8, 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mbx bench memory", description=__doc__.splitlines()[0])
-    add_shape_arguments(p, DEFAULT_SHAPE)
-    p.add_argument("--steps", type=int, default=5, help="timed forward/backward passes per variant")
-    p.add_argument("--variants", nargs="*", default=None, help=f"subset of {list(BENCH_VARIANTS)}")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
-    return p
+    return options.parser("mbx bench memory", __doc__.splitlines()[0], DEFAULT_SHAPE, steps=5,
+                          variant_names=list(BENCH_VARIANTS),
+                          steps_help="timed forward/backward passes per variant (after one warm-up pass)")
 
 
 def _sync() -> None:
@@ -81,7 +75,7 @@ def run_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps
         "saved_bytes": saved.total_bytes,
         "lora_input_saved_bytes": saved.module_bytes("lora_input"),
         "collective_elements": {**counter.elements_by_kind(), "total": counter.total_elements()},
-        "step_time_ms": statistics.median(times) if times else float("nan"),
+        "step_time_ms": statistics.median(times),
     }
     return row, outputs
 
@@ -127,9 +121,8 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_bridge_ext import logs
 
     logs.configure()
-    shape = shape_from_args(args)
+    shape = options.shape_from_args(args)
     distributed.init_from_env(tensor_parallel=shape.tp)
-    apply_all()
     result = run(shape, args.variants, args.steps)
     if dist.get_rank() == 0:
         print(json.dumps(result, indent=2) if args.json else format_table(result))
@@ -138,13 +131,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
-    from megatron_bridge_ext import launch
-
-    if launch.under_torchrun():
-        worker(args)
-        return 0
-    return launch.launch("megatron_bridge_ext.bench", argv, nproc=args.nproc)
+    return launch.run("mbx bench memory", "megatron_bridge_ext.demo.bench", parser(), argv, worker)
 
 
 if __name__ == "__main__":

@@ -1,45 +1,25 @@
 """Settings that do not go with expandable segments, each checked before launch.
 
-Every check returns ``Finding`` objects that name the setting and the fix. ``error`` findings
-stop :func:`megatron_bridge_ext.allocator.setup_allocator` (a run that would fail later, or
-misbehave, is refused before it starts); ``warning`` findings are logged and returned.
+Every check returns :class:`~megatron_bridge_ext.findings.Finding` objects that name the setting
+and the fix. ``error`` findings stop the setup (a run that would fail later, or misbehave, is
+refused before it starts); ``warning`` findings are logged and returned; ``action`` findings say
+what was set because expandable segments require it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Optional
 
-from megatron_bridge_ext.allocator_conf import AllocConf
+from megatron_bridge_ext.allocator.options import AllocConf
+from megatron_bridge_ext.evidence import COST_WITHOUT_EXPANDABLE
+from megatron_bridge_ext.findings import ACTION, ERROR, WARNING, Finding
 
 NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
 IPC_ENV = "MBX_ALLOCATOR_IPC"
 
-COST_WITHOUT_EXPANDABLE = (
-    "without expandable segments the caching allocator fragments: on Llama3 70B SFT (32x H100, "
-    "TP4 PP4 VPP5 DP2) a run at 58.8 GB peak went out of memory from fragmentation, and "
-    "expandable segments fixed it at no throughput cost, while the alternatives cost throughput "
-    "(PP 4->8: -5.9%, TP 4->8: -28.4%, mlp recompute: about -16% for about 3 GB)"
-)
-
-
-@dataclass(frozen=True)
-class Finding:
-    code: str
-    level: str  # "info" | "warning" | "error"
-    setting: str
-    message: str
-    fix: str = ""
-
-    def text(self) -> str:
-        return f"{self.setting}: {self.message}" + (f" Fix: {self.fix}" if self.fix else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def user_disabled(variable: str) -> Finding:
-    return Finding("user_disabled", "warning", f"{variable} expandable_segments:False",
+    return Finding("user_disabled", WARNING, f"{variable} expandable_segments:False",
                    f"kept as you set it; {COST_WITHOUT_EXPANDABLE}.",
                    "drop expandable_segments:False unless a guard below requires it")
 
@@ -50,7 +30,7 @@ def nccl_ub(torch_version: tuple[int, int], user_set: bool) -> Optional[Finding]
         return None
     how = "you set expandable_segments:True" if user_set else "megatron_bridge_ext turns on expandable_segments"
     return Finding(
-        "nccl_ub", "error", "ddp.nccl_ub (DistributedDataParallelConfig.nccl_ub)",
+        "nccl_ub", ERROR, "ddp.nccl_ub (DistributedDataParallelConfig.nccl_ub)",
         f"NCCL user-buffer registration does not work with expandable segments on torch "
         f"{torch_version[0]}.{torch_version[1]} < 2.11 (torch.cuda.MemPool), and {how}; Megatron Core "
         "would raise ValueError when the DDP config is built.",
@@ -66,14 +46,14 @@ def cuda_graphs(cuda_graph_impl: str, current: Optional[str]) -> tuple[Optional[
     Returns the value to set (``"0"`` when absent) and a finding.
     """
     if current is None:
-        return "0", Finding("cuda_graphs", "info", NCCL_GRAPH_REGISTER,
+        return "0", Finding("cuda_graphs", ACTION, NCCL_GRAPH_REGISTER,
                             f"set to 0: cuda_graph_impl={cuda_graph_impl!r} with expandable segments needs NCCL "
                             "graph registration off (NCCL registering expandable-segment memory in a graph "
                             "leads to illegal memory access).")
     if current.strip() == "0":
         return None, None
     return None, Finding(
-        "cuda_graphs", "error", NCCL_GRAPH_REGISTER,
+        "cuda_graphs", ERROR, NCCL_GRAPH_REGISTER,
         f"is {current!r}, but cuda_graph_impl={cuda_graph_impl!r} with expandable segments needs "
         "NCCL_GRAPH_REGISTER=0 (graph registration of expandable-segment memory leads to illegal memory access).",
         "unset NCCL_GRAPH_REGISTER or set it to 0, or set expandable_segments:False, or cuda_graph_impl='none'",
@@ -84,14 +64,14 @@ def cuda_malloc_async(variable: str, user_expandable: Optional[bool]) -> Finding
     """backend:cudaMallocAsync replaces the caching allocator; expandable_segments means nothing to it."""
     if user_expandable:
         return Finding(
-            "cuda_malloc_async", "error", f"{variable} backend:cudaMallocAsync",
+            "cuda_malloc_async", ERROR, f"{variable} backend:cudaMallocAsync",
             "together with expandable_segments:True: cudaMallocAsync is CUDA's own pool allocator and ignores "
             "expandable_segments, so the setting would look on while it is not.",
             "choose one: remove backend:cudaMallocAsync (native allocator with expandable segments), "
             "or remove expandable_segments:True",
         )
     return Finding(
-        "cuda_malloc_async", "warning", f"{variable} backend:cudaMallocAsync",
+        "cuda_malloc_async", WARNING, f"{variable} backend:cudaMallocAsync",
         "ignores expandable_segments, so it was not added; fragmentation is then up to CUDA's pool allocator.",
         "remove backend:cudaMallocAsync to use the native allocator with expandable segments",
     )
@@ -102,7 +82,7 @@ def max_split_size(variable: str, conf: AllocConf) -> Optional[Finding]:
     if value is None:
         return None
     return Finding(
-        "max_split_size", "warning", f"{variable} max_split_size_mb:{value}",
+        "max_split_size", WARNING, f"{variable} max_split_size_mb:{value}",
         "together with expandable segments lets reserved memory grow without bound.",
         "remove max_split_size_mb (expandable segments already address fragmentation)",
     )
@@ -114,12 +94,12 @@ def ipc(variable: str, user_expandable: Optional[bool]) -> Finding:
            "ipc=True there), on in the others")
     if user_expandable:
         return Finding(
-            "ipc", "warning", f"{IPC_ENV} / ipc=True",
+            "ipc", WARNING, f"{IPC_ENV} / ipc=True",
             f"this process shares CUDA memory through IPC (colocated inference, weight sync) but {variable} has "
             "expandable_segments:True: sharing an expandable-segment tensor fails (torch 2.14.1 only allows it "
             "with TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=1 and a kernel with pidfd_getfd).", fix)
     return Finding(
-        "ipc", "warning", f"{IPC_ENV} / ipc=True",
+        "ipc", WARNING, f"{IPC_ENV} / ipc=True",
         "this process shares CUDA memory through IPC (colocated inference, weight sync), so expandable "
         f"segments were not turned on; {COST_WITHOUT_EXPANDABLE}.", fix)
 
@@ -129,12 +109,12 @@ def conf_findings(variable: str, conf: AllocConf) -> list[Finding]:
     findings = []
     for key in conf.unknown_keys():
         findings.append(Finding(
-            "unknown_key", "warning", f"{variable} {key}",
+            "unknown_key", WARNING, f"{variable} {key}",
             "is not a key torch 2.14.1 knows; kept as you set it, but torch 2.14.1 raises "
             "'ValueError: Unrecognized key' when it reads the settings.", f"check the spelling of {key!r}"))
     for key in conf.duplicates():
         findings.append(Finding(
-            "duplicate_key", "warning", f"{variable} {key}",
+            "duplicate_key", WARNING, f"{variable} {key}",
             f"appears more than once; torch applies the last one ({key}:{_render(conf.get(key))}).",
             f"keep one {key} entry"))
     return findings
@@ -144,7 +124,7 @@ def shadowed(variable: str, value: str, winner: str, winner_set: bool) -> Findin
     reason = (f"{winner} is set (even an empty value hides it)" if winner_set
               else f"this torch reads only {winner}")
     return Finding(
-        "shadowed", "warning", variable,
+        "shadowed", WARNING, variable,
         f"{value!r} is ignored by this torch because {reason}; left as it is.",
         f"move its options into {winner}" + (f", or unset {winner}" if winner_set else ""))
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Callable
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
+
+from megatron_bridge_ext.versions import installed_version
 
 logger = logging.getLogger("megatron_bridge_ext.patches")
 
@@ -18,20 +18,14 @@ OUT_OF_RANGE = "out of range"
 NOT_APPLIED = "not applied"
 
 
-def installed_version(distribution: str) -> Version | None:
-    """Version of an installed distribution, or None when it is not installed."""
-    try:
-        return Version(metadata.version(distribution))
-    except metadata.PackageNotFoundError:
-        return None
-
-
 @dataclass
 class Patch:
     """One reversible, version-gated change to upstream behaviour.
 
     ``needed`` says whether the installed environment shows the upstream problem;
     ``do_apply`` makes the change and returns an undo callable. ``apply()`` is idempotent.
+    ``applied_by`` says which feature applies it, and when: no patch is applied by importing
+    the package.
     """
 
     name: str
@@ -39,6 +33,7 @@ class Patch:
     distribution: str
     versions: str
     reason: str
+    applied_by: str
     needed: Callable[[], tuple[bool, str]]
     do_apply: Callable[[], Callable[[], None]]
     _undo: Callable[[], None] | None = field(default=None, repr=False)
@@ -65,8 +60,8 @@ class Patch:
         is_needed, why_needed = self.needed()
         return (NOT_APPLIED if is_needed else NOT_NEEDED), why_needed
 
-    def apply(self) -> tuple[str, str]:
-        """Apply when in range and needed; idempotent. Returns (status, why)."""
+    def apply(self, *, quiet: bool = False) -> tuple[str, str]:
+        """Apply when in range and needed; idempotent. Returns (status, why); ``quiet`` logs at DEBUG."""
         if self.applied:
             return APPLIED, "already applied"
         ok, why = self.in_range()
@@ -77,7 +72,7 @@ class Patch:
         if not is_needed:
             return NOT_NEEDED, why_needed
         self._undo = self.do_apply()
-        logger.info("patch %s applied to %s (%s)", self.name, self.target, why)
+        logger.log(logging.DEBUG if quiet else logging.INFO, "patch %s applied to %s (%s)", self.name, self.target, why)
         return APPLIED, why_needed
 
     def revert(self) -> None:

@@ -11,6 +11,7 @@ modules to Megatron Core's own ``HAVE_TE`` (False); revert restores the original
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Callable
 
 from megatron_bridge_ext.patches import bridge_peft_without_te
@@ -38,6 +39,8 @@ def _false_positive_flags() -> dict[str, list[str]]:
 
 def _bridge_peft_cannot_import() -> bool:
     """True while Bridge's PEFT modules still need bridge_peft_without_te to import."""
+    if all(name in sys.modules for name in bridge_peft_without_te.TARGET_MODULES):
+        return False
     peft_patch = bridge_peft_without_te.PATCH
     return not peft_patch.applied and peft_patch.in_range()[0] and peft_patch.needed()[0]
 
@@ -46,8 +49,8 @@ def _needed() -> tuple[bool, str]:
     if _bridge_peft_cannot_import():
         # Importing them now would fail half-way and leave megatron.bridge half-imported in sys.modules,
         # which breaks every later import of Bridge in this process (status_all() must change nothing).
-        return True, ("Bridge's PEFT modules cannot be imported (to inspect their TE flags) before "
-                      "bridge_peft_without_te is applied; apply_all() applies both in order")
+        return True, ("Bridge's PEFT modules cannot be imported (to inspect their TE flags) without "
+                      "bridge_peft_without_te; bridge_peft_without_te.import_bridge_peft() imports them")
     try:
         if _core_has_te():
             return False, "Transformer Engine is installed; Bridge's detection is correct"
@@ -81,6 +84,7 @@ PATCH = Patch(
     distribution="megatron-bridge",
     versions=">=0.5.1,<=0.6.2",
     reason="Core's TE placeholders make Bridge believe TE is present; LoRA.transform then raises TypeError",
+    applied_by="megatron_bridge_ext.peft.LoRA when it transforms a model; the demo before Bridge's LoRA runs",
     needed=_needed,
     do_apply=_apply,
 )

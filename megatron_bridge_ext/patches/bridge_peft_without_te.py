@@ -8,6 +8,9 @@ The patch is an import hook scoped to those modules only: while their top-level 
 ``import transformer_engine...`` resolves to a placeholder whose every attribute is a class that
 raises a clear error when instantiated. Nothing else in the process sees the placeholder, so
 ``safe_import`` checks elsewhere keep reporting TE as absent. Only active when TE cannot be imported.
+
+:func:`import_bridge_peft` is how the package uses it: the hook is installed for the duration of
+that one import and removed afterwards (accessing ``megatron_bridge_ext.peft.LoRA`` calls it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import types
 from typing import Callable
 
-from megatron_bridge_ext.patches.base import Patch
+from megatron_bridge_ext.patches.base import APPLIED, Patch
 
 TARGET_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora")
 _MESSAGE = (
@@ -106,10 +109,30 @@ class _ScopedTEImportFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+_imported_through_hook = False
+
+
 def _needed() -> tuple[bool, str]:
     if _te_importable():
         return False, "Transformer Engine imports; Bridge's PEFT modules load as they are"
+    if _imported_through_hook:
+        return False, "Bridge's PEFT modules are already imported in this process, through this hook"
     return True, "Transformer Engine is not importable and Bridge's PEFT modules import it unconditionally"
+
+
+def import_bridge_peft() -> None:
+    """Import Megatron Bridge's PEFT modules; without TE through the hook, installed for this import only."""
+    global _imported_through_hook
+    if all(name in sys.modules for name in TARGET_MODULES):
+        return
+    installed_here = not PATCH.applied and PATCH.apply(quiet=True)[0] == APPLIED
+    try:
+        for name in TARGET_MODULES:
+            importlib.import_module(name)
+    finally:
+        if installed_here:
+            PATCH.revert()
+            _imported_through_hook = True
 
 
 def _apply() -> Callable[[], None]:
@@ -129,6 +152,7 @@ PATCH = Patch(
     distribution="megatron-bridge",
     versions=">=0.5.1,<=0.6.2",
     reason="Bridge's PEFT modules import Transformer Engine unconditionally; the local-spec LoRA path needs none of it",
+    applied_by="megatron_bridge_ext.peft (LoRA): for the one import of Bridge's PEFT modules, then removed",
     needed=_needed,
     do_apply=_apply,
 )

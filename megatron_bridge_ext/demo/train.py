@@ -1,6 +1,7 @@
 """The main job: train the tiny LoRA model a few steps per variant and show activation memory.
 
-Run ``mbx demo`` (it starts 2 ranks) or ``torchrun --nproc_per_node=2 -m megatron_bridge_ext.demo``.
+Run ``mbx demo`` (it starts one rank per ``--tp``, 2 by default) or, under torchrun,
+``torchrun --nproc_per_node=2 -m megatron_bridge_ext.demo.train`` on GPUs.
 Each rank trains the same tiny Megatron Core GPT (TP=2, sequence parallel) with LoRA on
 synthetic tokens, once per variant, from identical weights and data, and measures the bytes
 autograd retains for backward in every step, split into LoRA-A inputs / attention / other.
@@ -15,37 +16,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext import distributed, tiny_model, variants
-from megatron_bridge_ext.patches import apply_all
-from megatron_bridge_ext.measure import SavedActivationMeter
-from megatron_bridge_ext.recompute import RecomputeProbe
+from megatron_bridge_ext.demo import distributed, launch, options, tiny_model, variants
+from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
 from megatron_bridge_ext.table import text_table
 
 CATEGORIES = ("lora_input", "attention", "other")
 
 
-def add_shape_arguments(parser: argparse.ArgumentParser, defaults: tiny_model.TinyGPTShape) -> None:
-    """Shape options shared by the demo and the benchmarks."""
-    for flag, attr in (("--layers", "layers"), ("--hidden", "hidden"), ("--ffn", "ffn"), ("--heads", "heads"),
-                       ("--kv-heads", "kv_heads"), ("--seq", "seq"), ("--micro-batch", "micro_batch"),
-                       ("--rank", "lora_rank"), ("--tp", "tp")):
-        parser.add_argument(flag, dest=attr, type=int, default=getattr(defaults, attr))
-    parser.add_argument("--dtype", default=defaults.dtype, choices=sorted(tiny_model.DTYPES))
-
-
-def shape_from_args(args: argparse.Namespace) -> tiny_model.TinyGPTShape:
-    fields = ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "micro_batch", "lora_rank", "tp", "dtype")
-    return tiny_model.TinyGPTShape(**{f: getattr(args, f) for f in fields})
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mbx demo", description=__doc__.splitlines()[0])
-    add_shape_arguments(p, tiny_model.TinyGPTShape())
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--variants", nargs="*", default=None, help=f"subset of {sorted(variants.VARIANTS)}")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
-    return p
+    return options.parser("mbx demo", __doc__.splitlines()[0], tiny_model.TinyGPTShape(), steps=3,
+                          variant_names=[v.name for v in variants.select(None)],
+                          steps_help="training steps per variant")
 
 
 def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps: int, progress) -> dict:
@@ -112,10 +93,9 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_bridge_ext import logs
 
     logs.configure()
-    shape = shape_from_args(args)
+    shape = options.shape_from_args(args)
     chosen = variants.select(args.variants)
     distributed.init_from_env(tensor_parallel=shape.tp)
-    apply_all()
     rank = dist.get_rank()
     from tqdm import tqdm
 
@@ -137,14 +117,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from megatron_bridge_ext import launch
-
-    if launch.under_torchrun():
-        worker(args)
-        return 0
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
-    return launch.launch("megatron_bridge_ext.demo", forwarded, nproc=args.nproc)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return launch.run("mbx demo", "megatron_bridge_ext.demo.train", parser(), argv, worker)
 
 
 if __name__ == "__main__":

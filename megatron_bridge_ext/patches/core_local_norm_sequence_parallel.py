@@ -62,6 +62,7 @@ PATCH = Patch(
     distribution="megatron-core",
     versions=">=0.17,<0.20",
     reason="the local spec's norm refuses SP although it is per-token; its params need sequence_parallel=True",
+    applied_by="megatron_bridge_ext.demo when it builds a local-spec model with sequence parallelism",
     needed=_needed,
     do_apply=_apply,
 )

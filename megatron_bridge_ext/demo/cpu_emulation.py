@@ -1,8 +1,8 @@
 """CPU emulation of the few CUDA-only calls Megatron Core makes on the TP/SP path.
 
-Test support only: used when CUDA is absent so that 2-rank gloo runs can execute real
-Megatron Core tensor/sequence-parallel layers on a CPU machine. The product never imports
-this module. Everything it changes is listed here:
+Used only by the CPU runs of the demo and benchmarks (:mod:`.cpu_run`) and by the tests, when
+CUDA is absent, so that 2-rank gloo runs can execute real Megatron Core tensor/sequence-parallel
+layers on a CPU machine. No feature of the package imports it. Everything it changes is listed here:
 
 * ``torch.cuda.current_device`` -> ``"cpu"``: Megatron Core allocates gather/reduce-scatter
   outputs and its ``GlobalMemoryBuffer`` on ``torch.cuda.current_device()``.

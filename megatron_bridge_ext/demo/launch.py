@@ -1,0 +1,57 @@
+"""Start the ranks of ``mbx demo`` / ``mbx bench memory`` with torchrun, or run in place under torchrun.
+
+One launcher for both: the parent parses and checks the options, then starts ``--tp`` ranks of
+the same module. On GPUs the ranks run the module as it is; without CUDA they go through
+:mod:`megatron_bridge_ext.demo.cpu_run`, which installs the CPU emulation first.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Callable
+
+CPU_RUN = "megatron_bridge_ext.demo.cpu_run"
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def torchrun_command(module: str, args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start ``module`` on ``nproc`` local ranks."""
+    env = dict(os.environ)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if _cuda_available():
+        return launcher + ["-m", module, *args], env
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return launcher + ["-m", CPU_RUN, module, *args], env
+
+
+def run(prog: str, module: str, parser, argv: list[str], worker: Callable) -> int:
+    """Parse and check ``argv``; under torchrun run ``worker(args)``, else start one rank per TP rank.
+
+    Bad options exit with status 2 and one line, before any rank starts.
+    """
+    from megatron_bridge_ext.demo import options
+
+    args = parser.parse_args(argv)
+    if under_torchrun():
+        worker(args)
+        return 0
+    try:
+        options.check(args)
+    except options.OptionError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 2
+    print(f"{prog}: starting {args.tp} ranks (torchrun; {'NCCL' if _cuda_available() else 'gloo on the CPU'}); "
+          "importing Megatron takes a while on the first run", file=sys.stderr, flush=True)
+    command, env = torchrun_command(module, argv, args.tp)
+    return subprocess.call(command, env=env)

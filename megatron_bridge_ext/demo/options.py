@@ -1,0 +1,71 @@
+"""The options ``mbx demo`` and ``mbx bench memory`` share, checked in the parent process.
+
+Everything a rank would fail on (a variant name, a shape TP cannot split, a step count) is
+refused here with one line, before torchrun starts any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_bridge_ext.demo import tiny_model, variants
+
+SHAPE_OPTIONS = (
+    ("--layers", "layers", "transformer layers"),
+    ("--hidden", "hidden", "hidden size h"),
+    ("--ffn", "ffn", "MLP hidden size"),
+    ("--heads", "heads", "attention heads"),
+    ("--kv-heads", "kv_heads", "key/value heads (query groups)"),
+    ("--seq", "seq", "sequence length s"),
+    ("--micro-batch", "micro_batch", "micro-batch size b"),
+    ("--lora-rank", "lora_rank", "LoRA rank r"),
+    ("--tp", "tp", "tensor-parallel size t (= ranks started)"),
+)
+
+
+class OptionError(ValueError):
+    """A bad command-line value; the message names the option and the fix."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, steps: int,
+           variant_names: list[str], steps_help: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    shape = p.add_argument_group("model shape")
+    for flag, attr, help_text in SHAPE_OPTIONS:
+        shape.add_argument(flag, dest=attr, type=_positive_int, default=getattr(defaults, attr), help=help_text)
+    shape.add_argument("--dtype", default=defaults.dtype, choices=sorted(tiny_model.DTYPES), help="parameter dtype")
+    p.add_argument("--steps", type=_positive_int, default=steps, help=steps_help)
+    p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                   help=f"variants to run, in this order (default: {' '.join(variant_names)}); "
+                        f"choose from {', '.join(variants.VARIANTS)}")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def shape_from_args(args: argparse.Namespace) -> tiny_model.TinyGPTShape:
+    fields = ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "micro_batch", "lora_rank", "tp", "dtype")
+    return tiny_model.TinyGPTShape(**{f: getattr(args, f) for f in fields})
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse what the ranks would fail on; raises :class:`OptionError` naming the option."""
+    shape = shape_from_args(args)
+    problems = tiny_model.shape_problems(shape)
+    if problems:
+        raise OptionError(problems[0])
+    if args.variants:
+        try:
+            variants.select(args.variants)
+        except ValueError as error:
+            raise OptionError(f"--variants: {error}") from None
