@@ -181,3 +181,61 @@ def test_validate_changes_and_logs_nothing(cfg, caplog):
     assert cfg.env_vars == before_env
     assert cfg.model.recompute_modules == before_model["recompute_modules"]
     assert not [r for r in caplog.records if "cfg.env_vars" in r.getMessage()]
+
+
+# Each rule MemoryConfig copies from Megatron Core, as the Core TransformerConfig fields that trigger it.
+# If Core stops refusing one of these, the copy in MemoryConfig is stale and this test says which.
+_CORE_RULES = [
+    ("moe_act", dict(recompute_granularity="selective", recompute_modules=["moe_act"], num_moe_experts=4)),
+    ("mla_up_proj", dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"])),
+    ("offload+recompute", dict(cpu_offloading=True, cpu_offloading_num_layers=1, recompute_granularity="selective")),
+    ("offload+pp", dict(cpu_offloading=True, cpu_offloading_num_layers=1, pipeline_model_parallel_size=2)),
+    ("full+graphs", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                         cuda_graph_impl="local")),
+    ("distribute+sp", dict(distribute_saved_activations=True, sequence_parallel=True, tensor_model_parallel_size=2,
+                           recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+]
+
+
+@pytest.mark.parametrize("case, core_fields", _CORE_RULES, ids=[c[0] for c in _CORE_RULES])
+def test_each_copied_core_rule_is_refused_by_megatron_core_too(case, core_fields):
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, pipeline_dtype=torch.float32, **core_fields)
+    with pytest.raises((ValueError, AssertionError)):
+        TransformerConfig(**fields)
+    # and the same fields with the one setting that makes the rule fire taken away are accepted by Core
+    relaxed = dict(fields)
+    for key, safe in (("cpu_offloading", False), ("cuda_graph_impl", "none"), ("distribute_saved_activations", False)):
+        if key in core_fields:
+            relaxed[key] = safe
+    if case in ("moe_act", "mla_up_proj"):
+        relaxed["recompute_modules"] = ["core_attn"]
+    TransformerConfig(**relaxed)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _CORE_RULES])
+def test_memory_config_refuses_each_copied_core_rule(cfg, case):
+    flags = {"moe_act": MemoryConfig(recompute_modules=["moe_act"]),
+             "mla_up_proj": MemoryConfig(recompute_modules=["mla_up_proj"]),
+             "offload+recompute": MemoryConfig(recompute_modules=["core_attn"])}.get(case, MemoryConfig())
+    model = {"moe_act": {"num_moe_experts": 4}, "offload+recompute": {"cpu_offloading": True},
+             "offload+pp": {"cpu_offloading": True, "pipeline_model_parallel_size": 2},
+             "full+graphs": {"recompute_granularity": "full", "cuda_graph_impl": "local"},
+             "distribute+sp": {"distribute_saved_activations": True}}.get(case, {})
+    for name, value in model.items():
+        setattr(cfg.model, name, value)
+    assert "Fix:" in _errors(flags, cfg)
+
+
+def test_lora_recompute_rule_is_eligibility_rule(cfg):
+    """MemoryConfig asks peft.eligibility: regather warns for linear_fc1 under 'mlp' only, not for linear_qkv."""
+    findings = MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
+    lora = [f for f in findings if f.code == "lora_sp_input_recompute"]
+    assert [("linear_fc1" in f.message, "linear_qkv" in f.message) for f in lora] == [(True, False)]
+    cfg.peft.target_modules = ["linear_qkv"]
+    findings = MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
+    assert not [f for f in findings if f.code == "lora_sp_input_recompute"]
+    assert not [f for f in MemoryConfig(lora_sp_input="shard_local", recompute_modules=["mlp"]).validate(cfg)
+                if f.code == "lora_sp_input_recompute"]
