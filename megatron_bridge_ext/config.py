@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from megatron_bridge_ext import recompute
-from megatron_bridge_ext.findings import ERROR, NO_EFFECT, WARNING, Finding, Refused
+from megatron_bridge_ext.findings import ACTION, ERROR, NO_EFFECT, WARNING, Finding, Refused
 from megatron_bridge_ext.peft import sp_lora
 from megatron_bridge_ext.peft.eligibility import ELIGIBLE_SURFACES, recompute_reason
 
@@ -168,6 +168,7 @@ class MemoryConfig:
         summary = Summary(findings=self.validate(cfg))
         self._apply_recompute(cfg.model, summary)
         self._apply_lora(cfg, summary)
+        self._apply_te_gradient_fix(cfg, summary)
         if self.expandable_segments:
             from megatron_bridge_ext.allocator.apply import configure_bridge_env
 
@@ -215,6 +216,21 @@ class MemoryConfig:
             cfg.peft.sequence_parallel_input_strategy = self.lora_sp_input
             summary.changes.append(Change("peft.sequence_parallel_input_strategy", previous, self.lora_sp_input))
 
+    def _apply_te_gradient_fix(self, cfg, summary: Summary) -> None:
+        """A LoRA-family PEFT on Transformer Engine >= 2.4 needs the norm-gradient patch, whatever the flags say."""
+        if cfg.peft is None or not _is_lora_family(cfg.peft):
+            return
+        from megatron_bridge_ext.patches import bridge_lora_te_norm_grad
+        from megatron_bridge_ext.patches.base import APPLIED
+
+        status, why = bridge_lora_te_norm_grad.PATCH.apply()
+        if status == APPLIED:
+            summary.findings.append(Finding(
+                "te_norm_grad_patch", ACTION, "peft",
+                f"patch bridge_lora_te_norm_grad applied in this process: {why}; LoRA-A inputs left on Bridge's "
+                "gathered path get the norm output as a shard plus an explicit all-gather, so their input "
+                "gradient is not lost"))
+
     # ------------------------------------------------------------------ command line
     def overrides(self) -> list[str]:
         """The Bridge command-line overrides for the model and PEFT flags.
@@ -239,6 +255,18 @@ class _RecomputeView:
 
     recompute_granularity: Optional[str]
     recompute_modules: list[str]
+
+
+def _is_lora_family(peft) -> bool:
+    """Bridge's LoRA, DoRA or CanonicalLoRA (ours derive from them)."""
+    from megatron_bridge_ext.patches import bridge_peft_without_te
+
+    bridge_peft_without_te.import_bridge_peft()
+    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+    from megatron.bridge.peft.dora import DoRA
+    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
+
+    return isinstance(peft, (BridgeLoRA, DoRA, CanonicalLoRA))
 
 
 def _is_lora(peft) -> bool:

@@ -17,7 +17,8 @@ import torch
 from megatron_bridge_ext.patches import bridge_peft_without_te, bridge_truthful_te_detection
 from megatron_bridge_ext.patches import core_local_norm_sequence_parallel
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float64": torch.float64}
 
 
 @dataclass(kw_only=True)
@@ -97,8 +98,11 @@ def transformer_config(shape: TinyGPTShape, **overrides):
     )
 
 
-def build_gpt(shape: TinyGPTShape, seed: int = 1234, **config_overrides):
-    """Build the GPTModel on this rank's device, with identical weights for identical seeds."""
+def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_overrides):
+    """Build the GPTModel on this rank's device, with identical weights for identical seeds.
+
+    ``layer_spec`` replaces Megatron Core's local layer spec (the default).
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -111,7 +115,7 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, **config_overrides):
     config = transformer_config(shape, **copy.deepcopy(config_overrides))  # Core may edit lists in place
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec if layer_spec is not None else get_gpt_layer_local_spec(),
         vocab_size=shape.vocab,
         max_sequence_length=shape.seq,
         position_embedding_type="rope",
@@ -162,4 +166,4 @@ def synthetic_batch(shape: TinyGPTShape, step: int = 0):
 def loss_of(model, batch) -> torch.Tensor:
     """Mean token cross-entropy of one forward pass."""
     per_token = model(batch["input_ids"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
-    return per_token.float().mean()
+    return per_token.to(torch.promote_types(per_token.dtype, torch.float32)).mean()

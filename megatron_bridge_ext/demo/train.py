@@ -84,8 +84,8 @@ def format_report(rows: list[dict]) -> str:
     row = reported[-1]
     lines = [f"LoRA-A input decisions ({row['variant']}; LoRA.report()):"]
     for decision in row["lora_report"]:
-        used = decision["strategy"] or "gathered"
-        lines.append(f"  {decision['adapter']:<45} {used:<12} {decision['reason']}")
+        lines.append(f"  {decision['adapter']:<45} {decision['strategy']:<12} {decision['reason']}; "
+                     f"retains {decision['retains']}")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_bridge_ext.patches import (
+    bridge_lora_te_norm_grad,
     bridge_peft_without_te,
     bridge_truthful_te_detection,
     core_local_norm_sequence_parallel,
@@ -20,6 +21,7 @@ PATCHES: tuple[Patch, ...] = (
     bridge_peft_without_te.PATCH,
     bridge_truthful_te_detection.PATCH,
     core_local_norm_sequence_parallel.PATCH,
+    bridge_lora_te_norm_grad.PATCH,
 )
 
 

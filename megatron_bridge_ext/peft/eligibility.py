@@ -27,12 +27,16 @@ ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
 
 @dataclass(frozen=True)
 class Decision:
-    """The verdict for one adapter: ``strategy`` is ``"off"`` when it keeps the gathered input."""
+    """The verdict for one adapter: ``strategy`` is ``"off"`` when it takes the input as Bridge gives it.
+
+    ``retains`` says what LoRA-A keeps for backward under that decision.
+    """
 
     adapter: str
     requested: str
     strategy: str
     reason: str
+    retains: str = ""
 
     @property
     def eligible(self) -> bool:
@@ -104,12 +108,35 @@ def ineligibility(lora_linear, strategy: str) -> Optional[str]:
     return recompute_reason(base_config, surface, strategy)
 
 
+def is_te_layernorm_linear(base) -> bool:
+    """A Transformer Engine LayerNorm-linear (it can return its norm output, gathered or not)."""
+    return hasattr(base, "return_layernorm_output_gathered")
+
+
+def retained(lora_linear, strategy: str) -> str:
+    """What LoRA-A keeps for backward when ``strategy`` (or ``"off"``) is in effect, and what that saves."""
+    adapter, base = lora_linear.adapter, lora_linear.to_wrap
+    if not adapter.linear_in.weight.requires_grad:
+        return "nothing (LoRA-A is frozen)"
+    if adapter.input_is_parallel:
+        return "its input as the row-parallel base gets it, already split over TP ([s, b, h/t]); nothing to save"
+    sequence_parallel = getattr(base.config, "sequence_parallel", False) and _tp_size(adapter) > 1
+    if not sequence_parallel:
+        return "its input [s, b, h] (no sequence parallelism: nothing to save)"
+    if strategy == OFF:
+        return "the gathered input [s, b, h]"
+    if is_te_layernorm_linear(base):
+        return ("the sequence shard [s/t, b, h], the storage TE keeps for its own backward: "
+                "s*b*h elements less than Bridge (which also keeps the gathered copy)")
+    return "the sequence shard [s/t, b, h]: s*b*h*(1-1/t) elements less than Bridge's gathered input"
+
+
 def decide(lora_linear, strategy: str) -> Decision:
     """The decision for one Bridge ``LoRALinear`` under the requested strategy (``"off"`` included)."""
     name = lora_linear.adapter.base_linear_name
     if strategy == OFF:
-        return Decision(name, OFF, OFF, "off (no strategy requested)")
+        return Decision(name, OFF, OFF, "off (no strategy requested)", retained(lora_linear, OFF))
     reason = ineligibility(lora_linear, strategy)
     if reason is not None:
-        return Decision(name, strategy, OFF, reason)
-    return Decision(name, strategy, strategy, "eligible")
+        return Decision(name, strategy, OFF, reason, retained(lora_linear, OFF))
+    return Decision(name, strategy, strategy, "eligible", retained(lora_linear, strategy))

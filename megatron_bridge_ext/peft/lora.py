@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch.nn as nn
 
-from megatron_bridge_ext.patches import bridge_peft_without_te, bridge_truthful_te_detection
+from megatron_bridge_ext.patches import bridge_lora_te_norm_grad, bridge_peft_without_te, bridge_truthful_te_detection
 
 bridge_peft_without_te.import_bridge_peft()
 
@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
 )
 
 from megatron_bridge_ext.peft import sp_lora  # noqa: E402
-from megatron_bridge_ext.peft.eligibility import Decision, decide  # noqa: E402
+from megatron_bridge_ext.peft.eligibility import Decision, decide, is_te_layernorm_linear  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +81,11 @@ def _allow_bridge_instantiation() -> None:
 _allow_bridge_instantiation()
 
 
-def _wrapped_te_layernorm_linear(base: nn.Module) -> bool:
-    return hasattr(base, "return_layernorm_output_gathered")
-
-
 def enable_sp_input(lora_linear: LoRALinear, strategy: str) -> None:
     """Switch one Bridge adapter to the sequence-local LoRA-A input (no new parameters)."""
     adapter = lora_linear.adapter
     adapter.disable_sequence_parallel_comm = True
-    if _wrapped_te_layernorm_linear(lora_linear.to_wrap):
+    if is_te_layernorm_linear(lora_linear.to_wrap):
         lora_linear.to_wrap.return_layernorm_output_gathered = False
     adapter.linear_in.__class__ = SequenceParallelLoRAIn
     adapter.linear_in._mbx_strategy = strategy
@@ -161,6 +157,7 @@ class LoRA(BridgeLoRA):
 
     def __call__(self, model, training: bool = True):
         bridge_truthful_te_detection.PATCH.apply()  # Bridge's TE check must be right before it matches modules
+        bridge_lora_te_norm_grad.PATCH.apply()  # adapters left on Bridge's gathered path need it with TE >= 2.4
         result = super().__call__(model, training=training)
         if self.strategy != sp_lora.OFF:
             used = sum(d.eligible for d in self._decisions.values())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib.metadata
 import logging
 
 import pytest
@@ -29,7 +28,6 @@ from megatron_bridge_ext.demo import tiny_model as tm
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
 from megatron_bridge_ext.demo.variants import VARIANTS
 from tests.support.dist_checks import assert_no_problems, local_rel_err
-from tests.support.fake_te import FakeTELayerNormColumnParallelLinear
 
 pytestmark = [
     pytest.mark.functional,
@@ -37,145 +35,33 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*CUDA_DEVICE_MAX_CONNECTIONS.*:UserWarning"),
 ]
 
-TP = 2
-STRATEGIES = ("regather", "shard_local")
-ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
-FP32_REL_TOL = 1e-6
-LORA_LOGGER = "megatron_bridge_ext.peft.lora"
-
-# The per-adapter problem: s*b*h, s*b*r and r*h all differ, so every collective is identifiable by size.
-S, B, H, OUT, R = 8, 3, 32, 48, 8
-
-
-# --------------------------------------------------------------------------------------------- helpers
-
-
-def _device() -> torch.device:
-    from megatron_bridge_ext.demo.distributed import device
-
-    return device()
-
-
-def _gpt(shape: tm.TinyGPTShape, variant: str, seed: int = 1234, peft_seed: int = 4321, **config):
-    """The tiny GPTModel with ``variant``'s PEFT applied; returns (model, peft)."""
-    peft = VARIANTS[variant].make_peft(shape)
-    model = tm.apply_peft(tm.build_gpt(shape, seed=seed, **config), peft, seed=peft_seed)
-    return model, peft
-
-
-def _adapter_names(shape: tm.TinyGPTShape, surfaces=None) -> list[str]:
-    parent = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
-    return [
-        f"decoder.layers.{layer}.{parent[surface]}.{surface}"
-        for layer in range(shape.layers)
-        for surface in (surfaces or shape.lora_targets)
-    ]
-
-
-def _trainable(model) -> dict[str, torch.nn.Parameter]:
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _loss_and_grads(model, shape: tm.TinyGPTShape, step: int = 0):
-    loss = tm.loss_of(model, tm.synthetic_batch(shape, step))
-    loss.backward()
-    grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in _trainable(model).items()}
-    return loss.detach(), grads
-
-
-def _compare(got: dict, want: dict, *, bitwise: bool, tol: float = FP32_REL_TOL) -> list[str]:
-    """Problems found comparing named tensors: bitwise, or within ``tol`` relative to max|want|."""
-    problems = []
-    if set(got) != set(want):
-        problems.append(f"names differ: {sorted(set(got) ^ set(want))}")
-    for name, w in want.items():
-        g = got.get(name)
-        if g is None or w is None:
-            problems.append(f"{name}: missing tensor (got {g is not None}, want {w is not None})")
-        elif bitwise and not torch.equal(g, w):
-            problems.append(f"{name}: not bitwise equal (rel err {local_rel_err(g, w):.3g})")
-        elif not bitwise and local_rel_err(g, w) > tol:
-            problems.append(f"{name}: rel err {local_rel_err(g, w):.3g} > {tol:g}")
-    return problems
-
-
-def _nontrivial(tensors: dict) -> list[str]:
-    """A comparison of zeros proves nothing: every reference tensor must have a non-zero entry."""
-    return [f"{name} is all zeros" for name, t in tensors.items() if t is not None and not t.any()]
-
-
-def _rank_slice(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return tensor.chunk(group.size(), dim=dim)[group.rank()]
-
-
-def _problem(seed: int, dtype=torch.float32):
-    """Global input x [S, B, H] and output grad g [S, B, OUT]; identical on every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(S, B, H, generator=gen, dtype=torch.float64).to(dtype)
-    g = torch.randn(S, B, OUT, generator=gen, dtype=torch.float64).to(dtype)
-    return x.to(_device()), g.to(_device())
-
-
-def _wrap(base: nn.Module, surface: str, variant: str, *, prefix: str = "", peft_seed: int = 4321):
-    """``base`` at the module path ``prefix.surface`` of a container, with ``variant``'s PEFT; returns (root, peft)."""
-    shape = tm.TinyGPTShape(hidden=H, lora_rank=R, lora_targets=[surface])
-    peft = VARIANTS[variant].make_peft(shape)
-    parts = [p for p in prefix.split(".") if p] + [surface]
-    root = parent = nn.Module()
-    for index, part in enumerate(parts):
-        last = index == len(parts) - 1
-        child = base if last else (nn.ModuleList() if parts[index + 1].isdigit() else nn.Module())
-        if isinstance(parent, nn.ModuleList):
-            parent.append(child)
-        else:
-            parent.add_module(part, child)
-        parent = child
-    return tm.apply_peft(root, peft, seed=peft_seed), peft
-
-
-def _block(base: nn.Module, surface: str, variant: str) -> nn.Module:
-    return _wrap(base, surface, variant)[0]
-
-
-def _parallel_config(dtype=torch.float32, **fields):
-    from megatron.core.model_parallel_config import ModelParallelConfig
-
-    return ModelParallelConfig(
-        tensor_model_parallel_size=TP, sequence_parallel=True, use_cpu_initialization=True, params_dtype=dtype, **fields
-    )
-
-
-def _column_parallel(tp_group, seed: int = 7, dtype=torch.float32, **config_fields):
-    """Megatron Core's ColumnParallelLinear(h -> out) with SP; identical weights for identical seeds."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    torch.manual_seed(seed)
-    return ColumnParallelLinear(
-        H, OUT, config=_parallel_config(dtype, **config_fields), init_method=nn.init.xavier_normal_,
-        bias=False, gather_output=False, tp_group=tp_group,
-    ).to(_device())
-
-
-def _lora_linear(block: nn.Module):
-    from megatron.bridge.peft.lora_layers import LoRALinear
-
-    found = [m for m in block.modules() if isinstance(m, LoRALinear)]
-    assert len(found) == 1, found
-    return found[0]
-
-
-def _run_lora_linear(lora_linear, x, g, group):
-    """Forward and backward of one LoRALinear on this rank's shard; returns (output, x_k grad, A grad, B grad)."""
-    x_local = _rank_slice(x, 0, group).detach().clone().requires_grad_(True)
-    out, _ = lora_linear(x_local)
-    (out * _rank_slice(g, -1, group)).sum().backward()
-    adapter = lora_linear.adapter
-    return {
-        "output": out.detach(),
-        "input grad": x_local.grad,
-        "LoRA-A grad": adapter.linear_in.weight.grad,
-        "LoRA-B grad": adapter.linear_out.weight.grad,
-    }
+from tests.support.lora_blocks import (  # noqa: F401  (shared with the TE-path tests)
+    TP,
+    STRATEGIES,
+    ELIGIBLE_SURFACES,
+    FP32_REL_TOL,
+    LORA_LOGGER,
+    S,
+    B,
+    H,
+    OUT,
+    R,
+    _device,
+    _gpt,
+    _adapter_names,
+    _trainable,
+    _loss_and_grads,
+    _compare,
+    _nontrivial,
+    _rank_slice,
+    _problem,
+    _wrap,
+    _block,
+    _parallel_config,
+    _column_parallel,
+    _lora_linear,
+    _run_lora_linear,
+)
 
 
 # ------------------------------------------------------------------------------------ 1a. whole model, fp32
@@ -843,112 +729,3 @@ def test_shard_local_under_full_recompute_matches_bridge_under_the_same_recomput
     if base_saved - saved != n * (sbh - sbh // TP) * itemsize:
         problems.append(f"recomputed saves: {base_saved} -> {saved}")
     assert_no_problems(problems, tp2)
-
-
-# ------------------------------------------------------------------------------------ 7. TE LayerNorm-linear
-
-
-@pytest.fixture
-def bridge_sees_fake_te(monkeypatch):
-    """Make Bridge's adapter construction treat FakeTELayerNormColumnParallelLinear as TE's."""
-    from megatron_bridge_ext.patches import bridge_peft_without_te
-
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft import utils as peft_utils
-
-    real_version = importlib.metadata.version
-
-    class _NoSuchLayer:
-        pass
-
-    monkeypatch.setattr(peft_utils, "HAVE_TE", True)
-    monkeypatch.setattr(peft_utils, "TELayerNormColumnParallelLinear", FakeTELayerNormColumnParallelLinear)
-    monkeypatch.setattr(peft_utils, "TECL", (FakeTELayerNormColumnParallelLinear,))
-    monkeypatch.setattr(peft_utils, "TERL", ())
-    monkeypatch.setattr(peft_utils, "TELinear", _NoSuchLayer)
-    monkeypatch.setattr(peft_utils, "version", lambda name: "2.8.0" if name == "transformer-engine" else real_version(name))
-
-
-def _te_layernorm_linear_checks(tp_group, make_base, strategy, bitwise=()):
-    """Bridge's LoRA and ours around a TE-style LayerNorm + column-parallel linear (``make_base()``).
-
-    Bridge's baseline must get the gathered LayerNorm output, ours the local shard, retaining
-    s*b*h/t for LoRA-A instead of s*b*h; outputs and grads match the baseline (the ``bitwise``
-    ones exactly, the others within 1e-6).
-    """
-    reference = make_base()
-    x, g = _problem(seed=105, dtype=reference.weight.dtype)
-    itemsize = reference.weight.element_size()
-    problems, runs = [], {}
-    for variant in ("baseline", strategy):
-        base = make_base()
-        base.load_state_dict(reference.state_dict())
-        block = _block(base, "linear_qkv", variant)
-        lora_linear = _lora_linear(block)
-        seen = []
-        lora_linear.adapter.linear_in.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
-        with SavedActivationMeter(block) as meter:
-            runs[variant] = _run_lora_linear(lora_linear, x, g, tp_group)
-        gathered = variant == "baseline"
-        full = S * B * H * itemsize
-        expected = {
-            "return_layernorm_output": True,
-            "return_layernorm_output_gathered": gathered,
-            "LoRA-A input": [(S, B, H) if gathered else (S // TP, B, H)],
-            "LoRA-A saved bytes": full if gathered else full // TP,
-            "adapter gathers itself": False,
-        }
-        got = {
-            "return_layernorm_output": base.return_layernorm_output,
-            "return_layernorm_output_gathered": base.return_layernorm_output_gathered,
-            "LoRA-A input": seen,
-            "LoRA-A saved bytes": meter.result().module_bytes("lora_input"),
-            "adapter gathers itself": not lora_linear.adapter.disable_sequence_parallel_comm,
-        }
-        if got != expected:
-            problems.append(f"{variant}: {got} != {expected}")
-    for bitwise_part in (True, False):
-        keys = [k for k in runs["baseline"] if (k in bitwise) == bitwise_part]
-        problems += _compare({k: runs[strategy][k] for k in keys}, {k: runs["baseline"][k] for k in keys},
-                             bitwise=bitwise_part)
-    return problems + _nontrivial(runs["baseline"])
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_te_layernorm_linear_path_with_a_faithful_fake(tp2, bridge_sees_fake_te, strategy):
-    """With a TE LayerNorm-linear base Bridge's adapter takes TE's gathered LayerNorm output; ours
-    turns that off and takes the shard. Regather then computes LoRA-A exactly as the baseline (output
-    and LoRA grads bitwise); the input grad differs in summation order only (the baseline adds the
-    adapter's [s, b, h] grad before the base's single reduce-scatter, ours reduce-scatters it apart)."""
-
-    def make_base():
-        return FakeTELayerNormColumnParallelLinear(H, OUT, config=_parallel_config(), tp_group=tp2, seed=9).to(_device())
-
-    bitwise = ("output", "LoRA-A grad", "LoRA-B grad") if strategy == "regather" else ()
-    assert_no_problems(_te_layernorm_linear_checks(tp2, make_base, strategy, bitwise), tp2)
-
-
-def _real_te_available() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # missing, or installed without its CUDA libraries
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.te
-@pytest.mark.skipif(not _real_te_available(), reason="needs Transformer Engine with CUDA: run on a GPU cluster with TE")
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_te_layernorm_linear_path_with_real_transformer_engine(tp2, strategy):
-    """The fake's checks on Megatron Core's TELayerNormColumnParallelLinear (all within 1e-6: TE's kernels)."""
-    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
-
-    config = tm.transformer_config(tm.TinyGPTShape(hidden=H, ffn=2 * H, heads=4, kv_heads=4))
-
-    def make_base():
-        return TELayerNormColumnParallelLinear(
-            H, OUT, config=config, init_method=nn.init.xavier_normal_, gather_output=False, bias=False,
-            skip_bias_add=True, is_expert=False, tp_group=tp2,
-        ).to(_device())
-
-    assert_no_problems(_te_layernorm_linear_checks(tp2, make_base, strategy), tp2)

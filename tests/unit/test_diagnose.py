@@ -93,7 +93,10 @@ def test_format_starts_with_the_class_and_lists_the_decision_order():
     text = classify(fragmentation_stats()).format()
     lines = text.splitlines()
     assert lines[0].startswith("fragmentation:")
-    assert lines[-len(DECISION_ORDER):][0].startswith("  1. allocator")
+    steps = [line for line in lines if line.startswith("  ") and line[2:3].isdigit()]
+    assert [line[:5] for line in steps[-len(DECISION_ORDER):]] == [f"  {i}. " for i in range(1, len(DECISION_ORDER) + 1)]
+    assert steps[-len(DECISION_ORDER)].startswith("  1. allocator")
+    assert lines[-1].startswith("source of the figures: Megatron Bridge documentation")
     assert "-28.4%" in text and "-5.9%" in text and "PP = 1" in text
 
 

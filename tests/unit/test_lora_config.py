@@ -242,6 +242,7 @@ def _stand_in(
     cpu_offloading_activations=False,
     recompute_granularity=None,
     recompute_modules=None,
+    te=False,
 ):
     """The attributes of Bridge's LoRALinear (adapter, to_wrap and their configs) that the rules read."""
     config = SimpleNamespace(
@@ -258,6 +259,8 @@ def _stand_in(
     )
     base = SimpleNamespace(config=config, sequence_parallel=base_sequence_parallel, parallel_mode=parallel_mode,
                            explicit_expert_comm=explicit_expert_comm)
+    if te:  # a TE LayerNorm-linear can return its norm output
+        base.return_layernorm_output_gathered = False
     return SimpleNamespace(adapter=adapter, to_wrap=base)
 
 
@@ -310,8 +313,21 @@ def test_eligibility_rule(strategy, case, fields, refused_by, reason):
 
 def test_no_strategy_requested_is_off_for_every_adapter():
     decision = decide(_stand_in(), "off")
-    assert decision == Decision(decision.adapter, "off", "off", "off (no strategy requested)")
+    assert decision == Decision(decision.adapter, "off", "off", "off (no strategy requested)",
+                                "the gathered input [s, b, h]")
     assert not decision.eligible
+
+
+@pytest.mark.parametrize("case, fields, strategy, retains", [
+    ("column, eligible, local spec", dict(), "shard_local", "s*b*h*(1-1/t)"),
+    ("column, eligible, TE", dict(te=True), "regather", "the storage TE keeps"),
+    ("column, off", dict(), "off", "the gathered input [s, b, h]"),
+    ("column, SP off", dict(sequence_parallel=False), "shard_local", "no sequence parallelism"),
+    ("row-parallel", dict(surface="linear_proj", row_parallel=True), "shard_local", "already split over TP"),
+    ("frozen LoRA-A", dict(lora_a_trainable=False), "shard_local", "nothing"),
+])
+def test_report_says_what_lora_a_retains(case, fields, strategy, retains):
+    assert retains in decide(_stand_in(**fields), strategy).retains
 
 
 def test_the_eligible_surfaces_are_the_column_parallel_ones():

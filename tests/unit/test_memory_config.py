@@ -239,3 +239,26 @@ def test_lora_recompute_rule_is_eligibility_rule(cfg):
     assert not [f for f in findings if f.code == "lora_sp_input_recompute"]
     assert not [f for f in MemoryConfig(lora_sp_input="shard_local", recompute_modules=["mlp"]).validate(cfg)
                 if f.code == "lora_sp_input_recompute"]
+
+
+@pytest.mark.parametrize("te_version", [None, "2.3.0", "2.8.0"])
+def test_apply_fixes_the_te_norm_gradient_for_bridges_own_lora(cfg, monkeypatch, te_version):
+    """Whatever the flags, a LoRA-family cfg.peft on TE >= 2.4 gets the patch, and the summary says so."""
+    from packaging.version import Version
+
+    from megatron_bridge_ext import versions
+    from megatron_bridge_ext.patches import bridge_lora_te_norm_grad
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda name: (Version(te_version) if te_version else None)
+                        if name == "transformer-engine" else real(name))
+    bridge_lora_te_norm_grad.PATCH.revert()
+    try:
+        summary = MemoryConfig(expandable_segments=False).apply(cfg)
+        applied = bridge_lora_te_norm_grad.PATCH.applied
+    finally:
+        bridge_lora_te_norm_grad.PATCH.revert()
+    actions = [f for f in summary.findings if f.code == "te_norm_grad_patch"]
+    assert applied is (te_version == "2.8.0")
+    assert [f.level for f in actions] == (["action"] if te_version == "2.8.0" else [])
+    assert type(cfg.peft).__module__.startswith("megatron.bridge")  # the user's LoRA object is kept

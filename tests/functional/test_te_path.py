@@ -1,0 +1,276 @@
+"""The Transformer Engine path under sequence parallelism (TP=2), against a dense float64 reference.
+
+The base layer is ``tests.support.fake_te.FakeTELayerNormColumnParallelLinear``, which follows
+TE's ``LayerNormLinear`` source at both of its contracts for the returned LayerNorm output:
+``te<=2.3`` (backward adds the gradient of a gathered returned norm output) and ``te>=2.4``
+(it drops it). Bridge's real adapter code wraps it, made to see the fake as TE's class and the
+contract's TE version as the installed one. Every run is compared with a dense single-process
+float64 computation of the same function (LayerNorm, frozen base GEMM, LoRA), not with Bridge.
+
+Expected: with the ``te>=2.4`` contract Bridge's LoRA as shipped loses the LoRA branch's input
+gradient (the input and norm-weight grads differ from the reference; LoRA-B is non-zero so the
+difference is real); with the ``bridge_lora_te_norm_grad`` patch, with our strategies, and with our
+LoRA left off (which applies the patch), everything matches; with ``te<=2.3`` everything matches.
+Saved bytes: under TE the LoRA-A strategies save s*b*h*bytes per adapter against Bridge (TE keeps
+its own norm-output shard, which our LoRA-A shares), not s*b*h*bytes*(1-1/t) as on the local spec.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+from megatron_bridge_ext import versions
+from megatron_bridge_ext.patches import bridge_lora_te_norm_grad, bridge_peft_without_te, bridge_truthful_te_detection
+from megatron_bridge_ext.peft import te_check
+from tests.support.dist_checks import assert_no_problems, local_rel_err
+from tests.support.fake_te import CONTRACTS, TE_GE_2_4, TE_VERSION, FakeTELayerNormColumnParallelLinear
+from tests.support.lora_blocks import B, H, OUT, S, TP, _parallel_config, _rank_slice
+
+pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
+
+F64_REL_TOL = 1e-12
+_VARIANT = {"bridge": "baseline", "bridge_patched": "baseline", "off": "off", "regather": "regather",
+            "shard_local": "shard_local"}
+
+
+def _see_fake_te(monkeypatch, contract: str) -> None:
+    """Bridge sees the fake as TE's LayerNorm-linear, and the contract's TE version as installed."""
+    bridge_peft_without_te.import_bridge_peft()
+    bridge_truthful_te_detection.PATCH.apply()  # before the flags below, which it would reset
+    from megatron.bridge.peft import utils as peft_utils
+
+    te_version = TE_VERSION[contract]
+    real_installed, real_metadata = versions.installed_version, peft_utils.version
+
+    class _NoSuchLayer:
+        pass
+
+    monkeypatch.setattr(versions, "installed_version",
+                        lambda name: Version(te_version) if name == "transformer-engine" else real_installed(name))
+    monkeypatch.setattr(peft_utils, "version", lambda name: te_version if name == "transformer-engine" else real_metadata(name))
+    monkeypatch.setattr(peft_utils, "HAVE_TE", True)
+    monkeypatch.setattr(peft_utils, "TELayerNormColumnParallelLinear", FakeTELayerNormColumnParallelLinear)
+    monkeypatch.setattr(peft_utils, "TECL", (FakeTELayerNormColumnParallelLinear,))
+    monkeypatch.setattr(peft_utils, "TERL", ())
+    monkeypatch.setattr(peft_utils, "TELinear", _NoSuchLayer)
+
+
+@pytest.fixture(params=CONTRACTS)
+def te_contract(request, monkeypatch):
+    _see_fake_te(monkeypatch, request.param)
+    bridge_lora_te_norm_grad.PATCH.revert()
+    yield request.param
+    bridge_lora_te_norm_grad.PATCH.revert()
+
+
+@pytest.fixture
+def te_2_4(monkeypatch):
+    _see_fake_te(monkeypatch, TE_GE_2_4)
+    bridge_lora_te_norm_grad.PATCH.revert()
+    yield
+    bridge_lora_te_norm_grad.PATCH.revert()
+
+
+def _fake(tp_group, contract: str):
+    return lambda: FakeTELayerNormColumnParallelLinear(H, OUT, config=_parallel_config(torch.float64),
+                                                       tp_group=tp_group, te_contract=contract, seed=9)
+
+
+def _run(tp2, contract: str, run: str) -> te_check.RunResult:
+    return te_check.run_one(_fake(tp2, contract), run, tp2, seq=S, batch=B, hidden=H, out_features=OUT)
+
+
+@pytest.mark.parametrize("run", te_check.RUNS)
+def test_lora_on_a_te_layernorm_linear_against_a_dense_reference(tp2, te_contract, run):
+    result = _run(tp2, te_contract, run)
+    errors = result.errors
+    problems = [f"{name} is all zeros in the reference" for name, nonzero in result.reference_nonzero.items()
+                if not nonzero]
+    if te_contract == TE_GE_2_4 and run == "bridge":
+        # The LoRA branch's input grad is lost: the input grad is off by O(1); the LoRA grads are not.
+        if errors["input grad"] < te_check.DROPPED:
+            problems.append(f"input grad: rel err {errors['input grad']:.2g}, expected the dropped LoRA gradient")
+        correct = ("output", "LoRA-A grad", "LoRA-B grad")
+    else:
+        correct = tuple(errors)
+    problems += [f"{name}: rel err {errors[name]:.3g} > {F64_REL_TOL:g}" for name in correct
+                 if errors[name] > F64_REL_TOL]
+    assert_no_problems([f"{te_contract} {run}: {p}" for p in problems], tp2)
+
+
+def test_the_check_gives_the_verdict_of_the_contract(tp2, te_contract):
+    """What scripts/te_lora_grad_check.py prints on a cluster: affected under TE >= 2.4, not affected before."""
+    results = {run: _run(tp2, te_contract, run) for run in ("bridge", "bridge_patched", "shard_local")}
+    verdict, lines = te_check.verdict(results, tolerance=F64_REL_TOL)
+    want = "affected" if te_contract == TE_GE_2_4 else "not affected"
+    assert_no_problems([] if verdict == want else [f"verdict {verdict!r}, expected {want!r}: {lines}"], tp2)
+
+
+@pytest.mark.parametrize("strategy", ("regather", "shard_local"))
+def test_te_saving_is_the_whole_gathered_input_per_adapter(tp2, te_contract, strategy):
+    """Bridge keeps TE's norm-output shard and LoRA-A's gathered copy; ours keeps the shard once: s*b*h*8 bytes less."""
+    saved = {run: _run(tp2, te_contract, run).saved_bytes for run in ("bridge_patched", strategy)}
+    expected = S * B * H * 8  # float64
+    problems = [] if saved["bridge_patched"] - saved[strategy] == expected else [
+        f"saved {saved}: difference {saved['bridge_patched'] - saved[strategy]} != s*b*h*8 = {expected}"]
+    assert_no_problems(problems, tp2)
+
+
+def test_the_patch_keeps_bridges_memory_and_reports_itself(tp2, te_contract):
+    """The patched path retains what Bridge's own path retains; the patch's status follows the TE version."""
+    bridge, patched = (_run(tp2, te_contract, run).saved_bytes for run in ("bridge", "bridge_patched"))
+    status, why = bridge_lora_te_norm_grad.PATCH.status()
+    problems = [] if bridge == patched else [f"saved bytes differ: Bridge {bridge}, patched {patched}"]
+    want_status = "applied" if te_contract == TE_GE_2_4 else "not needed"
+    if status != want_status:
+        problems.append(f"patch status {status!r} ({why}), expected {want_status!r} under {te_contract}")
+    assert_no_problems(problems, tp2)
+
+
+def test_the_patch_leaves_our_strategies_alone(tp2, te_2_4):
+    """Installed (TE >= 2.4), the wrapper decides at the first forward to leave a shard_local adapter as it is."""
+    lora_linear = te_check.wrap(_fake(tp2, TE_GE_2_4)(), "shard_local")
+    problems = [] if bridge_lora_te_norm_grad.PATCH.applied else ["our LoRA did not apply the patch under TE >= 2.4"]
+    x = torch.randn(S // TP, B, H, dtype=torch.float64, requires_grad=True)
+    lora_linear(x)[0].sum().backward()
+    taken = lora_linear.__dict__.get("_mbx_gather_norm_output")
+    if taken is not False or lora_linear.to_wrap.return_layernorm_output_gathered:
+        problems.append(f"the patch took over an adapter that uses shard_local (decision {taken})")
+    assert_no_problems(problems, tp2)
+
+
+def _shared_file(tmp_path_factory, name: str, group) -> str:
+    """A path both ranks agree on (rank 0's temporary directory)."""
+    directory = [str(tmp_path_factory.mktemp("te_gpt")) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    return f"{directory[0]}/{name}"
+
+
+@pytest.mark.parametrize("run", ("bridge", "bridge_patched", "shard_local"))
+def test_whole_gpt_embedding_grad_against_a_dense_reference(tp2, te_contract, run, tmp_path_factory):
+    """A tiny GPT with the TE LayerNorm-linears and LoRA on all four targets: the gradient reaching the
+    embedding output (through every layer) against the same model computed with TP=1 in one process."""
+    from megatron_bridge_ext.demo import tiny_model as tm
+    from tests.support.te_gpt import fake_te_spec, float64_loss, full_state, track_embedding_output
+
+    shape = tm.TinyGPTShape(dtype="float64")
+    if run == "bridge_patched":
+        bridge_lora_te_norm_grad.PATCH.apply()
+    from tests.support.lora_blocks import _peft
+
+    peft = _peft(_VARIANT[run], shape)
+    model = tm.apply_peft(tm.build_gpt(shape, layer_spec=fake_te_spec(te_contract)), peft)
+    if run == "bridge":
+        bridge_lora_te_norm_grad.PATCH.revert()
+    leaf = track_embedding_output(model)
+    batch = tm.synthetic_batch(shape, 0)
+    weights = torch.randn(shape.micro_batch, shape.seq, shape.vocab, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(77))
+    loss = float64_loss(model, batch, weights, tp2)
+    loss.backward()
+    state = full_state(model, tp2)
+
+    reference = _dense_reference({"shape": dataclasses_asdict(shape), "state": state, "loss_weights": weights,
+                                  "batch": {k: v.cpu() for k, v in batch.items()}}, tp2, tmp_path_factory)
+    errors = {"loss": local_rel_err(loss.detach().reshape(1), reference["loss"].reshape(1)),
+              "embedding output grad": local_rel_err(leaf[0].grad, _rank_slice(reference["embedding_grad"], 0, tp2))}
+    problems = [] if reference["embedding_grad"].any() else ["the reference gradient is all zeros"]
+    if te_contract == TE_GE_2_4 and run == "bridge":
+        if errors["embedding output grad"] < 1e-2:
+            problems.append(f"embedding output grad: rel err {errors['embedding output grad']:.2g}; expected the "
+                            "dropped LoRA input gradients to show")
+        errors.pop("embedding output grad")
+    problems += [f"{name}: rel err {err:.3g} > 1e-10" for name, err in errors.items() if err > 1e-10]
+    assert_no_problems([f"{te_contract} {run}: {p}" for p in problems], tp2)
+
+
+_REFERENCES: dict[str, dict] = {}
+
+
+def _fingerprint(inputs: dict) -> str:
+    import hashlib
+
+    digest = hashlib.sha256(repr(inputs["shape"]).encode())
+    for group in (inputs["state"], inputs["batch"], {"loss_weights": inputs["loss_weights"]}):
+        for name in sorted(group):
+            digest.update(name.encode())
+            digest.update(group[name].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _dense_reference(inputs: dict, group, tmp_path_factory) -> dict:
+    """The TP=1 single-process result for ``inputs`` (rank 0 computes it in a child process, once per inputs)."""
+    import subprocess
+    import sys
+
+    key = _fingerprint(inputs)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    source = _shared_file(tmp_path_factory, "inputs.pt", group)
+    target = source.replace("inputs.pt", "reference.pt")
+    failure = [None]
+    if dist.get_rank() == 0:
+        torch.save(inputs, source)
+        done = subprocess.run([sys.executable, "-m", "tests.support.te_gpt", source, target],
+                              env=_single_process_env(), capture_output=True, text=True, timeout=600)
+        failure = [None if done.returncode == 0 else done.stderr[-3000:]]
+    dist.broadcast_object_list(failure, src=0)  # both ranks fail together, or neither
+    assert failure[0] is None, failure[0]
+    _REFERENCES[key] = torch.load(target, weights_only=False)
+    return _REFERENCES[key]
+
+
+def _single_process_env() -> dict[str, str]:
+    """This environment without torchrun's variables (its agent store would capture the child's rendezvous)."""
+    import os
+
+    launcher = ("TORCHELASTIC", "GROUP_", "ROLE_", "LOCAL_", "MASTER_", "RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env["MBX_REFERENCE_PORT"] = str(29600 + os.getpid() % 300)
+    return env
+
+
+def dataclasses_asdict(shape) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(shape)
+
+
+def _real_te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # missing, or installed without its CUDA libraries
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.te
+@pytest.mark.skipif(not _real_te_available(), reason="needs Transformer Engine with CUDA: run on a GPU cluster with TE")
+def test_real_transformer_engine_verdict_and_saving(tp2):
+    """Megatron Core's TELayerNormColumnParallelLinear: the patched path and ours are correct, Bridge's as shipped
+    is affected exactly when TE >= 2.4, and keeping LoRA-A on the shard saves s*b*h*bytes."""
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    config = _parallel_config(torch.float32)
+
+    def make_base():
+        torch.manual_seed(7)
+        model_parallel_cuda_manual_seed(1234)
+        return TELayerNormColumnParallelLinear(H, OUT, config=config, init_method=torch.nn.init.xavier_normal_,
+                                               gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
+                                               tp_group=tp2).cuda()
+
+    results = {run: te_check.run_one(make_base, run, tp2, seq=S, batch=B, hidden=H, out_features=OUT)
+               for run in ("bridge", "bridge_patched", "shard_local")}
+    verdict, lines = te_check.verdict(results, tolerance=5e-3)
+    affected = bridge_lora_te_norm_grad.te_affected()[0]
+    problems = [] if verdict == ("affected" if affected else "not affected") else [f"verdict {verdict}: {lines}"]
+    saving = results["bridge_patched"].saved_bytes - results["shard_local"].saved_bytes
+    if saving != S * B * H * 4:
+        problems.append(f"saving {saving} B != s*b*h*4 = {S * B * H * 4} B")
+    bridge_lora_te_norm_grad.PATCH.revert()
+    assert_no_problems(problems, tp2)
