@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from megatron_bridge_ext.cli import env, patches
+from megatron_bridge_ext.cli import env, patches, plan
 
 
 def _guard_options(p: argparse.ArgumentParser) -> None:
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allocator state at the OOM, when the file does not say")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_diagnose)
+
+    plan.add_parser(sub, _parse_size)
 
     p = sub.add_parser("run", help="turn on expandable segments in the environment, then run the command "
                                    "(mbx run -- torchrun ...); the exit status is the command's")
