@@ -63,16 +63,15 @@ class Cost:
     source: str = ""
     basis: str = ""
 
-    def text(self) -> str:
+    def measured(self) -> str:
+        """The computed costs in a few words (the published figure is listed apart, with its source)."""
         parts = []
         if self.collective_bytes is not None:
             sign = "+" if self.collective_bytes >= 0 else "-"
             parts.append(f"collectives {sign}{gib(abs(self.collective_bytes))}/step")
         if self.recomputed_flops:
-            parts.append(f"recompute {self.recomputed_flops / 1e12:,.2f} TFLOP/step")
-        if self.published:
-            parts.append(f"published: {self.published}")
-        return "; ".join(parts) or "none"
+            parts.append(f"recompute +{self.recomputed_flops / 1e12:,.2f} TFLOP/step")
+        return "; ".join(parts) or ("see published figure" if self.published else "none")
 
 
 @dataclass
@@ -392,11 +391,20 @@ def _recompute(planner: _Planner, state: _State) -> _State:
                            cost=Cost(published=lever["cost"], source=lever["source"])), state)
         return state
     base = list(s["recompute_modules"]) if s["recompute_granularity"] == "selective" else []
+    tried: dict[tuple[str, ...], tuple[Any, MemoryEstimate]] = {}
+    start_cfg = state.cfg
+
+    def estimate_with(modules: list[str]) -> tuple[Any, MemoryEstimate]:
+        if tuple(modules) not in tried:
+            cfg = _with_recompute(start_cfg, modules)
+            tried[tuple(modules)] = cfg, planner.estimate(cfg)
+        return tried[tuple(modules)]
+
     candidates = []
     for module in RECOMPUTE_CANDIDATES:
         if module in base or (module == "layernorm" and s["transformer_impl"] == "transformer_engine"):
             continue  # TE fuses the norms into the linears: nothing for layernorm recompute to drop
-        saved = state.est.peak_bytes - planner.estimate(_with_recompute(state.cfg, base + [module])).peak_bytes
+        saved = state.est.peak_bytes - estimate_with(base + [module])[1].peak_bytes
         candidates.append((module, saved, _recompute_flops(state.est, [module])))
     for module, saved, _ in candidates:
         if saved <= 0:
@@ -414,9 +422,8 @@ def _recompute(planner: _Planner, state: _State) -> _State:
                                constraints=constraints), state)
             continue
         modules = trial
-        cfg = _with_recompute(state.cfg, modules)
-        state = _State(cfg, planner.estimate(cfg), {**state.flags, "recompute_modules": list(modules)},
-                       list(state.overrides))
+        cfg, est = estimate_with(modules)
+        state = _State(cfg, est, {**state.flags, "recompute_modules": list(modules)}, list(state.overrides))
         published = [lever["cost"]] if "mlp" in modules else []
         if "core_attn" in modules and s["attention"] == "fused":
             published.append(str(evidence.CORE_ATTN_FUSED))

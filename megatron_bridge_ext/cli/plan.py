@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import textwrap
@@ -56,7 +57,8 @@ def command(args) -> int:
     if args.margin is not None and not 0 <= args.margin < 1:
         return _fail(f"--margin: {args.margin} is not a share between 0 and 1. Fix: give e.g. 0.10")
     try:
-        result = _plan(args)
+        with contextlib.redirect_stdout(sys.stderr):  # upstream prints while models are built; stdout is the plan's
+            result = _plan(args)
     except Refused as refused:
         return _fail(refused.one_line())
     if args.plot:
@@ -138,13 +140,15 @@ def format_plan(result, command_line: str | None = None) -> str:
     if result.options:
         lines.append("levers, in the decision order (each on top of the ones before):")
         rows = [[str(o.step), o.lever, o.label, gib(o.peak_bytes) if o.peak_bytes is not None else "-",
-                 gib(o.usable_bytes), ("yes" if o.fits else "no") if o.applicable else "n/a", o.cost.text()]
+                 gib(o.usable_bytes), ("yes" if o.fits else "no") if o.applicable else "n/a", o.cost.measured()]
                 for o in result.options]
         lines.append(_indent(text_table(["step", "lever", "option", "peak", "usable", "fits", "cost"], rows)))
         notes = [f"step {o.step}: {c}" for o in result.options for c in o.constraints]
-        notes += [f"step {o.step} {o.label}: {o.cost.basis}" for o in result.options if o.cost.basis]
+        notes += [f"step {o.step} cost: {o.cost.basis}" for o in result.options if o.cost.basis]
+        notes += [f"step {o.step} published: {o.cost.published}"
+                  for o in result.options if o.cost.published and o.applicable]
         if notes:
-            lines.append("constraints and cost formulas:")
+            lines.append("constraints, cost formulas and published figures:")
             lines += [textwrap.fill(n, width=120, initial_indent="  - ", subsequent_indent="    ") for n in notes]
     chosen = result.chosen
     if result.fits_as_is:

@@ -14,7 +14,9 @@ fused norm-linear keeps differently is added by :mod:`.te`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -61,12 +63,26 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
 
 
 def _apply_peft(model, peft):
+    """``peft(model)`` as training does, with its per-adapter log lines held back (a trace is not a run)."""
     from megatron_bridge_ext.estimate.fake import scoped_patch
     from megatron_bridge_ext.patches import bridge_truthful_te_detection
 
-    with scoped_patch(bridge_truthful_te_detection.PATCH):
+    with scoped_patch(bridge_truthful_te_detection.PATCH), _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
         out = peft(model, training=True)
     return out[0] if isinstance(out, list) else out
+
+
+@contextlib.contextmanager
+def _quiet(*names: str):
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _to_fake_device(model: torch.nn.Module, mode: FakeTensorMode, device: str, dtype: torch.dtype) -> None:
