@@ -151,6 +151,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     problems = _unsupported(provider) + parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     if problems:
         raise Refused(WHAT, problems)
+    notes += _local_spec_kernels(provider)
     try:
         provider.finalize()
     except (AssertionError, ValueError, TypeError) as error:
@@ -166,6 +167,32 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         num_microbatches = max(1, global_batch // (micro_batch * dp))
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
                      dp, num_microbatches, notes)
+
+
+# Kernel choices of Transformer Engine or Apex that the local layer spec refuses, and what tracing
+# without them means for the saved bytes.
+_TE_KERNEL_FLAGS = (
+    ("apply_rope_fusion", "RoPE fusion needs Transformer Engine: traced unfused, which keeps cos and sin per layer "
+                          "where TE's fused RoPE keeps only the frequencies"),
+    ("persist_layer_norm", "persistent LayerNorm (an Apex/TE kernel) traced with torch's norm: same saved tensors"),
+    ("layernorm_zero_centered_gamma", "zero-centred norm weights (TE) traced with torch's norm: same saved tensors"),
+)
+
+
+def _local_spec_kernels(provider) -> list[str]:
+    """Turn off, on the copy that is traced, kernel flags the local spec refuses; say what that changes."""
+    notes = []
+    for flag, note in _TE_KERNEL_FLAGS:
+        if getattr(provider, flag, False) and (flag != "apply_rope_fusion" or not _have_te()):
+            setattr(provider, flag, False)
+            notes.append(f"{flag}: {note}")
+    return notes
+
+
+def _have_te() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
 
 
 def _choice(value, choices, setting):
