@@ -25,6 +25,10 @@ Why each change (all undone on exit; none of them outlives the context):
 * Transformer Engine's attention variables (``NVTE_FLASH_ATTN``, ...): building a Megatron model
   asserts and sets them from ``attention_backend``; the trace starts without them and the caller's
   values come back afterwards.
+* FP8 state: Megatron Core 0.19's ``CheckpointWithoutOutput`` (``layernorm`` recompute) calls
+  Transformer Engine's ``FP8GlobalStateManager`` and ``activation_recompute_forward``, names its
+  module only has with TE installed (its ``fp8 is not None`` test is always true). The estimate
+  models no FP8, so without TE stand-ins that say "FP8 off" and enter no context take their place.
 * dynamo off: Megatron's ``jit_fuser`` is ``torch.compile``, which would try to compile for a GPU
   that is not there. Eager regions save what their ops save; a compiled region's partitioner may
   choose differently (listed in the estimate's assumptions).
@@ -65,6 +69,7 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str) ->
         stack.enter_context(_causal_mask(device))
         stack.enter_context(_dynamo_disabled())
         stack.enter_context(_attention_environment())
+        stack.enter_context(_fp8_state_without_te())
         stack.enter_context(scoped_patch(core_local_norm_sequence_parallel.PATCH))
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp * pp * cp)
         parallel_state.initialize_model_parallel(
@@ -194,6 +199,39 @@ def _causal_mask(device: str) -> Iterator[None]:
         yield
     finally:
         transformer_utils.get_default_causal_mask, fused_softmax.get_default_causal_mask = saved
+
+
+class _NoFP8:
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
+
+
+def _no_te_context(*args, **kwargs):
+    return contextlib.nullcontext()
+
+
+# What Megatron Core's random.py imports from TE, each standing in for "TE off".
+_TE_NAMES_IN_RANDOM = {"FP8GlobalStateManager": _NoFP8, "activation_recompute_forward": _no_te_context,
+                       "fp8_autocast": _no_te_context}
+
+
+@contextlib.contextmanager
+def _fp8_state_without_te() -> Iterator[None]:
+    from megatron.core.tensor_parallel import random as core_random
+
+    missing = {name: value for name, value in _TE_NAMES_IN_RANDOM.items() if not hasattr(core_random, name)}
+    for name, value in missing.items():
+        setattr(core_random, name, value)
+    try:
+        yield
+    finally:
+        for name in missing:
+            delattr(core_random, name)
 
 
 _ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")

@@ -132,6 +132,9 @@ def _unsupported(model) -> list[Finding]:
         if getattr(model, field, None):
             out.append(Finding("unsupported_model", ERROR, f"model.{field}", f"{what} are not modelled by the estimate",
                                "estimate a dense GPT config, or use Bridge's estimate_training_memory"))
+    if getattr(model, "fp8", None) or getattr(model, "fp4", None):
+        out.append(Finding("unsupported_model", ERROR, "model.fp8", "FP8/FP4 training is not modelled by the estimate",
+                           "estimate the bf16 config (FP8 keeps smaller copies of some activations)"))
     if (model.context_parallel_size or 1) > 1:
         out.append(Finding("unsupported_model", ERROR, "model.context_parallel_size",
                            "context parallelism is not modelled by the estimate", "estimate with context_parallel_size=1"))
