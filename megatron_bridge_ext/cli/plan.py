@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 import textwrap
 
@@ -52,6 +53,11 @@ def command(args) -> int:
     from megatron_bridge_ext.findings import Refused
 
     logs.configure()
+    # Chatter that says nothing about the plan: torch looking for a CUDA toolkit, Bridge turning
+    # gradient_accumulation_fusion off without TE/Apex (the estimate does that too), transformers on
+    # the spelling of config.json's dtype field, which Bridge reads.
+    for name in ("torch.utils.cpp_extension", "megatron.bridge.utils.fusions", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     if args.plot and not _have_matplotlib():
         return _fail(f"--plot needs matplotlib. Fix: {PLOT_EXTRA}")
     if args.margin is not None and not 0 <= args.margin < 1:

@@ -85,6 +85,8 @@ def from_hf_config(path: str, layout: Layout, overrides: list[str] = ()):
     from megatron.bridge import AutoBridge
     from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
 
+    if "torch_dtype" in data and "dtype" not in data:  # the older spelling, which transformers now warns about
+        data["dtype"] = data.pop("torch_dtype")
     try:
         hf_config = AutoConfig.for_model(**data)
         provider = AutoBridge.from_hf_config(hf_config).to_megatron_provider(load_weights=False)
