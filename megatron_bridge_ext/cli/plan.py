@@ -153,6 +153,7 @@ def format_plan(result, command_line: str | None = None) -> str:
         notes += [f"step {o.step} cost: {o.cost.basis}" for o in result.options if o.cost.basis]
         notes += [f"step {o.step} published: {o.cost.published}"
                   for o in result.options if o.cost.published and o.applicable]
+        notes = list(dict.fromkeys(notes))
         if notes:
             lines.append("constraints, cost formulas and published figures:")
             lines += [textwrap.fill(n, width=120, initial_indent="  - ", subsequent_indent="    ") for n in notes]
