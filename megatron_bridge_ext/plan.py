@@ -103,6 +103,8 @@ class Option:
 
 @dataclass
 class Plan:
+    """The estimate as the config stands, Bridge's beside it, and the options tried in order."""
+
     gpu_memory: int
     margin: float
     expandable_margin: float

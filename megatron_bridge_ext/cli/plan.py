@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import textwrap
+import warnings
 
 from megatron_bridge_ext.estimate.report import GB, gib
 
@@ -56,8 +57,12 @@ def command(args) -> int:
     # Chatter that says nothing about the plan: torch looking for a CUDA toolkit, Bridge turning
     # gradient_accumulation_fusion off without TE/Apex (the estimate does that too), transformers on
     # the spelling of config.json's dtype field, which Bridge reads.
-    for name in ("torch.utils.cpp_extension", "megatron.bridge.utils.fusions", "transformers"):
+    for name in ("torch.utils.cpp_extension", "megatron.bridge.utils.fusions"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=r".*MimoModelConfig is experimental.*")
     if args.plot and not _have_matplotlib():
         return _fail(f"--plot needs matplotlib. Fix: {PLOT_EXTRA}")
     if args.margin is not None and not 0 <= args.margin < 1:
@@ -152,6 +157,7 @@ def format_plan(result, command_line: str | None = None) -> str:
         notes = [f"step {o.step}: {c}" for o in result.options for c in o.constraints]
         notes += [f"step {o.step} cost: {o.cost.basis}" for o in result.options if o.cost.basis]
         notes += [f"step {o.step} published: {o.cost.published}"
+                  + (f" [{o.cost.source}]" if o.cost.source and o.cost.source not in o.cost.published else "")
                   for o in result.options if o.cost.published and o.applicable]
         notes = list(dict.fromkeys(notes))
         if notes:
@@ -180,7 +186,8 @@ def _indent(text: str) -> str:
 
 
 def plot(result, path: str) -> None:
-    """A stacked bar per option (the config as is, then each evaluated lever): where the memory goes."""
+    """A stacked bar per option (the config as is, then each evaluated lever): where the memory goes,
+    with the device size and each option's usable share (after its margin)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,20 +195,24 @@ def plot(result, path: str) -> None:
 
     from megatron_bridge_ext.plan import breakdown
 
-    bars = [("as is", breakdown(result.baseline))]
-    bars += [(f"{o.step}: {o.label}", o.breakdown) for o in result.options if o.applicable and o.breakdown]
-    keys = list(dict.fromkeys(k for _, parts in bars for k in parts))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(bars)), 5))
+    bars = [("as is", breakdown(result.baseline), result.usable_now)]
+    bars += [(f"{o.step}: {o.label}", o.breakdown, o.usable_bytes) for o in result.options if o.applicable and o.breakdown]
+    keys = list(dict.fromkeys(k for _, parts, _ in bars for k in parts))
+    colours = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(3 + 1.5 * len(bars), 5))
     bottoms = [0.0] * len(bars)
-    for key in keys:
-        values = [parts.get(key, 0) / GB for _, parts in bars]
-        ax.bar(range(len(bars)), values, bottom=bottoms, label=key)
+    for index, key in enumerate(keys):
+        values = [parts.get(key, 0) / GB for _, parts, _ in bars]
+        ax.bar(range(len(bars)), values, bottom=bottoms, label=key, color=colours[index % len(colours)])
         bottoms = [b + v for b, v in zip(bottoms, values)]
     ax.axhline(result.gpu_memory / GB, color="black", linewidth=1, label="device memory")
-    ax.axhline(result.usable_now / GB, color="black", linestyle="--", linewidth=1, label="usable (as is)")
-    ax.set_xticks(range(len(bars)), [textwrap.fill(label, 18) for label, _ in bars], fontsize=7)
-    ax.set_ylabel("GB per GPU (peak)")
-    ax.legend(fontsize=7, loc="upper right")
+    for x, (_, _, usable) in enumerate(bars):
+        ax.hlines(usable / GB, x - 0.45, x + 0.45, colors="black", linestyles="--", linewidth=1,
+                  label="usable after the margin" if x == 0 else None)
+    ax.set_ylim(0, 1.05 * max(max(bottoms), result.gpu_memory / GB))
+    ax.set_xticks(range(len(bars)), [textwrap.fill(label, 18) for label, _, _ in bars], fontsize=7)
+    ax.set_ylabel("GB per GPU at the peak (10^9 bytes)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -5,7 +5,8 @@ microbatches than the first), the rank's real model is built from the config on 
 (:mod:`.build`), its parameters are counted (:mod:`.static`), and one microbatch runs through it
 under the saved-activation meter (:mod:`.trace`). Activations are multiplied by the microbatches
 the pipeline schedule keeps in flight; buffers the forward left allocated are measured; the
-transients at the backward peak are formulas. Nothing is run on a device and nothing is allocated.
+transients at the backward peak are formulas. Nothing runs on a device and the model's weights are
+never allocated (only a PEFT's adapters, small, while it creates them).
 """
 
 from __future__ import annotations
@@ -283,10 +284,10 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
                               recomputed_layer=recomputed_layer)
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
-    per_microbatch = dict(traced.by_category)
     return MemoryEstimate(stage=stage, components=components, settings=settings,
                           assumptions=_assumptions(prepared, attention, impl, device, te_count),
-                          activations_per_microbatch=per_microbatch, in_flight_microbatches=in_flight)
+                          activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
+                          activations_per_layer=dict(traced.by_layer))
 
 
 def _static(prepared: Prepared, counts: static.ParameterCounts) -> list[Component]:
@@ -331,7 +332,9 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
 
 
 def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str) -> int:
-    """What one layer saves when full recompute runs it again in backward: a one-layer stage, no recompute."""
+    """What one layer saves when full recompute runs it again in backward: layer 0 of a one-layer-per-stage
+    build without recompute (the first layer of a frozen-embedding PEFT model saves a little less than later
+    ones; the difference is its LoRA-A input gradient path, not its saved inputs)."""
     one_layer = copy.deepcopy(provider)
     one_layer.num_layers = provider.pipeline_model_parallel_size
     one_layer.num_layers_in_first_pipeline_stage = one_layer.num_layers_in_last_pipeline_stage = None
@@ -343,7 +346,7 @@ def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, 
     traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
                               hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                               sequence_parallel_tp=sp_tp)
-    return sum(traced.by_category[c] for c in ("norms", "attention", "mlp", "lora inputs"))
+    return traced.by_layer[0]
 
 
 def _peft_settings(peft) -> dict[str, Any]:

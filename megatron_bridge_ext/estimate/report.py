@@ -54,6 +54,7 @@ class MemoryEstimate:
     assumptions: list[str]
     activations_per_microbatch: dict[str, int]
     in_flight_microbatches: float
+    activations_per_layer: dict[int, int] = field(default_factory=dict)
     stage_peaks: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
 

@@ -8,6 +8,7 @@ estimate's categories. Each storage counts once, in the category of the first mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -50,12 +51,43 @@ def category_of(module: str) -> str:
     raise ValueError(f"module {module!r} has no estimate category")
 
 
+def layer_of(module: str) -> Optional[int]:
+    """The index of the transformer layer (``decoder.layers.N``) a module belongs to, if any."""
+    parts = module.split(".")
+    if parts[:2] == ["decoder", "layers"] and len(parts) > 2 and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def category_and_layer(module: str) -> str:
+    """A classifier for the meter: ``category|layer`` (layer empty outside the layers); see :func:`split`."""
+    layer = layer_of(module)
+    return f"{category_of(module)}|{'' if layer is None else layer}"
+
+
+def split(result) -> tuple[dict[str, int], dict[int, int]]:
+    """Bytes per category and per layer from a meter result classified by :func:`category_and_layer`."""
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    by_layer: dict[int, int] = {}
+    for key, nbytes in result.by_category.items():
+        category, layer = key.split("|")
+        by_category[category] += nbytes
+        if layer:
+            by_layer[int(layer)] = by_layer.get(int(layer), 0) + nbytes
+    return by_category, by_layer
+
+
 @dataclass(frozen=True)
 class TracedMicrobatch:
-    """What one microbatch saved on this rank, and the buffers the forward left allocated."""
+    """What one microbatch saved on this rank, and the buffers the forward left allocated.
+
+    Each storage counts once, for the first module that saved it: ``by_category`` and ``by_layer``
+    (the bytes first saved inside each transformer layer) split the same ``saved_bytes``.
+    """
 
     saved_bytes: int
     by_category: dict[str, int]
+    by_layer: dict[int, int]
     persistent_buffer_bytes: int
     lora_a_saved: dict[str, int]
     """What each LoRA-A (``...adapter.linear_in``) saved, per module (for the TE contract)."""
@@ -79,11 +111,11 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
             received = torch.empty(seq // sequence_parallel_tp, micro_batch, hidden, dtype=dtype, device=device,
                                    requires_grad=True)
             model.set_input_tensor(received)
-        with SavedActivationMeter(model, classifier=category_of) as meter:
+        with SavedActivationMeter(model, classifier=category_and_layer) as meter:
             model(ids, positions, None, labels=labels)
     result = meter.result()
+    by_category, by_layer = split(result)
     buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     persistent = sum(t.numel() * t.element_size() for t in getattr(buffer, "buffer", {}).values())
     lora_a = {name: nbytes for name, nbytes in result.by_module.items() if name.endswith("adapter.linear_in")}
-    return TracedMicrobatch(result.total_bytes, {c: result.by_category.get(c, 0) for c in CATEGORIES}, persistent,
-                            lora_a)
+    return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a)

@@ -5,8 +5,8 @@ Each point is one tiny model (``megatron_bridge_ext.demo.tiny_model``) with one 
 LoRA-A strategy, recompute, attention heads, MLP and dtype. On every rank the real model runs one
 forward under :class:`SavedActivationMeter`, then backward; the same config goes through
 ``estimate(tiny_config(...), attention="local", transformer_impl="local", device="cpu")``, which
-traces rank 0 on fake CPU tensors. The two must be equal to the byte (all TP ranks hold the same
-shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
+traces rank 0 on fake CPU tensors. The two must be equal to the byte, in total, per category and
+per layer (all TP ranks hold the same shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
 ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.demo.cpu_run tests.support.estimate_grid
 --tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/test_estimate_grid_tp4.py``).
 """
@@ -88,9 +88,11 @@ def points_for(tp: int) -> list[GridPoint]:
     return [p for p in GRID if p.tp == tp]
 
 
-def measured(point: GridPoint) -> int:
-    """Bytes one forward of the real tiny model saves on this rank (the meter), after which backward runs."""
+def measured(point: GridPoint) -> dict:
+    """What one forward of the real tiny model saves on this rank (the meter), in total, per category and per
+    layer, as the estimate splits it; backward runs afterwards."""
     from megatron_bridge_ext.demo import tiny_model
+    from megatron_bridge_ext.estimate.trace import category_and_layer, split
     from megatron_bridge_ext.measure import SavedActivationMeter
 
     shape = point.shape()
@@ -101,20 +103,24 @@ def measured(point: GridPoint) -> int:
     # Contiguous tokens, as Megatron's GPT dataset hands them over: the demo's batch slices one
     # [b, s + 1] tensor, and at TP 1 the embedding keeps its input, i.e. that whole storage (+8 B per row).
     batch = {name: tensor.contiguous() for name, tensor in tiny_model.synthetic_batch(shape).items()}
-    with SavedActivationMeter(model) as meter:
+    with SavedActivationMeter(model, classifier=category_and_layer) as meter:
         loss = tiny_model.loss_of(model, batch)
     loss.backward()
-    return meter.result().total_bytes
+    result = meter.result()
+    by_category, by_layer = split(result)
+    return {"total": result.total_bytes, "by_category": by_category, "by_layer": by_layer}
 
 
-def estimated(point: GridPoint) -> int:
-    """Bytes the estimate says one microbatch saves on a rank of ``point`` (traced on fake CPU tensors)."""
+def estimated(point: GridPoint) -> dict:
+    """What the estimate says one microbatch saves on a rank of ``point`` (traced on fake CPU tensors)."""
     from megatron_bridge_ext.estimate import estimate
     from megatron_bridge_ext.estimate.device import saved_per_microbatch, tiny_config
 
     shape = point.shape()
     cfg = tiny_config(shape, point.peft(shape), **RECOMPUTE[point.recompute])
-    return saved_per_microbatch(estimate(cfg, attention="local", transformer_impl="local", device="cpu"))
+    est = estimate(cfg, attention="local", transformer_impl="local", device="cpu")
+    return {"total": saved_per_microbatch(est), "by_category": est.activations_per_microbatch,
+            "by_layer": est.activations_per_layer}
 
 
 def run(points: list[GridPoint]) -> list[dict]:
@@ -127,9 +133,15 @@ def run(points: list[GridPoint]) -> list[dict]:
 
 
 def problems(rows: list[dict]) -> list[str]:
-    out = [f"{r['point']}: estimated {r['estimated']:,} B, measured {r['measured']:,} B" for r in rows
-           if r["estimated"] != r["measured"]]
-    out += [f"{r['point']}: measured 0 B (a comparison of zeros proves nothing)" for r in rows if r["measured"] == 0]
+    """Every point whose estimate differs from the measurement: in total, in a category or in a layer."""
+    out = []
+    for row in rows:
+        real, est = row["measured"], row["estimated"]
+        for view in ("total", "by_category", "by_layer"):
+            if est[view] != real[view]:
+                out.append(f"{row['point']} {view}: estimated {est[view]}, measured {real[view]}")
+        if real["total"] == 0:
+            out.append(f"{row['point']}: measured 0 B (a comparison of zeros proves nothing)")
     return out
 
 

@@ -235,3 +235,16 @@ def test_fused_attention_stand_in_refuses_real_tensors():
     x = torch.zeros(4, 1, 2, 8)
     with pytest.raises(RuntimeError, match="fake tensors only"):
         _FusedAttentionSaves.apply(x, x, x)
+
+
+def test_identical_layers_save_the_same_and_split_the_layer_categories(qwen_lora):
+    _, est = qwen_lora
+    layers = est.activations_per_layer
+    assert sorted(layers) == list(range(36))
+    assert len({layers[i] for i in range(1, 36)}) == 1  # 35 identical layers after the first
+    # The first layer's input comes from the frozen embedding: Bridge's LoRA-A there has no input gradient path.
+    assert layers[0] <= layers[1]
+    in_layers = sum(est.activations_per_microbatch[c] for c in (NORMS, ATTENTION, MLP, LORA_INPUTS))
+    hf = _hf(QWEN3_8B)
+    final_norm = (SEQ // TP) * hf["hidden_size"] * BF16 + (SEQ // TP) * 4  # its input and fp32 rstd
+    assert sum(layers.values()) == in_layers - final_norm
