@@ -24,10 +24,26 @@ class _BelowWarning(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class LogLevelError(ValueError):
+    """``MBX_LOG_LEVEL`` names no logging level."""
+
+
+def level_from_env() -> str:
+    """``MBX_LOG_LEVEL`` (default INFO), or :class:`LogLevelError` naming the variable and the fix."""
+    level = os.environ.get("MBX_LOG_LEVEL", "INFO").strip().upper()
+    if level not in LEVELS:
+        raise LogLevelError(f"MBX_LOG_LEVEL={os.environ['MBX_LOG_LEVEL']!r} is not a logging level. "
+                            f"Fix: set it to one of {', '.join(LEVELS)}, or unset it")
+    return level
+
+
 def configure() -> None:
     """INFO for ``megatron_bridge_ext`` (what was applied), WARNING for upstream (``MBX_LOG_LEVEL`` overrides).
     """
-    level = os.environ.get("MBX_LOG_LEVEL", "INFO").upper()
+    level = level_from_env()
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     # Ranks other than 0 repeat rank 0's decisions: they log warnings only.
     rank_level = level if os.environ.get("RANK", "0") == "0" else "WARNING"

@@ -63,6 +63,15 @@ class SequenceParallelLoRAIn(ColumnParallelLinear):
         return strategy.output(input_, weight, self.tp_group, bool(self.gradient_accumulation_fusion)), None
 
 
+def _check_not_conflicting(upstream_flag: bool, strategy) -> None:
+    """Upstream's flag asks for regather; a different explicit strategy is a contradiction, not a choice."""
+    if upstream_flag and strategy not in (None, sp_lora.REGATHER):
+        raise ValueError(
+            f"LoRA.sequence_parallel_input_regather=True asks for regather but sequence_parallel_input_strategy="
+            f"{strategy!r} asks for another. Fix: drop sequence_parallel_input_regather (the strategy decides), "
+            "or set sequence_parallel_input_strategy='regather'")
+
+
 def _allow_bridge_instantiation() -> None:
     """Let Bridge's ``_target_`` instantiation (overrides, saved run configs) build our classes.
 
@@ -121,6 +130,12 @@ class LoRA(BridgeLoRA):
         # of an existing object, and an unknown strategy must not silently run as another one.
         if name == "sequence_parallel_input_strategy":
             sp_lora.check_choice(value, "LoRA.sequence_parallel_input_strategy", allow_none=True)
+            _check_not_conflicting(getattr(self, "sequence_parallel_input_regather", False), value)
+        elif name == "sequence_parallel_input_regather":
+            if not isinstance(value, bool):
+                raise ValueError(f"LoRA.sequence_parallel_input_regather={value!r} is not a bool. Fix: write True "
+                                 "or False")
+            _check_not_conflicting(value, getattr(self, "sequence_parallel_input_strategy", None))
         super().__setattr__(name, value)
 
     @property

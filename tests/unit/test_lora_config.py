@@ -76,12 +76,28 @@ def test_bridge_fields_pass_through(ours):
         (True, None, "regather"),
         (False, "regather", "regather"),
         (False, "shard_local", "shard_local"),
-        (True, "shard_local", "shard_local"),  # the explicit strategy wins over the upstream flag
+        (True, "regather", "regather"),
     ],
 )
 def test_strategy_resolution(ours, regather_flag, strategy, effective):
     lora = ours(sequence_parallel_input_regather=regather_flag, sequence_parallel_input_strategy=strategy)
     assert lora.strategy == effective
+
+
+@pytest.mark.parametrize("strategy", ["shard_local", "off"])
+def test_the_upstream_flag_and_another_strategy_are_refused_not_resolved(ours, strategy):
+    with pytest.raises(ValueError, match="sequence_parallel_input_regather=True asks for regather"):
+        ours(sequence_parallel_input_regather=True, sequence_parallel_input_strategy=strategy)
+    lora = ours(sequence_parallel_input_strategy=strategy)
+    with pytest.raises(ValueError, match="Fix: drop sequence_parallel_input_regather"):
+        lora.sequence_parallel_input_regather = True
+    assert lora.strategy == strategy
+
+
+@pytest.mark.parametrize("bad", ["no", "False", 0, 1, None])
+def test_the_upstream_flag_must_be_a_bool(ours, bad):
+    with pytest.raises(ValueError, match="sequence_parallel_input_regather=.* is not a bool"):
+        ours(sequence_parallel_input_regather=bad)
 
 
 @pytest.mark.parametrize("bad", ["shardlocal", "gather", "", "REGATHER", 1, True])
