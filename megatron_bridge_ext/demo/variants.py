@@ -36,17 +36,20 @@ def _our_lora(strategy: str) -> Callable[[TinyGPTShape], Any]:
     return make
 
 
+UPSTREAM_REGATHER_SINCE = "0.6.0"
+"""The first Megatron Bridge release with ``LoRA.sequence_parallel_input_regather`` (Bridge PR #4581)."""
+
+
 def _upstream_has_regather_flag() -> tuple[bool, str]:
-    from dataclasses import fields
+    """From the installed version, so that checking the options imports nothing heavy."""
+    from packaging.version import Version
 
-    from megatron_bridge_ext.patches import bridge_peft_without_te
+    from megatron_bridge_ext.versions import installed_version
 
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
-
-    if any(f.name == "sequence_parallel_input_regather" for f in fields(BridgeLoRA)):
+    version = installed_version("megatron-bridge")
+    if version is not None and version >= Version(UPSTREAM_REGATHER_SINCE):
         return True, ""
-    return False, "the installed Megatron Bridge has no sequence_parallel_input_regather"
+    return False, f"Megatron Bridge {version} has no sequence_parallel_input_regather (new in {UPSTREAM_REGATHER_SINCE})"
 
 
 BASELINE = Variant(

@@ -348,3 +348,15 @@ def test_report_says_what_lora_a_retains(case, fields, strategy, retains):
 
 def test_the_eligible_surfaces_are_the_column_parallel_ones():
     assert set(ELIGIBLE_SURFACES) == {"linear_qkv", "linear_fc1"}
+
+
+def test_the_demo_knows_from_the_version_whether_bridge_has_the_regather_flag(ours):
+    """demo.variants decides without importing Bridge; Bridge's own LoRA fields are the check."""
+    from dataclasses import fields
+
+    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
+
+    from megatron_bridge_ext.demo.variants import VARIANTS
+
+    has_field = "sequence_parallel_input_regather" in {f.name for f in fields(BridgeLoRA)}
+    assert VARIANTS["upstream_regather"].available()[0] is has_field
