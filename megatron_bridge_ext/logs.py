@@ -16,7 +16,10 @@ _IMPORT_NOISE = (
     r".*supports MoE experts, but your version is 0\.0\.0.*",
     r".*full scope is deprecated.*",
     r".*transformers>=5\.0 support is experimental.*",
+    r".*If you are using transformer_engine as the transformer implementation.*",
+    r".*`torch\.jit\.script` is deprecated.*",
 )
+_UPSTREAM = r"(megatron|torch|modelopt|transformers|apex)(\.|$)"
 
 
 class _BelowWarning(logging.Filter):
@@ -59,3 +62,5 @@ def configure() -> None:
         import_logger.addFilter(_BelowWarning())
     for pattern in _IMPORT_NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    if os.environ.get("RANK", "0") != "0":  # other ranks would repeat rank 0's upstream warnings
+        warnings.filterwarnings("ignore", module=_UPSTREAM)

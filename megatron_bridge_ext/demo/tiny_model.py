@@ -77,7 +77,7 @@ def transformer_config(shape: TinyGPTShape, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = shape.torch_dtype
-    return TransformerConfig(
+    fields = dict(
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         ffn_hidden_size=shape.ffn,
@@ -94,8 +94,9 @@ def transformer_config(shape: TinyGPTShape, **overrides):
         add_bias_linear=False,
         gated_linear_unit=shape.swiglu,
         activation_func=torch.nn.functional.silu if shape.swiglu else torch.nn.functional.gelu,
-        **overrides,
     )
+    fields.update(overrides)  # e.g. attention_dropout, recompute settings
+    return TransformerConfig(**fields)
 
 
 def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_overrides):

@@ -729,3 +729,31 @@ def test_shard_local_under_full_recompute_matches_bridge_under_the_same_recomput
     if base_saved - saved != n * (sbh - sbh // TP) * itemsize:
         problems.append(f"recomputed saves: {base_saved} -> {saved}")
     assert_no_problems(problems, tp2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_transforming_an_already_transformed_model_changes_nothing(tp2, strategy):
+    """Applying the same LoRA twice (a resumed script, a second setup call) neither wraps nor decides again."""
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    shape = tm.TinyGPTShape()
+    model, peft = _gpt(shape, strategy)
+    before_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before_report = list(peft.report())
+    x = tm.synthetic_batch(shape, 0)
+    loss_before = tm.loss_of(model, x).detach()
+    again = peft(model, training=True)
+    again = again[0] if isinstance(again, list) else again
+    problems = []
+    if again is not model:
+        problems.append("a new model object")
+    if {n for n, _ in model.named_parameters()} != set(before_params):
+        problems.append("parameters added or renamed")
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if len(wrapped) != shape.layers * len(shape.lora_targets) or any(".to_wrap.adapter" in n for n in wrapped):
+        problems.append(f"adapters wrapped again: {wrapped}")
+    if peft.report() != before_report:
+        problems.append("the report changed")
+    if not torch.equal(tm.loss_of(model, x).detach(), loss_before):
+        problems.append("the output changed")
+    assert_no_problems(problems, tp2)
