@@ -314,7 +314,7 @@ def test_eligibility_rule(strategy, case, fields, refused_by, reason):
 def test_no_strategy_requested_is_off_for_every_adapter():
     decision = decide(_stand_in(), "off")
     assert decision == Decision(decision.adapter, "off", "off", "off (no strategy requested)",
-                                "the gathered input [s, b, h]")
+                                "the gathered input [s, b, h]", f"{decision.adapter}.adapter.linear_in")
     assert not decision.eligible
 
 
