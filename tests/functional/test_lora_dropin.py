@@ -206,7 +206,7 @@ def test_whole_model_bf16_matches_bridge_within_bf16_rounding(tp2, strategy, kin
       ratio 0.95 to 1.03 over five seeds: shard-local is as accurate as Bridge's bf16 LoRA. (The
       per-tensor maximum is too noisy for this: its ratio ranged 0.89 to 1.30.)
 
-    (Observed for LoRA; DoRA and CanonicalLoRA stay within the same bars.)
+    DoRA and CanonicalLoRA (three seeds each): loss 0; gradients 2.8u to 3.6u; ratio 0.97 to 1.03.
     """
     shape = _shape(kind, dtype="bfloat16")
     want_loss, want = _loss_and_grads(_gpt(shape, "baseline")[0], shape)
