@@ -208,7 +208,8 @@ class MemoryConfig:
             if self.lora_sp_input == sp_lora.OFF:
                 return
             # Copies: the new object must not share mutable fields (target lists, CanonicalLoRA's mapping) with the old.
-            values = {f.name: copy.deepcopy(getattr(old, f.name)) for f in fields(old) if f.init and hasattr(old, f.name)}
+            values = {f.name: copy.deepcopy(getattr(old, f.name))
+                      for f in fields(old) if f.init and hasattr(old, f.name)}
             values.pop("sequence_parallel_input_regather", None)
             cfg.peft = ours(**values)
             summary.changes.append(Change("peft", type(old).__module__ + "." + type(old).__name__,

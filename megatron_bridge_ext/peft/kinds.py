@@ -14,10 +14,12 @@ KINDS = ("lora", "dora", "canonical_lora")
 _CLASSES = {
     "lora": ("megatron.bridge.peft.lora", "megatron_bridge_ext.peft.lora", "LoRA"),
     "dora": ("megatron.bridge.peft.dora", "megatron_bridge_ext.peft.dora", "DoRA"),
-    "canonical_lora": ("megatron.bridge.peft.canonical_lora", "megatron_bridge_ext.peft.canonical_lora", "CanonicalLoRA"),
+    "canonical_lora": ("megatron.bridge.peft.canonical_lora", "megatron_bridge_ext.peft.canonical_lora",
+                       "CanonicalLoRA"),
 }
 
-CANONICAL_TARGETS = {"linear_qkv": ("linear_q", "linear_k", "linear_v"), "linear_fc1": ("linear_fc1_up", "linear_fc1_gate")}
+CANONICAL_TARGETS = {"linear_qkv": ("linear_q", "linear_k", "linear_v"),
+                     "linear_fc1": ("linear_fc1_up", "linear_fc1_gate")}
 """CanonicalLoRA's target names for the fused layers; it refuses the fused names, and other layers keep theirs."""
 
 _FUSED_LAYER = {name: fused for fused, names in CANONICAL_TARGETS.items() for name in names}
@@ -54,7 +56,7 @@ def kind_of(peft) -> Optional[str]:
 
 
 def target_names(kind: str, layers: Iterable[str]) -> list[str]:
-    """The ``target_modules`` of ``kind`` that adapt ``layers`` (``linear_qkv`` is linear_q, _k and _v for CanonicalLoRA)."""
+    """The ``target_modules`` of ``kind`` that adapt ``layers`` (CanonicalLoRA: linear_q, _k, _v for ``linear_qkv``)."""
     check_kind(kind, "kind")
     if kind != "canonical_lora":
         return list(layers)

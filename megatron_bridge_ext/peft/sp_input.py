@@ -111,7 +111,7 @@ class SequenceParallelInput:
     """
 
     sequence_parallel_input_strategy: Optional[str] = None
-    """``"off"``, ``"regather"`` or ``"shard_local"``; None is off (our LoRA: ``regather`` when upstream's flag is set)."""
+    """``"off"``, ``"regather"`` or ``"shard_local"``; None is off (our LoRA: ``regather`` with upstream's flag)."""
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -158,7 +158,8 @@ class SequenceParallelInput:
         decision = decisions[0]
         if decision.eligible:
             enable_sp_input(result, [a for _, a in adapters], decision.strategy)
-            self._log.debug("LoRA-A input under SP: %s uses %s", ", ".join(d.adapter for d in decisions), decision.strategy)
+            self._log.debug("LoRA-A input under SP: %s uses %s", ", ".join(d.adapter for d in decisions),
+                            decision.strategy)
         elif self.strategy != sp_lora.OFF and decision.reason not in self._logged_reasons:
             self._logged_reasons.add(decision.reason)
             self._log.info("LoRA-A input under SP (%s): %s keeps the gathered input: %s (logged once per reason)",

@@ -490,12 +490,13 @@ def _dist_checkpoint_round(source, target, directory: str) -> None:
 def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, monkeypatch, strategy, kind):
     """Same parameters, state dicts and distributed checkpoints as Bridge's class of the same kind, both ways.
 
-    Bridge's ``LoRALinear.state_dict()`` (and DoRA's and CanonicalLoRA's wrappers') names the base weight without the ``to_wrap.`` level that
-    ``load_state_dict`` expects, so no Bridge LoRA model reloads even its own ``state_dict()``
-    strictly; Bridge resumes PEFT runs from distributed checkpoints, loading with ``strict=False``.
-    The test therefore requires: identical ``state_dict()`` keys, shapes and dtypes; a plain
-    ``load_state_dict`` that reports exactly the mismatches Bridge -> Bridge reports; and a strict
-    (``RAISE_ALL``) distributed-checkpoint load in both directions, after which every tensor is equal.
+    Bridge's ``LoRALinear.state_dict()`` (and DoRA's and CanonicalLoRA's wrappers') names the base weight
+    without the ``to_wrap.`` level that ``load_state_dict`` expects, so no Bridge LoRA model reloads even
+    its own ``state_dict()`` strictly; Bridge resumes PEFT runs from distributed checkpoints, loading with
+    ``strict=False``. The test therefore requires: identical ``state_dict()`` keys, shapes and dtypes; a
+    plain ``load_state_dict`` that reports exactly the mismatches Bridge -> Bridge reports; and a strict
+    (``RAISE_ALL``) distributed-checkpoint load in both directions, after which every tensor is what
+    Bridge's class resumes from the same checkpoint.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

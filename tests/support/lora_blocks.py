@@ -67,7 +67,8 @@ def _adapters(shape: tm.TinyGPTShape, surfaces=None) -> list[tuple[str, str]]:
     out = []
     for name in _adapter_names(shape, surfaces):
         keys = _SPLIT.get(name.rsplit(".", 1)[-1], ()) if shape.peft == "canonical_lora" else ()
-        out += [(f"{name}.{key}", f"{name}.adapter.{key}.linear_in") for key in keys] or [(name, f"{name}.adapter.linear_in")]
+        split = [(f"{name}.{key}", f"{name}.adapter.{key}.linear_in") for key in keys]
+        out += split or [(name, f"{name}.adapter.linear_in")]
     return out
 
 

@@ -45,7 +45,8 @@ def fake_te_spec(contract: str):
 
 
 # Rows of the fused linear_fc1 output: under a gated MLP each TP rank holds [gate_k; up_k], TP=1 holds [gate; up].
-_GATED_ROWS = re.compile(r"mlp\.linear_fc1\.(to_wrap\.weight|weight|adapter\.linear_out\.weight|adapter\.weight_magnitude)$")
+_GATED_ROWS = re.compile(
+    r"mlp\.linear_fc1\.(to_wrap\.weight|weight|adapter\.linear_out\.weight|adapter\.weight_magnitude)$")
 
 
 def _split_dim(model, name: str, param: torch.Tensor):

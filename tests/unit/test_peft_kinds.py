@@ -58,7 +58,8 @@ def test_bridge_fields_pass_through(classes):
     dora = classes["dora"][1](target_modules=["linear_qkv"], dim=4, alpha=8, dropout=0.1, lora_A_init_method="kaiming")
     assert (dora.target_modules, dora.dim, dora.alpha, dora.dropout, dora.lora_A_init_method) == (
         ["linear_qkv"], 4, 8, 0.1, "kaiming")
-    canonical = classes["canonical_lora"][1](target_modules=["linear_q", "linear_fc1_up"], dim=4, share_expert_adapters=False)
+    canonical = classes["canonical_lora"][1](target_modules=["linear_q", "linear_fc1_up"], dim=4,
+                                             share_expert_adapters=False)
     assert dict(canonical.canonical_mapping) == {"linear_qkv": {"linear_q"}, "linear_fc1": {"linear_fc1_up"}}
     assert canonical.share_expert_adapters is False
 
@@ -180,7 +181,8 @@ def test_the_adapters_of_a_layer_share_one_verdict_and_one_shard():
     # One adapter refused refuses the layer: they all take the base layer's one input.
     adapters["adapter_k"] = _adapter(trainable=False)
     decisions = decide_wrapper(wrapper, "shard_local", [(f"adapter.{k}", a) for k, a in adapters.items()])
-    assert {(d.strategy, d.reason) for d in decisions} == {("off", "LoRA-A is frozen (its input is not retained anyway)")}
+    frozen = "LoRA-A is frozen (its input is not retained anyway)"
+    assert {(d.strategy, d.reason) for d in decisions} == {("off", frozen)}
 
 
 @pytest.mark.parametrize("te, dropout, retains", [
