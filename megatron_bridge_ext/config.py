@@ -124,7 +124,8 @@ class MemoryConfig:
         model = cfg.model
         if cfg.peft is None or not _is_lora_family(cfg.peft):
             return [Finding("lora_sp_input_needs_lora", ERROR, "lora_sp_input",
-                            f"needs a LoRA PEFT config (LoRA, DoRA or CanonicalLoRA), found {type(cfg.peft).__name__}",
+                            "needs a LoRA PEFT config (LoRA, DoRA or CanonicalLoRA), found "
+                            f"{type(cfg.peft).__name__}",
                             "set cfg.peft to Bridge's or megatron_bridge_ext.peft's LoRA, DoRA or CanonicalLoRA, or "
                             "leave lora_sp_input=None")]
         if self.lora_sp_input == sp_lora.OFF:
@@ -207,7 +208,7 @@ class MemoryConfig:
         if not isinstance(old, ours):
             if self.lora_sp_input == sp_lora.OFF:
                 return
-            # Copies: the new object must not share mutable fields (target lists, CanonicalLoRA's mapping) with the old.
+            # Copies: the new object shares no mutable field (target lists, CanonicalLoRA's mapping) with the old.
             values = {f.name: copy.deepcopy(getattr(old, f.name))
                       for f in fields(old) if f.init and hasattr(old, f.name)}
             values.pop("sequence_parallel_input_regather", None)
