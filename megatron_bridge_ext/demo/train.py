@@ -65,7 +65,8 @@ def _mib(n: int) -> str:
 
 
 def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str) -> str:
-    header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}, heads {shape.heads}/"
+    swiglu = " (SwiGLU)" if shape.swiglu else ""
+    header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}{swiglu}, heads {shape.heads}/"
               f"{shape.kv_heads} kv, seq {shape.seq}, micro-batch {shape.micro_batch}, {shape.dtype}; TP={shape.tp} "
               f"sequence parallel; {shape.peft} r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}")
     cols = ["rank", "variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other",
@@ -84,8 +85,9 @@ def format_report(rows: list[dict]) -> str:
         return ""
     row = reported[-1]
     lines = [f"LoRA-A input decisions ({row['variant']}; report()):"]
+    width = max(len(decision["adapter"]) for decision in row["lora_report"])
     for decision in row["lora_report"]:
-        lines.append(f"  {decision['adapter']:<45} {decision['strategy']:<12} {decision['reason']}; "
+        lines.append(f"  {decision['adapter']:<{width}} {decision['strategy']:<12} {decision['reason']}; "
                      f"retains {decision['retains']}")
     return "\n".join(lines)
 
