@@ -9,12 +9,13 @@ gives the equivalent Bridge override set.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from megatron_bridge_ext import recompute
 from megatron_bridge_ext.findings import ACTION, ERROR, NO_EFFECT, WARNING, Finding, Refused
-from megatron_bridge_ext.peft import sp_lora
+from megatron_bridge_ext.peft import kinds, sp_lora
 from megatron_bridge_ext.peft.eligibility import ELIGIBLE_SURFACES, recompute_reason
 
 WHAT = "MemoryConfig"
@@ -53,7 +54,8 @@ class MemoryConfig:
     allocator_ipc: the processes share CUDA memory through IPC (colocated inference, weight sync):
         expandable segments are then left off.
     lora_sp_input: LoRA-A input under sequence parallelism: ``"regather"``, ``"shard_local"`` or
-        ``"off"`` (see :mod:`megatron_bridge_ext.peft`); None leaves ``cfg.peft`` alone.
+        ``"off"`` (see :mod:`megatron_bridge_ext.peft`) for a LoRA, DoRA or CanonicalLoRA ``cfg.peft``,
+        which becomes our class of the same kind; None leaves ``cfg.peft`` alone.
     recompute_modules: selective activation recompute modules (``["core_attn"]``, ...); None leaves
         the model's recompute settings alone.
     """
@@ -139,11 +141,12 @@ class MemoryConfig:
         if self.lora_sp_input is None:
             return []
         model = cfg.model
-        if cfg.peft is None or not _is_lora(cfg.peft):
+        if cfg.peft is None or not _is_lora_family(cfg.peft):
             return [Finding("lora_sp_input_needs_lora", ERROR, "lora_sp_input",
-                            f"needs a LoRA PEFT config, found {type(cfg.peft).__name__}",
-                            "set cfg.peft to megatron_bridge_ext.peft.LoRA(...) or Bridge's LoRA, or leave "
-                            "lora_sp_input=None")]
+                            "needs a LoRA PEFT config (LoRA, DoRA or CanonicalLoRA), found "
+                            f"{type(cfg.peft).__name__}",
+                            "set cfg.peft to Bridge's or megatron_bridge_ext.peft's LoRA, DoRA or CanonicalLoRA, or "
+                            "leave lora_sp_input=None")]
         if self.lora_sp_input == sp_lora.OFF:
             return []
         out = []
@@ -162,7 +165,7 @@ class MemoryConfig:
             model = _RecomputeView(
                 "selective",
                 list(dict.fromkeys([*(getattr(model, "recompute_modules", None) or []), *self.recompute_modules])))
-        targets = set(getattr(cfg.peft, "target_modules", None) or ELIGIBLE_SURFACES)
+        targets = kinds.targeted_layers(getattr(cfg.peft, "target_modules", None) or ELIGIBLE_SURFACES)
         out = []
         for surface in ELIGIBLE_SURFACES:
             if surface not in targets:
@@ -222,20 +225,21 @@ class MemoryConfig:
     def _apply_lora(self, cfg, summary: Summary) -> None:
         if self.lora_sp_input is None:
             return
-        from megatron_bridge_ext.peft import LoRA
-
         old = cfg.peft
         upstream_flag = bool(getattr(old, "sequence_parallel_input_regather", False))
-        if not isinstance(old, LoRA):
+        ours = kinds.our_class(kinds.kind_of(old))
+        if not isinstance(old, ours):
             if self.lora_sp_input == sp_lora.OFF and not upstream_flag:
-                return  # Bridge's LoRA without the flag already takes the gathered input
-            values = {f.name: getattr(old, f.name) for f in fields(old) if f.init and hasattr(old, f.name)}
+                return  # Bridge's class without the flag already takes the gathered input
+            # Copies: the new object shares no mutable field (target lists, CanonicalLoRA's mapping) with the old.
+            values = {f.name: copy.deepcopy(getattr(old, f.name))
+                      for f in fields(old) if f.init and hasattr(old, f.name)}
             values.pop("sequence_parallel_input_regather", None)
-            cfg.peft = LoRA(**values)
+            cfg.peft = ours(**values)
             summary.changes.append(Change("peft", type(old).__module__ + "." + type(old).__name__,
-                                          "megatron_bridge_ext.peft.LoRA",
+                                          f"megatron_bridge_ext.peft.{ours.__name__}",
                                           "every other field kept" if upstream_flag else "same fields"))
-        previous = cfg.peft.strategy if isinstance(old, LoRA) else (sp_lora.REGATHER if upstream_flag else sp_lora.OFF)
+        previous = cfg.peft.strategy if isinstance(old, ours) else (sp_lora.REGATHER if upstream_flag else sp_lora.OFF)
         if upstream_flag:
             object.__setattr__(cfg.peft, "sequence_parallel_input_regather", False)
             summary.changes.append(Change("peft.sequence_parallel_input_regather", True, False,
@@ -307,20 +311,4 @@ class _RecomputeView:
 
 def _is_lora_family(peft) -> bool:
     """Bridge's LoRA, DoRA or CanonicalLoRA (ours derive from them)."""
-    from megatron_bridge_ext.patches import bridge_peft_without_te
-
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
-    from megatron.bridge.peft.dora import DoRA
-    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
-
-    return isinstance(peft, (BridgeLoRA, DoRA, CanonicalLoRA))
-
-
-def _is_lora(peft) -> bool:
-    from megatron_bridge_ext.patches import bridge_peft_without_te
-
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
-
-    return isinstance(peft, BridgeLoRA)
+    return kinds.kind_of(peft) is not None

@@ -72,9 +72,10 @@ def _figures(row: dict) -> tuple:
 
 def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str) -> str:
     """Rank 0's row per variant; the last column says whether every other rank reported the same figures."""
-    header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}, heads {shape.heads}/"
+    swiglu = " (SwiGLU)" if shape.swiglu else ""
+    header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}{swiglu}, heads {shape.heads}/"
               f"{shape.kv_heads} kv, seq {shape.seq}, micro-batch {shape.micro_batch}, {shape.dtype}; TP={shape.tp} "
-              f"sequence parallel; LoRA r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}; "
+              f"sequence parallel; {shape.peft} r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}; "
               "figures of rank 0")
     cols = ["variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other",
             "core_attn ckpt/recomputed", "other ranks"]
@@ -90,14 +91,16 @@ def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str)
 
 
 def format_report(rows: list[dict]) -> str:
-    """Per adapter, where the last variant with a LoRA report applied its strategy, and why not elsewhere."""
+    """Per adapter, where the last variant with a report (``LoRA.report()``, ``DoRA.report()``, ...) applied its
+    strategy, and why not elsewhere."""
     reported = [r for r in rows if r["rank"] == 0 and r["lora_report"]]
     if not reported:
         return ""
     row = reported[-1]
-    lines = [f"LoRA-A input decisions ({row['variant']}; LoRA.report()):"]
+    lines = [f"LoRA-A input decisions ({row['variant']}; report()):"]
+    width = max(len(decision["adapter"]) for decision in row["lora_report"])
     for decision in row["lora_report"]:
-        lines.append(f"  {decision['adapter']:<45} {decision['strategy']:<12} {decision['reason']}; "
+        lines.append(f"  {decision['adapter']:<{width}} {decision['strategy']:<12} {decision['reason']}; "
                      f"retains {decision['retains']}")
     return "\n".join(lines)
 
@@ -107,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
 
     logs.configure()
     shape = options.shape_from_args(args)
-    chosen = variants.select(args.variants)
+    chosen = variants.select(args.variants, shape.peft)
     distributed.init_from_env(tensor_parallel=shape.tp)
     rank = dist.get_rank()
     from tqdm import tqdm

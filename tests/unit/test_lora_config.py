@@ -329,7 +329,7 @@ def test_eligibility_rule(strategy, case, fields, refused_by, reason):
 def test_no_strategy_requested_is_off_for_every_adapter():
     decision = decide(_stand_in(), "off")
     assert decision == Decision(decision.adapter, "off", "off", "off (no strategy requested)",
-                                "the gathered input [s, b, h]")
+                                "the gathered input [s, b, h]", f"{decision.adapter}.adapter.linear_in")
     assert not decision.eligible
 
 
@@ -354,7 +354,7 @@ def test_the_demo_knows_from_the_version_whether_bridge_has_the_regather_flag(ou
     from megatron_bridge_ext.demo.variants import VARIANTS
 
     has_field = "sequence_parallel_input_regather" in {f.name for f in fields(BridgeLoRA)}
-    assert VARIANTS["upstream_regather"].available()[0] is has_field
+    assert VARIANTS["upstream_regather"].available("lora")[0] is has_field
 
 
 def _assigned_attributes(module_name: str, class_name: str) -> set[str]:

@@ -382,3 +382,59 @@ def test_apply_on_our_own_lora_changes_only_the_strategy(cfg):
     assert cfg.peft is ours and ours.strategy == "shard_local"
     assert [(c.field, c.old, c.new) for c in summary.changes] == [
         ("peft.sequence_parallel_input_strategy", "regather", "shard_local")]
+
+
+# ------------------------------------------------------------------------------------------ DoRA and CanonicalLoRA
+
+
+def _bridge_peft(kind: str, **fields):
+    from megatron_bridge_ext.peft import kinds
+
+    targets = kinds.target_names(kind, ["linear_qkv", "linear_proj", "linear_fc1"])
+    return kinds.bridge_class(kind)(target_modules=targets, dim=16, alpha=32, dropout=0.05, **fields)
+
+
+@pytest.mark.parametrize("kind, ours", [("dora", "DoRA"), ("canonical_lora", "CanonicalLoRA")])
+def test_apply_keeps_the_peft_kind_and_every_field(cfg, kind, ours):
+    import dataclasses
+
+    from megatron_bridge_ext.peft import kinds
+
+    cfg.peft = before = _bridge_peft(kind)
+    fields = {f.name: getattr(before, f.name) for f in dataclasses.fields(before) if f.init}
+    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+
+    assert type(cfg.peft) is kinds.our_class(kind) and type(cfg.peft).__name__ == ours
+    assert {name: getattr(cfg.peft, name) for name in fields} == fields
+    assert cfg.peft.strategy == "shard_local"
+    changed = {c.field: (c.old, c.new) for c in summary.changes}
+    assert changed["peft"] == (f"{type(before).__module__}.{ours}", f"megatron_bridge_ext.peft.{ours}")
+    assert changed["peft.sequence_parallel_input_strategy"] == ("off", "shard_local")
+    # The user's object is left as it was, and shares no mutable field with the new one.
+    assert {f.name: getattr(before, f.name) for f in dataclasses.fields(before) if f.init} == fields
+    assert cfg.peft.target_modules is not before.target_modules
+    assert cfg.peft.canonical_mapping is not before.canonical_mapping
+
+
+def test_apply_to_our_own_dora_changes_only_the_strategy(cfg):
+    from megatron_bridge_ext.peft import DoRA
+
+    cfg.peft = ours = DoRA(dim=16, sequence_parallel_input_strategy="regather")
+    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+    assert cfg.peft is ours and ours.strategy == "shard_local"
+    assert [(c.field, c.old, c.new) for c in summary.changes] == [
+        ("peft.sequence_parallel_input_strategy", "regather", "shard_local")]
+
+
+def test_a_peft_outside_the_lora_family_is_refused_naming_the_kinds(cfg):
+    cfg.peft = object()
+    message = _errors(MemoryConfig(lora_sp_input="regather"), cfg)
+    assert "lora_sp_input" in message and all(name in message for name in ("LoRA", "DoRA", "CanonicalLoRA"))
+
+
+def test_canonical_targets_get_the_recompute_rule_of_their_layers(cfg):
+    """linear_fc1_up/gate are linear_fc1's adapters: regather warns for them under 'mlp', not for q/k/v."""
+    cfg.peft = _bridge_peft("canonical_lora")
+    findings = [f for f in MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
+                if f.code == "lora_sp_input_recompute"]
+    assert [("linear_fc1" in f.message, "linear_qkv" in f.message) for f in findings] == [(True, False)]
