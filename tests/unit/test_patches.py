@@ -71,7 +71,7 @@ def test_upstream_bridge_lora_import_fails_without_te():
 def test_patched_bridge_lora_imports_and_the_placeholder_stays_scoped():
     result = run("""
         import importlib.metadata
-import importlib.util
+        import importlib.util
         from megatron_bridge_ext.patches import bridge_peft_without_te
 
         status = bridge_peft_without_te.PATCH.apply()
@@ -433,7 +433,7 @@ def test_te_versions_affected_by_the_dropped_norm_gradient(monkeypatch, installe
 def test_te_norm_grad_patch_wraps_the_adapter_wrapper_and_revert_restores_it():
     result = run("""
         from packaging.specifiers import SpecifierSet
-from packaging.version import Version
+        from packaging.version import Version
 
         from megatron_bridge_ext import versions
         from megatron_bridge_ext.patches import bridge_lora_te_norm_grad, bridge_peft_without_te
