@@ -19,7 +19,6 @@ layers on a CPU machine. No feature of the package imports it. Everything it cha
 
 from __future__ import annotations
 
-import functools
 import sys
 import types
 
@@ -67,8 +66,8 @@ def install() -> bool:
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
 
-    @functools.lru_cache(maxsize=8)
     def cpu_causal_mask(sq: int) -> torch.Tensor:
+        """A fresh mask per call, as Megatron Core's (0.19) builds one per call and layer."""
         return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
     transformer_utils.get_default_causal_mask = cpu_causal_mask

@@ -40,6 +40,7 @@ def run(prog: str, module: str, parser, argv: list[str], worker: Callable) -> in
 
     Bad options exit with status 2 and one line, before any rank starts.
     """
+    from megatron_bridge_ext import logs
     from megatron_bridge_ext.demo import options
 
     args = parser.parse_args(argv)
@@ -47,8 +48,9 @@ def run(prog: str, module: str, parser, argv: list[str], worker: Callable) -> in
         worker(args)
         return 0
     try:
+        logs.level_from_env()
         options.check(args)
-    except options.OptionError as error:
+    except (options.OptionError, logs.LogLevelError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     print(f"{prog}: starting {args.tp} ranks (torchrun; {'NCCL' if _cuda_available() else 'gloo on the CPU'}); "
