@@ -29,6 +29,7 @@ from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, MemoryEstimate, gib
 from megatron_bridge_ext.findings import ERROR, NO_EFFECT, Finding, Refused
+from megatron_bridge_ext.peft import kinds
 
 MARGIN = 0.10
 """Share of device memory kept free without expandable segments: a caching allocator that fragments
@@ -188,7 +189,9 @@ def lora_input_collective_elements(strategy: str, *, seq: int, micro_batch: int,
 
 def _lora_collective_change(est: MemoryEstimate, strategy: str) -> tuple[int, str]:
     s = est.settings
-    targets = [t for t in ("linear_qkv", "linear_fc1") if t in (s.get("lora_targets") or [])]
+    # One term per LoRA-A of a column-parallel layer (CanonicalLoRA: three on linear_qkv, two on linear_fc1).
+    targets = [layer for t in (s.get("lora_targets") or []) for layer in kinds.targeted_layers([t])
+               if layer in ("linear_qkv", "linear_fc1")]
     old = s.get("lora_sp_input") or "off"
     layers, nmb, e = s["layers_on_stage"], s["num_microbatches"], _element(est)
     kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])

@@ -33,7 +33,8 @@ def add_parser(sub, parse_size) -> None:
     p.add_argument("--global-batch", type=int, help="global batch size (default with --hf-config: micro-batch x DP x PP)")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism (default with --hf-config: on when TP > 1)")
-    p.add_argument("--peft", choices=("lora", "none"), help="Bridge's LoRA on the four linear layers, or full fine-tuning")
+    p.add_argument("--peft", choices=("lora", "dora", "canonical_lora", "none"),
+                   help="Bridge's LoRA, DoRA or CanonicalLoRA on the four linear layers, or full fine-tuning")
     p.add_argument("--lora-dim", type=int, default=32, help="LoRA rank (default 32, Bridge's default)")
     p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
                    help="the run's allocator setting (default: from the recipe's env_vars; off for --hf-config)")
@@ -114,8 +115,9 @@ def _plan(args):
 
 
 def _settings_line(s: dict) -> str:
+    kind = {"dora": "DoRA", "canonical_lora": "CanonicalLoRA"}.get(s.get("peft_kind"), "LoRA")
     peft = "full fine-tuning" if not s.get("peft") else (
-        f"LoRA r={s['lora_dim']} on {','.join(s['lora_targets'])}, LoRA-A input {s['lora_sp_input']}")
+        f"{kind} r={s['lora_dim']} on {','.join(s['lora_targets'])}, LoRA-A input {s['lora_sp_input']}")
     recompute = s["recompute_granularity"] or "none"
     if recompute == "selective":
         recompute += f" {s['recompute_modules']}"

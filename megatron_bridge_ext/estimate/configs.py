@@ -33,6 +33,9 @@ def _refuse(setting: str, message: str, fix: str) -> Refused:
 class Layout:
     """Parallel sizes, batch and PEFT for a ``config.json`` (a recipe keeps its own unless set here).
 
+    ``peft``: ``lora``, ``dora`` or ``canonical_lora`` (Bridge's class of that kind on the layers of
+    ``lora_targets``, named as the kind names them), or ``none`` for full fine-tuning.
+
     ``None`` keeps the recipe's value (for a ``config.json``: TP/PP/DP 1, SP with TP > 1, micro-batch 1).
     ``global_batch`` defaults to micro-batch x DP x PP: a full pipeline of microbatches.
     """
@@ -154,14 +157,16 @@ def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> None:
         cfg.train.global_batch_size = cfg.train.micro_batch_size * (dp or 1) * model.pipeline_model_parallel_size
     if layout.distributed_optimizer is not None:
         cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = layout.distributed_optimizer
-    if layout.peft == "lora":
-        from megatron.bridge.peft.lora import LoRA
-
-        cfg.peft = LoRA(target_modules=list(layout.lora_targets), dim=layout.lora_dim, alpha=layout.lora_alpha)
-    elif layout.peft == "none":
+    if layout.peft == "none":
         cfg.peft = None
     elif layout.peft is not None:
-        raise _refuse("--peft", f"{layout.peft!r} is not lora or none", "use --peft lora or --peft none")
+        from megatron_bridge_ext.peft import kinds
+
+        if layout.peft not in kinds.KINDS:
+            raise _refuse("--peft", f"{layout.peft!r} is not one of {', '.join(kinds.KINDS)} or none",
+                          f"use --peft {' or '.join(kinds.KINDS)}, or --peft none")
+        cfg.peft = kinds.bridge_class(layout.peft)(target_modules=kinds.target_names(layout.peft, layout.lora_targets),
+                                                   dim=layout.lora_dim, alpha=layout.lora_alpha)
 
 
 def _with_overrides(cfg, overrides):

@@ -19,9 +19,9 @@ Why each change (all undone on exit; none of them outlives the context):
   Activation checkpointing records RNG states in forward; without CUDA it gets the CPU state.
 * ``torch.cuda.current_device``: Megatron allocates collective outputs and its global memory buffer
   on it. It must name the traced device (fake CUDA tensors need no GPU).
-* the causal mask: on a GPU Megatron Core builds a new [s, s] mask per layer (not cached) and the
-  unfused softmax keeps it; a CPU run of the demo or the tests builds one and shares it. The
-  trace does what the device it models does.
+* the causal mask: Megatron Core builds a new [s, s] mask per layer (not cached) on CUDA and the
+  unfused softmax keeps it; the trace builds it the same way on the traced device (the CPU
+  emulation of the demo and the tests does the same on CPU ranks).
 * Transformer Engine's attention variables (``NVTE_FLASH_ATTN``, ...): building a Megatron model
   asserts and sets them from ``attention_backend``; the trace starts without them and the caller's
   values come back afterwards.
@@ -180,18 +180,12 @@ def _current_device(device: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _causal_mask(device: str) -> Iterator[None]:
-    """A new mask per call on CUDA (as Megatron Core builds it), one mask per trace on the CPU."""
+    """A new mask per call, as Megatron Core builds it, on the traced device (Core's names CUDA)."""
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
 
-    built: dict[int, torch.Tensor] = {}
-
     def mask(sq: int) -> torch.Tensor:
-        if device == "cuda":
-            return torch.ones(sq, sq, dtype=torch.bool, device="cuda").triu(1)
-        if sq not in built:
-            built[sq] = torch.ones(sq, sq, dtype=torch.bool, device="cpu").triu(1)
-        return built[sq]
+        return torch.ones(sq, sq, dtype=torch.bool, device=device).triu(1)
 
     saved = transformer_utils.get_default_causal_mask, fused_softmax.get_default_causal_mask
     transformer_utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = mask

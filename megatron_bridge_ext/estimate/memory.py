@@ -21,7 +21,7 @@ import torch
 from megatron_bridge_ext.estimate import static, te
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
-from megatron_bridge_ext.estimate.trace import CATEGORIES, trace_microbatch
+from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 
 WHAT = "memory estimate"
@@ -229,6 +229,9 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     attention = _choice(attention or _attention_from(prepared.provider), ATTENTIONS, "attention")
     impl = _choice(transformer_impl or getattr(prepared.provider, "transformer_impl", TE), IMPLS, "transformer_impl")
     device = _choice(device, DEVICES, "device")
+    problems = _te_problems(prepared, impl)
+    if problems:
+        raise Refused(WHAT, problems)
     pp = prepared.provider.pipeline_model_parallel_size
     stages = [0] if pp == 1 else [0, pp - 1]
     results = [_estimate_stage(prepared, stage, attention=attention, impl=impl, device=device) for stage in stages]
@@ -236,6 +239,22 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
     best.seconds = time.perf_counter() - start
     return best
+
+
+def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
+    """Configs that fail in training on Transformer Engine, so that no estimate of them means anything."""
+    from megatron_bridge_ext.peft import kinds
+
+    peft, p = prepared.peft, prepared.provider
+    if impl != TE or peft is None or not (p.sequence_parallel and p.tensor_model_parallel_size > 1):
+        return []
+    targets = kinds.targeted_layers(getattr(peft, "target_modules", None) or [])
+    if kinds.kind_of(peft) == "dora" and (getattr(peft, "dropout", 0) or 0) > 0 and targets & set(te.COLUMN_TARGETS):
+        return [Finding("unsupported_model", ERROR, "peft.dropout",
+                        f"DoRA with dropout={peft.dropout} fails on Transformer Engine's LayerNorm-linear under sequence "
+                        "parallelism (Bridge's dropout correction runs that layer again on its gathered norm output)",
+                        "set peft.dropout=0.0, or leave linear_qkv and linear_fc1 out of peft.target_modules")]
+    return []
 
 
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str) -> MemoryEstimate:
@@ -267,16 +286,16 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                        group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     element = static.dtype_bytes(prepared.dtype)
     components = _static(prepared, counts)
-    components += _activations(traced, in_flight)
-    te_count, te_bytes = (0, 0)
+    contract = te.TeContract(0, 0, 0, 0)
     if impl == TE and prepared.peft is not None:
-        te_count, te_bytes = te.norm_output_shards(traced.lora_a_saved, seq=prepared.seq, micro_batch=prepared.micro_batch,
-                                                   hidden=provider.hidden_size, tp=tp, sequence_parallel=sp,
-                                                   element_size=element)
-        if te_count:
-            components.append(te.te_component(te_count, te_bytes, in_flight,
-                                              shard_shape=f"[{prepared.seq // tp}, {prepared.micro_batch}, "
-                                                          f"{provider.hidden_size}]"))
+        contract = te.norm_output_contract(traced.lora_a_saved, seq=prepared.seq, micro_batch=prepared.micro_batch,
+                                           hidden=provider.hidden_size, tp=tp, sequence_parallel=sp,
+                                           element_size=element)
+    components += _activations(traced, in_flight, contract)
+    if contract.layers:
+        components.append(te.te_component(contract, in_flight, shard_shape=f"[{prepared.seq // tp}, "
+                                                                           f"{prepared.micro_batch}, "
+                                                                           f"{provider.hidden_size}]"))
     if traced.persistent_buffer_bytes:
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
@@ -285,7 +304,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                               recomputed_layer=recomputed_layer)
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
     return MemoryEstimate(stage=stage, components=components, settings=settings,
-                          assumptions=_assumptions(prepared, attention, impl, device, te_count),
+                          assumptions=_assumptions(prepared, attention, impl, device, contract),
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer))
 
@@ -298,13 +317,18 @@ def _static(prepared: Prepared, counts: static.ParameterCounts) -> list[Componen
     return static.static_components(counts, grad_bytes=grad_bytes, rule=rule)
 
 
-def _activations(traced, in_flight: float) -> list[Component]:
+def _activations(traced, in_flight: float, contract: te.TeContract) -> list[Component]:
     out = []
     for category in CATEGORIES:
         per = traced.by_category[category]
+        shared = contract.shared_bytes if category == LORA_INPUTS else 0
         if per:
-            out.append(Component(ACTIVATIONS, category, round(per * in_flight),
-                                 f"measured: {per:,} B saved for backward by one microbatch x {in_flight:g} in flight"))
+            basis = f"measured: {per:,} B saved for backward by one microbatch"
+            if shared:
+                basis += (f", less {shared:,} B: {contract.shared_copies} gathered copies that CanonicalLoRA's adapters "
+                          "share under Transformer Engine (contract)")
+            out.append(Component(ACTIVATIONS, category, round((per - shared) * in_flight),
+                                 f"{basis} x {in_flight:g} in flight"))
     return out
 
 
@@ -351,10 +375,11 @@ def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, 
 
 def _peft_settings(peft) -> dict[str, Any]:
     if peft is None:
-        return {"peft": None}
-    from megatron_bridge_ext.peft import sp_lora
+        return {"peft": None, "peft_kind": None}
+    from megatron_bridge_ext.peft import kinds, sp_lora
 
-    return {"peft": f"{type(peft).__module__}.{type(peft).__name__}", "lora_dim": getattr(peft, "dim", None),
+    return {"peft": f"{type(peft).__module__}.{type(peft).__name__}", "peft_kind": kinds.kind_of(peft),
+            "lora_dim": getattr(peft, "dim", None),
             "lora_targets": list(getattr(peft, "target_modules", []) or []),
             "lora_sp_input": getattr(peft, "strategy", None)
             or ("regather" if getattr(peft, "sequence_parallel_input_regather", False) else sp_lora.OFF)}
@@ -378,7 +403,7 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
     }
 
 
-def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, te_count: int) -> list[str]:
+def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, contract: te.TeContract) -> list[str]:
     out = [
         "rank: TP rank 0 of the most loaded pipeline stage (first or last; TP ranks hold the same shapes)",
         "activations traced on Megatron Core's local layer spec on fake "
@@ -387,7 +412,9 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, te_
          "log-sum-exp" if attention == FUSED else "attention: Megatron Core's unfused DotProductAttention "
                                                    "(keeps the [b, heads/t, s, s] probabilities)"),
         ("Transformer Engine: not traced; its fused norm-linear is modelled by its contract"
-         + (f" ({te_count} norm-output shards added per microbatch)" if te_count else " (nothing to add here)")
+         + (f" ({contract.layers} norm-output shards added per microbatch)" if contract.layers else " (nothing to add here)")
+         + (f" ({contract.shared_copies} gathered copies shared by CanonicalLoRA's adapters taken off)"
+            if contract.shared_copies else "")
          if impl == TE else "Transformer Engine: not used (local spec)"),
         "jit-fused regions (torch.compile) traced eagerly",
         "optimizer states as after the first step (Megatron allocates them then)",

@@ -90,7 +90,8 @@ class TracedMicrobatch:
     by_layer: dict[int, int]
     persistent_buffer_bytes: int
     lora_a_saved: dict[str, int]
-    """What each LoRA-A (``...adapter.linear_in``) saved, per module (for the TE contract)."""
+    """What each LoRA-A saved, per module (for the TE contract): ``...adapter.linear_in``, and CanonicalLoRA's
+    ``...adapter.adapter_q.linear_in`` (one per split adapter)."""
 
 
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
@@ -117,5 +118,6 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
     by_category, by_layer = split(result)
     buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     persistent = sum(t.numel() * t.element_size() for t in getattr(buffer, "buffer", {}).values())
-    lora_a = {name: nbytes for name, nbytes in result.by_module.items() if name.endswith("adapter.linear_in")}
+    lora_a = {name: nbytes for name, nbytes in result.by_module.items()
+              if ".adapter." in name and name.endswith(".linear_in")}
     return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a)

@@ -5,7 +5,8 @@ Each point is one tiny model (``megatron_bridge_ext.demo.tiny_model``) with one 
 LoRA-A strategy, recompute, attention heads, MLP and dtype. On every rank the real model runs one
 forward under :class:`SavedActivationMeter`, then backward; the same config goes through
 ``estimate(tiny_config(...), attention="local", transformer_impl="local", device="cpu")``, which
-traces rank 0 on fake CPU tensors. The two must be equal to the byte, in total, per category and
+traces rank 0 on fake CPU tensors. LoRA points use our LoRA with each LoRA-A strategy ("off" is
+Bridge's path); a few use DoRA and CanonicalLoRA. The two must be equal to the byte, in total, per category and
 per layer (all TP ranks hold the same shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
 ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.demo.cpu_run tests.support.estimate_grid
 --tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/test_estimate_grid_tp4.py``).
@@ -36,26 +37,28 @@ class GridPoint:
     heads: str
     swiglu: bool
     dtype: str
+    kind: str = "lora"  # the LoRA-family kind (megatron_bridge_ext.peft.kinds)
 
     @property
     def name(self) -> str:
-        return (f"tp{self.tp}-{'sp' if self.sp else 'nosp'}-{self.lora or 'full_ft'}-{self.recompute}-{self.heads}-"
-                f"{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}")
+        kind = "" if self.kind == "lora" or self.lora is None else f"{self.kind}-"
+        return (f"tp{self.tp}-{'sp' if self.sp else 'nosp'}-{kind}{self.lora or 'full_ft'}-{self.recompute}-"
+                f"{self.heads}-{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}")
 
     def shape(self):
         from megatron_bridge_ext.demo.tiny_model import TinyGPTShape
 
         heads, kv_heads = (4, 4) if self.heads == MHA else ((8, 4) if self.tp == 4 else (4, 2))
         return TinyGPTShape(tp=self.tp, sequence_parallel=self.sp, heads=heads, kv_heads=kv_heads, swiglu=self.swiglu,
-                            dtype=self.dtype)
+                            dtype=self.dtype, peft=self.kind)
 
     def peft(self, shape):
         if self.lora is None:
             return None
-        from megatron_bridge_ext.peft import LoRA
+        from megatron_bridge_ext.demo.tiny_model import peft_fields
+        from megatron_bridge_ext.peft import kinds
 
-        return LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=shape.lora_alpha,
-                    sequence_parallel_input_strategy=self.lora)
+        return kinds.our_class(self.kind)(**peft_fields(shape), sequence_parallel_input_strategy=self.lora)
 
 
 def _grid() -> list[GridPoint]:
@@ -69,6 +72,11 @@ def _grid() -> list[GridPoint]:
     for lora in (None, "off", "shard_local"):
         for dtype in ("float32", "bfloat16"):
             points.append(GridPoint(2, False, lora, "none", GQA, dtype == "bfloat16", dtype))
+    # DoRA and CanonicalLoRA (SwiGLU: CanonicalLoRA splits fc1 into up and gate): Bridge's path, where CanonicalLoRA's
+    # adapters each gather the layer's input, and a sequence-sharded one.
+    points += [GridPoint(2, True, "off", "none", GQA, True, "bfloat16", kind="canonical_lora"),
+               GridPoint(2, True, "shard_local", "core_attn", MHA, True, "float32", kind="canonical_lora"),
+               GridPoint(2, True, "regather", "none", GQA, True, "bfloat16", kind="dora")]
     for lora in (None, "off"):
         for recompute in ("none", "full"):
             points.append(GridPoint(1, False, lora, recompute, MHA if lora else GQA, recompute == "full",

@@ -248,3 +248,49 @@ def test_identical_layers_save_the_same_and_split_the_layer_categories(qwen_lora
     hf = _hf(QWEN3_8B)
     final_norm = (SEQ // TP) * hf["hidden_size"] * BF16 + (SEQ // TP) * 4  # its input and fp32 rstd
     assert sum(layers.values()) == in_layers - final_norm
+
+
+def _tiny_kind(kind: str, **fields):
+    """The demo's tiny GPT (bf16, SwiGLU, TP 2 with SP) under Bridge's PEFT of ``kind`` (its gathered path)."""
+    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, peft_fields
+    from megatron_bridge_ext.estimate.device import tiny_config
+    from megatron_bridge_ext.peft import kinds
+
+    shape = TinyGPTShape(tp=2, sequence_parallel=True, swiglu=True, dtype="bfloat16", peft=kind)
+    return shape, tiny_config(shape, kinds.bridge_class(kind)(**peft_fields(shape), **fields))
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_canonical_lora_inputs_against_lora_from_the_shapes(impl):
+    """CanonicalLoRA adapts linear_qkv with three adapters and linear_fc1 with two, each with its [s, b, r]
+    LoRA-B input: three more than LoRA per layer. On the local spec each of them gathers the layer's
+    [s, b, h] input for itself (three more gathered copies per layer); Transformer Engine gathers once
+    and shares it, so under its contract only the LoRA-B inputs differ, and both kinds add the same
+    norm-output shard per LayerNormLinear."""
+    from megatron_bridge_ext.estimate import estimate
+
+    ests = {}
+    for kind in ("lora", "canonical_lora"):
+        shape, cfg = _tiny_kind(kind)
+        ests[kind] = estimate(cfg, attention="local", transformer_impl=impl, device="cpu")
+    s, b, h, r, layers = shape.seq, shape.micro_batch, shape.hidden, shape.lora_rank, shape.layers
+    extra_b_inputs = layers * 3 * s * b * r * BF16
+    extra_copies = layers * 3 * s * b * h * BF16 if impl == "local" else 0
+    lora_inputs = {kind: est.component(LORA_INPUTS).bytes for kind, est in ests.items()}
+    assert lora_inputs["canonical_lora"] - lora_inputs["lora"] == extra_b_inputs + extra_copies
+    if impl == "transformer_engine":
+        shard = layers * 2 * (s // shape.tp) * b * h * BF16  # linear_qkv's and linear_fc1's own norm output
+        for est in ests.values():
+            assert est.component("TE norm-output shards (contract)").bytes == shard
+
+
+def test_dora_with_dropout_on_transformer_engine_under_sp_is_refused():
+    from megatron_bridge_ext.estimate import estimate
+
+    _, cfg = _tiny_kind("dora", dropout=0.1)
+    with pytest.raises(Refused) as refused:
+        estimate(cfg, attention="local", transformer_impl="transformer_engine", device="cpu")
+    line = refused.value.one_line()
+    assert "peft.dropout" in line and "set peft.dropout=0.0" in line and "\n" not in line
+    # The local spec runs it (its base linears take the dropout correction's shard).
+    assert estimate(cfg, attention="local", transformer_impl="local", device="cpu").peak_bytes > 0
