@@ -4,7 +4,8 @@
 #      with one GPU they cannot pair two NCCL ranks, and the JSON says so;
 #  (b) peak memory (torch.cuda.max_memory_allocated, reset per step, each variant in a fresh process) of
 #      rank 0 of a TP=2 job on a Qwen3-8B-shaped stack, via a fake 2-rank process group;
-#  (c) median step time of each variant (same runs as (b)).
+#  (c) median step time of each variant (same runs as (b));
+#  (e) the memory estimate of each of those runs against its max_memory_allocated (target within 5%).
 # Needs Megatron Core/Bridge importable: on a machine without them, first run scripts/device_wheels.sh
 # where the package index is reachable and carry .whl/ along; this script installs from it.
 set -uo pipefail
@@ -29,7 +30,7 @@ else
 fi
 : > "$out/peak.jsonl"
 for variant in baseline regather shard_local; do
-  timeout 150 python3 scripts/peak_memory.py --variant "$variant" --layers "$layers" --json \
+  timeout 200 python3 scripts/peak_memory.py --variant "$variant" --layers "$layers" --estimate --json \
     >> "$out/peak.jsonl" 2>> "$out/peak.err" || echo "{\"variant\": \"$variant\", \"error\": $?}" >> "$out/peak.jsonl"
 done
 python3 - "$out" <<'PY'
@@ -41,7 +42,9 @@ for r in rows:
     if base and r.get("peak"):
         r["peak_delta_vs_baseline_bytes"] = r["peak"]["max_allocated"] - base["peak"]["max_allocated"]
         r["step_time_ratio"] = r["step_time_ms"] / base["step_time_ms"]
-summary = {"date": datetime.date.today().isoformat(), "functional": json.load(open(f"{out}/functional.json")), "variants": rows}
+estimates = [r.get("estimate", {}) for r in rows if r.get("peak")]
+summary = {"date": datetime.date.today().isoformat(), "functional": json.load(open(f"{out}/functional.json")), "variants": rows,
+           "estimate_within_target": bool(estimates) and all(e.get("within_target") for e in estimates)}
 json.dump(summary, open(f"{out}/device_check.json", "w"), indent=2)
 print(json.dumps(summary, indent=2))
 PY
