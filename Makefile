@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BRIDGE ?= 0.6.2
 
-.PHONY: setup demo test unit functional functional-tp4 e2e test-bridge-0.5.1
+.PHONY: setup demo test unit functional functional-tp4 e2e device-rehearsal test-bridge-0.5.1
 
 setup:
 	bash scripts/setup_env.sh --bridge $(BRIDGE)
@@ -31,6 +31,10 @@ test: setup
 	$(MAKE) --no-print-directory functional
 	$(MAKE) --no-print-directory functional-tp4
 	$(MAKE) --no-print-directory e2e
+
+# The device check on a CPU: torch-only virtualenv, the carried wheel set, device_check.sh --dry-run.
+device-rehearsal: setup
+	bash scripts/device_rehearsal.sh
 
 # The backport check: the functional tests (our LoRA and its upstream flag included) on Bridge 0.5.1.
 test-bridge-0.5.1:

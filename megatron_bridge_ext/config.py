@@ -265,8 +265,9 @@ class MemoryConfig:
                 "gradient is not lost"))
 
     # ------------------------------------------------------------------ command line
-    def overrides(self) -> list[str]:
-        """The Bridge command-line overrides for the model and PEFT flags.
+    def overrides(self, kind: str = "lora") -> list[str]:
+        """The Bridge command-line overrides for the model and PEFT flags; ``kind`` is the PEFT's
+        (``lora``, ``dora`` or ``canonical_lora``), whose class of ours the ``+peft`` pair names.
 
         cfg.peft must be None for the ``+peft`` pair (Bridge 0.6.2 keeps an existing PEFT object out of
         overrides). The allocator is not an override: launch with ``mbx run -- torchrun ...`` (or call
@@ -277,7 +278,7 @@ class MemoryConfig:
             out += ["model.recompute_granularity=selective",
                     "model.recompute_modules=[" + ",".join(self.recompute_modules) + "]"]
         if self.lora_sp_input is not None:
-            out += ["+peft._target_=megatron_bridge_ext.peft.LoRA",
+            out += [f"+peft._target_={kinds.public_target(kind)}",
                     f"+peft.sequence_parallel_input_strategy={self.lora_sp_input}"]
         return out
 

@@ -31,6 +31,16 @@ PIECE = 32 * MiB
 HEADROOM = 48 * MiB
 
 
+def stats_at_the_oom() -> dict:
+    """What the default allocator's ``memory_stats()`` hold at step 4, from the steps above: one BIG
+    segment reserved, half of it allocated in live pieces, the other half free in PIECE-sized split
+    holes; the request is 2 * PIECE. (The device check's dry run diagnoses these on a CPU.)"""
+    live = (BIG // PIECE // 2) * PIECE
+    return {"allocated_bytes.all.current": live, "reserved_bytes.all.current": BIG,
+            "inactive_split_bytes.all.current": BIG - live, "num_alloc_retries": 1, "num_ooms": 1,
+            "request_bytes": 2 * PIECE}
+
+
 def _prepare_environment(mode: str) -> dict:
     """Before torch is imported: default allocator, or ours with expandable segments."""
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
@@ -50,7 +60,7 @@ def run(mode: str) -> dict:
     from megatron_bridge_ext.diagnose import classify, parse_oom_message
 
     if not torch.cuda.is_available():
-        return {"mode": mode, "skipped": "no CUDA device", "expected": False}
+        return {"mode": mode, "skipped": "no CUDA device", "setup": setup, "expected": False}
     device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory
     cap = BIG + HEADROOM
@@ -74,6 +84,7 @@ def run(mode: str) -> dict:
         diagnosis = classify(stats, total_memory=total, expandable_segments=mode == "expandable",
                              request_bytes=parsed["request_bytes"])
         result.update(completed=False, oom=True, error=str(error).splitlines()[0], diagnosis=diagnosis.kind,
+                      full_stats=dict(stats),
                       diagnosis_headline=diagnosis.headline,
                       stats={k: stats[k] for k in ("allocated_bytes.all.current", "reserved_bytes.all.current",
                                                    "inactive_split_bytes.all.current", "num_alloc_retries",

@@ -1,19 +1,26 @@
-"""Peak memory of rank 0 of a TP=2 LoRA job, measured on ONE device with a fake 2-rank process group.
+"""Peak memory of rank 0 of a TP=2 LoRA job, measured on ONE device through a fake 2-rank process group.
 
-The fake group (torch's ``FakeStore`` + ``backend="fake"``) makes collectives no-ops while every
-allocation stays real, so one GPU holds exactly what rank 0 of a 2-GPU job holds: its weight
-shards, its sequence shard of every activation, the gathered buffers. Numbers are meaningless
-(collectives move nothing); memory and time are what we read. Run each variant in a fresh process:
+    python scripts/peak_memory.py --variant shard_local [--layers 4] [--steps 5] [--dry-run] [--json]
 
-    python scripts/peak_memory.py --variant shard_local --layers 4 --json
+The fake group (torch's ``FakeStore`` + ``backend="fake"``) makes collectives free no-ops while every
+allocation stays real, so one GPU holds exactly what rank 0 of a 2-GPU job holds: its weight shards,
+its sequence shard of every activation, the gathered buffers. Values are meaningless (collectives move
+nothing); memory and compute time are what we read. Run each variant in a fresh process.
 
-On CUDA it reports ``torch.cuda.max_memory_allocated`` over one training step (reset before the
-step) and the median step time; on CPU it reports the saved-activation bytes instead (for a dry run).
+The stack is Qwen3-8B-shaped (hidden 4096, SwiGLU ffn 12288, 32 heads / 8 KV heads, RMSNorm, bf16,
+sequence 8192, micro-batch 1), Megatron Core's local layer spec with a fused attention core
+(``megatron_bridge_ext.demo.sdpa_attention``: PyTorch's scaled_dot_product_attention, which keeps no
+s x s matrix, as TE's fused attention does not), LoRA r=16 on linear_qkv, linear_proj, linear_fc1,
+linear_fc2. One warm-up step, then one measured step: ``memory_allocated`` before the step and right
+after forward, ``max_memory_allocated`` over forward+backward (reset before the step), the collective
+bytes of the step (counted on the fake group), then ``--steps`` timed steps (CUDA events, median).
+``--dry-run``: a tiny shape in float32 on the CPU (no CUDA needed): the same code path, with saved
+activation bytes instead of allocator figures.
 
 ``--estimate`` adds the memory estimate of the same model (``megatron_bridge_ext.estimate``, traced
-on fake tensors in this process): on CUDA its peak, less the optimizer states this bare
-forward/backward never allocates, against ``max_memory_allocated`` (target within 5%); everywhere
-its saved-activation bytes per microbatch against the meter's.
+on fake tensors in this process, its fused-attention stand-in for the SDPA core): on CUDA its peak,
+less the optimizer states a bare forward/backward never allocates, against ``max_memory_allocated``
+(target within 5%), and its saved-activation bytes beside the meter's.
 """
 
 from __future__ import annotations
@@ -21,16 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
-
-import torch
-import torch.distributed as dist
 
 QWEN3_8B = dict(hidden=4096, ffn=12288, heads=32, kv_heads=8, seq=8192, micro_batch=1, dtype="bfloat16",
                 lora_rank=16, swiglu=True, vocab=151936)
+DRY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, seq=64, micro_batch=1, dtype="float32", lora_rank=4,
+           swiglu=True, vocab=128)
 
 
-def init_fake_tp2() -> None:
+def _init_fake_tp2() -> None:
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -40,86 +48,96 @@ def init_fake_tp2() -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def main() -> None:
-    from megatron_bridge_ext import logs
-    from megatron_bridge_ext.demo import tiny_model, variants
-    from megatron_bridge_ext.measure import SavedActivationMeter
+def measure(variant_name: str, layers: int, steps: int, dry_run: bool) -> dict:
+    import torch
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", required=True, choices=sorted(variants.VARIANTS))
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="tiny shape instead of the Qwen3-8B-shaped stack (dry run)")
-    p.add_argument("--estimate", action="store_true", help="also compare the memory estimate with the measurement")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    logs.configure()
-    if not torch.cuda.is_available():
+    from megatron_bridge_ext.demo import peak, sdpa_attention, tiny_model, variants
+
+    cuda = torch.cuda.is_available() and not dry_run
+    if not cuda:
         from megatron_bridge_ext.demo import cpu_emulation
 
         cpu_emulation.install()
     else:
         torch.cuda.set_device(0)
-    init_fake_tp2()
-    fields = {} if args.tiny else QWEN3_8B
-    shape = tiny_model.TinyGPTShape(layers=args.layers, tp=2, **fields)
-    variant = variants.VARIANTS[args.variant]
-    model = tiny_model.apply_peft(tiny_model.build_gpt(shape, **variant.config_overrides), variant.make_peft(shape))
+    _init_fake_tp2()
+    shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
+    variant = variants.VARIANTS[variant_name]
+    model = tiny_model.build_gpt(shape, layer_spec=sdpa_attention.local_spec_with_sdpa(), normalization="RMSNorm",
+                                 **variant.config_overrides)
+    model = tiny_model.apply_peft(model, variant.make_peft(shape))
     batch = tiny_model.synthetic_batch(shape, 0)
-    cuda = torch.cuda.is_available()
-    times, peak, saved = [], None, None
-    for step in range(args.steps + 1):
+
+    figures = peak.measured_step(model, batch, tiny_model.loss_of, cuda)
+    times = []
+    for _ in range(steps):
         for param in model.parameters():
             param.grad = None
         if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        with SavedActivationMeter(model) if step == 0 else _null() as meter:
-            loss = tiny_model.loss_of(model, batch)
-        loss.backward()
-        if cuda:
-            torch.cuda.synchronize()
-        if step == 0:
-            saved = meter.result().total_bytes
-            if cuda:
-                peak = {"max_allocated": torch.cuda.max_memory_allocated(), "before_step": before}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            tiny_model.loss_of(model, batch).backward()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
         else:
-            times.append((time.perf_counter() - start) * 1e3)
-    result = {"variant": args.variant, "shape": vars(shape), "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "saved_activation_bytes": saved, "peak": peak, "step_time_ms": statistics.median(times)}
-    if args.estimate:
-        result["estimate"] = _estimate(shape, variant, cuda, saved, peak)
-    print(json.dumps(result) if args.json else result)
+            begin = time.perf_counter()
+            tiny_model.loss_of(model, batch).backward()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return {
+        "variant": variant_name, "shape": {k: v for k, v in vars(shape).items() if k != "lora_targets"},
+        "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)",
+        **figures, "step_time_ms": statistics.median(times), "steps_timed": steps,
+    }
 
 
-def _estimate(shape, variant, cuda: bool, saved: int, peak) -> dict:
-    """The estimate of this very run (local spec, unfused attention, one microbatch) next to what was measured."""
+def estimate_beside(result: dict, variant_name: str, layers: int, dry_run: bool) -> dict:
+    """The estimate of the model ``measure`` ran, next to what it measured."""
+    import torch
+
+    from megatron_bridge_ext.demo import tiny_model, variants
     from megatron_bridge_ext.estimate import estimate
     from megatron_bridge_ext.estimate.device import compare_peak, saved_per_microbatch, tiny_config
 
+    cuda = torch.cuda.is_available() and not dry_run
+    shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
+    variant = variants.VARIANTS[variant_name]
     try:
-        cfg = tiny_config(shape, variant.make_peft(shape), **variant.config_overrides)
-        est = estimate(cfg, attention="local", transformer_impl="local", device="cuda" if cuda else "cpu")
-    except Exception as error:  # the measurement above stands on its own; say why the estimate is missing
+        cfg = tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
+        est = estimate(cfg, attention="fused", transformer_impl="local", device="cuda" if cuda else "cpu")
+    except Exception as error:  # the measurement stands on its own; say why the estimate is missing
         return {"error": f"{type(error).__name__}: {error}"}
-    out = {"saved_activation_bytes": saved_per_microbatch(est), "saved_matches_meter": saved_per_microbatch(est) == saved,
-           "peak_bytes": est.peak_bytes, "components": {c.name: c.bytes for c in est.components}}
-    if peak:
-        comparison = compare_peak(est, peak["max_allocated"], exclude=["optimizer states"])
+    out = {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
+           "components": {c.name: c.bytes for c in est.components}}
+    if result.get("peak_forward_backward"):
+        comparison = compare_peak(est, result["peak_forward_backward"], exclude=["optimizer states"])
         out.update(compared_bytes=comparison.estimate_bytes, relative_error=comparison.relative_error,
                    within_target=comparison.within_target, target=comparison.target, excluded=list(comparison.excluded))
     return out
 
 
-class _null:
-    def __enter__(self):
-        return None
+def main(argv=None) -> int:
+    from megatron_bridge_ext.demo import variants
 
-    def __exit__(self, *exc):
-        return False
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", required=True, choices=sorted(variants.VARIANTS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the measured one (at least 5 on a GPU)")
+    p.add_argument("--dry-run", action="store_true", help="tiny float32 shape on the CPU: the path, not the figures")
+    p.add_argument("--estimate", action="store_true", help="also the memory estimate of the same model beside it")
+    p.add_argument("--json", action="store_true", help="one line of JSON")
+    args = p.parse_args(argv)
+    if args.steps < (1 if args.dry_run else 5):
+        p.error(f"--steps={args.steps}: time at least {1 if args.dry_run else 5} steps")
+    from megatron_bridge_ext import logs
+
+    logs.configure()
+    result = measure(args.variant, args.layers, args.steps, args.dry_run)
+    if args.estimate:
+        result["estimate"] = estimate_beside(result, args.variant, args.layers, args.dry_run)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,9 +30,21 @@ DEFAULT_SHAPE = tiny_model.TinyGPTShape(layers=2, hidden=256, ffn=512, heads=8, 
 
 
 def parser() -> argparse.ArgumentParser:
-    return options.parser("mbx bench memory", __doc__.splitlines()[0], DEFAULT_SHAPE, steps=5,
-                          variant_names=list(BENCH_VARIANTS),
-                          steps_help="timed forward/backward passes per variant (after one warm-up pass)")
+    p = options.parser("mbx bench memory", __doc__.splitlines()[0], DEFAULT_SHAPE, steps=5,
+                       variant_names=list(BENCH_VARIANTS),
+                       steps_help="timed forward/backward passes per variant (after one warm-up pass)")
+    p.add_argument("--save", type=_save_prefix, default=None, metavar="PREFIX",
+                   help="also write PREFIX.txt (the table) and PREFIX.json (the figures) of this one run")
+    return p
+
+
+def _save_prefix(text: str) -> str:
+    import os
+
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder!r} does not exist; create it or choose another PREFIX")
+    return text
 
 
 def _sync() -> None:
@@ -113,9 +125,10 @@ def format_table(result: dict) -> str:
               f"hidden {s['hidden']}, ffn {s['ffn']}{' (SwiGLU)' if s['swiglu'] else ''}, heads {s['heads']}/"
               f"{s['kv_heads']}, layers {s['layers']}, r={s['lora_rank']}, "
               f"{s['dtype']} (figures of rank 0; first variant is the reference)")
-    cols = ["variant", "saved MiB", "LoRA-A input MiB", "collective Melem", "step ms", "ratio", "parity rel err"]
-    body = [[r["name"], f"{r['saved_bytes'] / 2**20:.3f}", f"{r['lora_input_saved_bytes'] / 2**20:.3f}",
-             f"{r['collective_elements'].get('total', 0) / 1e6:.3f}", f"{r['step_time_ms']:.1f}",
+    cols = ["variant", "saved bytes", "LoRA-A input bytes", "collective elements", "step ms", "ratio",
+            "parity rel err"]
+    body = [[r["name"], f"{r['saved_bytes']:,}", f"{r['lora_input_saved_bytes']:,}",
+             f"{r['collective_elements'].get('total', 0):,}", f"{r['step_time_ms']:.1f}",
              f"{r['step_time_ratio']:.3f}", f"{r['parity_max_rel_err']:.2e}"] for r in result["variants"]]
     note = ("local spec: a LoRA-A strategy saves s*b*h*bytes*(n-1/t) per adapted linear_qkv or linear_fc1 with n "
             "adapters (1 for LoRA and DoRA, 3 and 2 for CanonicalLoRA); under Transformer Engine's LayerNorm-linear, "
@@ -131,7 +144,13 @@ def worker(args: argparse.Namespace) -> None:
     distributed.init_from_env(tensor_parallel=shape.tp)
     result = run(shape, args.variants, args.steps)
     if dist.get_rank() == 0:
-        print(json.dumps(result, indent=2) if args.json else format_table(result))
+        table = format_table(result)
+        print(json.dumps(result, indent=2) if args.json else table)
+        if args.save:
+            with open(args.save + ".txt", "w") as out:
+                out.write(table + "\n")
+            with open(args.save + ".json", "w") as out:
+                out.write(json.dumps(result, indent=2) + "\n")
     dist.destroy_process_group()
 
 

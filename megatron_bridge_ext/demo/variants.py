@@ -47,7 +47,7 @@ def _upstream_has_regather_flag(kind: str) -> tuple[bool, str]:
     from megatron_bridge_ext.versions import installed_version
 
     if kind != "lora":
-        return False, f"Bridge's {kind} has no sequence_parallel_input_regather (only its LoRA has)"
+        return False, f"Bridge's {kinds.class_name(kind)} has no sequence_parallel_input_regather (only its LoRA has)"
     version = installed_version("megatron-bridge")
     if version is not None and version >= Version(UPSTREAM_REGATHER_SINCE):
         return True, ""

@@ -50,6 +50,17 @@ def our_class(kind: str) -> type:
     return _class(kind, ours=True)
 
 
+def class_name(kind: str) -> str:
+    """The class name of ``kind`` (``DoRA``), the same upstream and here; imports nothing."""
+    check_kind(kind, "kind")
+    return _CLASSES[kind][2]
+
+
+def public_target(kind: str) -> str:
+    """The ``_target_`` that names our class of ``kind`` in a Bridge override (``megatron_bridge_ext.peft.DoRA``)."""
+    return f"megatron_bridge_ext.peft.{class_name(kind)}"
+
+
 def kind_of(peft) -> Optional[str]:
     """The kind of a PEFT object, Bridge's or ours; None when it is not LoRA-family."""
     return next((kind for kind in KINDS if isinstance(peft, bridge_class(kind))), None)

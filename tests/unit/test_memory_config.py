@@ -12,6 +12,7 @@ import pytest
 
 from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.findings import NO_EFFECT, WARNING, Refused
+from megatron_bridge_ext.peft import kinds
 
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER", "MBX_ALLOCATOR_IPC")
 
@@ -152,18 +153,21 @@ def test_recompute_module_names_match_the_installed_megatron_core():
             pass
 
 
-def test_documented_overrides_reproduce_apply(bridge, cfg):
+@pytest.mark.parametrize("kind", kinds.KINDS)
+def test_documented_overrides_reproduce_apply(bridge, cfg, kind):
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
-    import megatron_bridge_ext.peft.lora  # noqa: F401  (allowlists our _target_ for Bridge)
+    kinds.our_class(kind)  # importing our class allowlists its _target_ for Bridge
 
     flags = MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"], expandable_segments=False)
     fresh = bridge[0]()
     fresh.model.tensor_model_parallel_size, fresh.model.sequence_parallel = 2, True
-    overridden = process_config_with_overrides(fresh, cli_overrides=flags.overrides())
+    overridden = process_config_with_overrides(fresh, cli_overrides=flags.overrides(kind))
 
+    cfg.peft = kinds.bridge_class(kind)(dim=16, alpha=32)
     flags.apply(cfg)
+    assert kinds.kind_of(overridden.peft) == kind
     assert overridden.model.recompute_granularity == cfg.model.recompute_granularity
     assert list(overridden.model.recompute_modules) == cfg.model.recompute_modules
     assert type(overridden.peft) is type(cfg.peft)

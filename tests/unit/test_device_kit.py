@@ -1,0 +1,113 @@
+"""The device kit's pinned wheel list agrees with the tested Bridge pair, and the check's verdict arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from megatron_bridge_ext.diagnose import classify
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pins(name: str) -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements" / name).read_text().splitlines():
+        package, sep, version = line.split("#")[0].strip().partition("==")
+        if sep:
+            pins[package.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_the_carried_megatron_pair_is_the_tested_one():
+    device, bridge = _pins("device.txt"), _pins("bridge-0.6.2.txt")
+    for package in ("megatron-core", "megatron-bridge", "transformers"):
+        assert device[package] == bridge[package], package
+    common = _pins("common.txt")
+    for package in ("numpy", "einops", "pyyaml", "packaging", "omegaconf", "safetensors", "tqdm", "rich", "pytest",
+                    "hypothesis"):
+        assert device[package] == common[package], package
+
+
+def test_the_adapter_worth_is_the_gathered_input_minus_the_shard():
+    device_check = _device_check()
+    shape = {"seq": 8192, "micro_batch": 1, "hidden": 4096, "tp": 2, "dtype": "bfloat16"}
+    assert device_check._adapter_bytes(shape) == 8192 * 4096 * 2 // 2  # 32 MiB: the Qwen3-8B-shaped stack
+    assert device_check._adapter_bytes(dict(shape, tp=4, dtype="float32")) == 8192 * 4096 * 4 * 3 // 4
+
+
+def _device_check():
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAYERS = 4
+SHAPE = {"seq": 8192, "micro_batch": 1, "hidden": 4096, "tp": 2, "dtype": "bfloat16"}
+WORTH = 8192 * 4096 * 2 // 2
+
+
+def _rows(forward_drop: int, peak_drop: int, buffer: int = 0) -> tuple[dict, dict]:
+    """A baseline row and a variant row whose figures differ by the given drops (buffer included)."""
+    base = {"shape": SHAPE, "memory_after_forward": 50 << 30, "peak_forward_backward": 70 << 30,
+            "regather_buffer_bytes": 0, "step_time_ms": 100.0, "collective_bytes_per_step": 10,
+            "saved_activation_bytes": 9 << 30}
+    row = dict(base, memory_after_forward=base["memory_after_forward"] - forward_drop + buffer,
+               peak_forward_backward=base["peak_forward_backward"] - peak_drop + buffer, regather_buffer_bytes=buffer,
+               step_time_ms=104.0)
+    return base, row
+
+
+def test_the_peak_verdict_passes_what_the_peak_holds_and_fails_the_rest():
+    check = _device_check()
+    adapters = 2 * LAYERS
+    passing = [
+        (adapters * WORTH, adapters * WORTH, 0),  # the peak while every retained input is alive
+        (adapters * WORTH, (adapters - 1) * WORTH, 0),  # the peak in the last layer's backward
+        (adapters * WORTH, adapters * WORTH, 8192 * 4096 * 2),  # regather: its gather buffer counted apart
+    ]
+    failing = [
+        ((adapters - 1) * WORTH, adapters * WORTH, 0),  # after forward, one adapter's input still retained
+        (adapters * WORTH, (adapters - 2) * WORTH, 0),  # the peak holds two adapters' worth too much
+        (adapters * WORTH, (adapters + 1) * WORTH, 0),  # more saved than the adapters hold: something else moved
+        (adapters * WORTH + (2 << 20), adapters * WORTH, 0),  # 2 MiB over the allowance
+    ]
+    for drops in passing:
+        assert check.judge(*_rows(*drops), LAYERS, cuda=True)[0] == check.PASS, drops
+    for drops in failing:
+        assert check.judge(*_rows(*drops), LAYERS, cuda=True)[0] == check.FAIL, drops
+
+
+def test_the_dry_verdict_wants_the_exact_saved_bytes_and_labels_timing_compute_only():
+    check = _device_check()
+    base, row = _rows(0, 0)
+    row["saved_activation_bytes"] = base["saved_activation_bytes"] - 2 * LAYERS * WORTH
+    status, detail = check.judge(base, row, LAYERS, cuda=False)
+    assert status == check.DRY
+    assert "compute only: collectives are free on a fake group" in detail and "x1.040" in detail
+    row["saved_activation_bytes"] += 512
+    assert check.judge(base, row, LAYERS, cuda=False)[0] == check.FAIL
+
+
+def test_failed_and_not_run_checks_make_the_exit_status_non_zero(tmp_path):
+    check = _device_check()
+    report = check.Check(tmp_path, dry_run=False)
+    report.verdict("a", check.PASS, "")
+    report.verdict("b", check.NA, "")
+    assert report.failed() == []
+    report.verdict("c", check.NOT_RUN, "")
+    assert [v["check"] for v in report.failed()] == ["c"]
+    assert json.loads((tmp_path / "device_check.json").read_text())["verdicts"][-1]["status"] == check.NOT_RUN
+
+
+def test_the_fragmentation_geometry_is_diagnosed_as_fragmentation():
+    spec = importlib.util.spec_from_file_location("workload", ROOT / "scripts" / "fragmentation_workload.py")
+    workload = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workload)
+    stats = workload.stats_at_the_oom()
+    assert stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"] == workload.BIG // 2
+    diagnosis = classify(stats, total_memory=workload.BIG + workload.HEADROOM, expandable_segments=False,
+                         request_bytes=stats["request_bytes"])
+    assert diagnosis.kind == "fragmentation"
