@@ -20,6 +20,7 @@ sequence parallelism). The tests and ``mbx demo --bridge`` use it; so does the R
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -228,12 +229,23 @@ VARIANTS = (
 )
 
 
+def _steps(text: str) -> int:
+    from megatron_bridge_ext.demo.options import _positive_int
+
+    value = _positive_int(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"{value} is more than 100 (this is a demo: a few steps show the numbers)")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mbx demo --bridge", description="LoRA fine-tuning of a tiny GPT through Megatron Bridge's own "
         "pretrain/finetune loop: Bridge's LoRA and ours (MemoryConfig) side by side, memory measured inside the loop")
-    p.add_argument("--steps", type=int, default=4, choices=range(1, 101), metavar="N",
-                   help="fine-tuning iterations per variant (1-100)")
+    p.add_argument("--steps", type=_steps, default=4, help="fine-tuning iterations per variant (1-100)")
+    p.add_argument("--keep", metavar="DIR", default=None,
+                   help="keep the checkpoints in DIR (DIR/base is the base model the README's finetune_lora.py "
+                        "example fine-tunes); default: a temporary directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(tp=2)  # ranks started: tiny_gpt's tensor-parallel size
     return p
@@ -283,7 +295,10 @@ def format_tables(rows: list[dict]) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Under torchrun: pretrain the base, fine-tune each variant through Bridge's loop, print on rank 0."""
+    """Under torchrun: pretrain the base, fine-tune each variant through Bridge's loop, print on rank 0.
+
+    Bridge's own log goes to stderr, so that stdout holds the tables (or the JSON) only.
+    """
     import torch.distributed as dist
 
     import megatron_bridge_ext
@@ -293,16 +308,21 @@ def worker(args: argparse.Namespace) -> None:
     if not dist.is_initialized():  # ours: Bridge then leaves the process group alive between runs
         dist.init_process_group(backend=distributed.backend_for_device(), timeout=distributed.DEFAULT_TIMEOUT)
     rank = dist.get_rank()
-    with tempfile.TemporaryDirectory(prefix="mbx-bridge-demo-") as local:
+    with contextlib.ExitStack() as stack:
+        local = os.path.abspath(args.keep) if args.keep else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="mbx-bridge-demo-"))
         shared = [local if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         base = os.path.join(shared[0], "base")
-        run("pretrain", pretrain_config(base))
-        rows = [_rows(name, run("finetune", _variant_config(base, args.steps, memory), meter=True))
-                for name, memory in VARIANTS]
-        dist.barrier()  # rank 0 removes the directory on exit
+        with contextlib.redirect_stdout(sys.stderr):
+            run("pretrain", pretrain_config(base))
+            rows = [_rows(name, run("finetune", _variant_config(base, args.steps, memory), meter=True))
+                    for name, memory in VARIANTS]
+        dist.barrier()  # rank 0 removes a temporary directory on exit
     if rank == 0:
         print(json.dumps({"rows": rows}, indent=2) if args.json else format_tables(rows), flush=True)
+        if args.keep:
+            print(f"base checkpoint kept in {base}", file=sys.stderr)
     dist.destroy_process_group()
 
 

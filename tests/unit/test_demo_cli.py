@@ -21,3 +21,33 @@ def test_mbx_demo_starts_two_ranks_and_reports_both(tmp_path):
     base, local = rows[("baseline", 0)], rows[("shard_local", 0)]
     assert local["saved_bytes_per_step"][-1] < base["saved_bytes_per_step"][-1]
     assert [d["strategy"] for d in local["lora_report"]].count("shard_local") == 4
+
+
+def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_inside_it(tmp_path):
+    # tiny_gpt: s=32, b=2, h=64, t=2, 2 layers; LoRA-A of linear_qkv and linear_fc1 keep s*b*h/t instead of s*b*h.
+    s, b, h, t, layers, fp32 = 32, 2, 64, 2, 2, 4
+    keep = tmp_path / "checkpoints"
+    command = [sys.executable, "-m", "megatron_bridge_ext.cli", "demo", "--bridge", "--steps", "2", "--json",
+               "--keep", str(keep)]
+    done = subprocess.run(command, cwd=tmp_path, env=dict(os.environ, MBX_LOG_LEVEL="WARNING"),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(done.stdout)["rows"]}  # Bridge's own log went to stderr
+    assert list(rows) == ["Bridge LoRA", "shard_local", "shard_local+core_attn"]
+    bridge, ours, recomputed = rows.values()
+    assert [len(r["losses"]) for r in rows.values()] == [2, 2, 2]
+    assert bridge["lora_input_bytes"] - ours["lora_input_bytes"] == layers * 2 * s * b * h * fp32 * (t - 1) // t
+    assert [r["core_attn_recompute"] for r in rows.values()] == [{"checkpointed_forwards": 0, "recomputed": 0}] * 2 + [
+        {"checkpointed_forwards": layers * 2, "recomputed": layers * 2}]  # 2 micro-batches per step
+    assert recomputed["attention_bytes"] < ours["attention_bytes"]
+    assert "expandable_segments:True" in ours["environment"].get("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert "lm loss" in done.stderr  # Bridge's training log: these numbers come from Bridge's loop
+    assert (keep / "base" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_mbx_demo_bridge_refuses_a_bad_option_with_one_line_before_starting_ranks():
+    command = [sys.executable, "-m", "megatron_bridge_ext.cli", "demo", "--bridge", "--steps", "0"]
+    done = subprocess.run(command, env=dict(os.environ), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == "mbx demo --bridge: error: argument --steps: 0 must be at least 1"
+    assert "starting" not in done.stderr  # no rank was started
