@@ -139,6 +139,7 @@ def bridge_imports() -> None:
     from megatron_bridge_ext.patches import bridge_peft_without_te, import_hooks
     from megatron_bridge_ext.patches.registry import apply_training_entry
 
+    # Bridge 0.5.1 recipes/__init__.py:22 -> diffusion/models/wan/utils.py:20 `import transformer_engine_torch`
     if importlib.util.find_spec("transformer_engine_torch") is None and _WAN_UTILS not in sys.modules:
         placeholder = bridge_peft_without_te.te_placeholder()
         import_hooks.scoped_imports([_WAN_UTILS], lambda name, fromlist: placeholder
@@ -155,7 +156,13 @@ def _is_cuda(device) -> bool:
 
 
 class CudaToCpu(TorchFunctionMode):
-    """Every torch call of this thread that names a CUDA device gets the CPU; ``Tensor.cuda()`` moves to the CPU."""
+    """Every torch call of this thread that names a CUDA device gets the CPU; ``Tensor.cuda()`` moves to the CPU.
+
+    Covers ``device="cuda"`` (training/setup.py:281, data/loaders.py:406, initialize.py:895-944,
+    utils/train_utils.py:769,1210, core/pipeline_parallel/schedules.py:749, core/optimizer/optimizer.py:315,1249,
+    core/optimizer/clip_grads.py:108,112, core/utils.py:1332, checkpointing.py:326, train.py:1461,
+    eval.py:295,313) and ``.cuda()`` (models/model_provider.py:689, gpt_step.py:266, utils/batch_utils.py:54-58).
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -198,6 +205,10 @@ def _returns(value):
 
 
 def _cuda_runtime_stand_ins() -> dict:
+    """``torch.cuda`` calls with no CPU meaning: synchronize (core/timers.py:152,165, train.py:1030,
+    dist_checkpointing/strategies/filesystem_async.py:248), empty_cache (initialize.py:955, train.py:934,973,1329,
+    checkpointing.py:3199, optim.py:241), memory_stats (utils/train_utils.py:1280), streams
+    (megatron/training/models/dist_utils.py:303-306,366, core/distributed/param_and_grad_buffer.py:632)."""
     stand_ins = {name: _returns(None) for name in (
         "synchronize", "empty_cache", "set_device", "set_stream", "reset_peak_memory_stats")}
     stand_ins.update({name: _returns(0) for name in (
@@ -209,7 +220,8 @@ def _cuda_runtime_stand_ins() -> dict:
 
 
 def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
-    """Megatron Core's gradient clipping (same coefficient, grads scaled in place) without its CUDA-type assert."""
+    """Megatron Core's gradient clipping (same coefficient, grads scaled in place) without its CUDA-type assert
+    (core/optimizer/clip_grads.py:174; called from core/optimizer/optimizer.py:410,420,1906,1916)."""
     from megatron.core.utils import to_local_if_dtensor
 
     if isinstance(parameters, torch.Tensor):
@@ -227,6 +239,8 @@ def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gra
 
 
 def _initialize_on_cpu(original):
+    """initialize.py:89-91 asserts CUDA unless allow_no_cuda (setup.py:253 passes none); :761-763 refuse NCCL."""
+
     def initialize_megatron(cfg, *args, allow_no_cuda=False, **kwargs):
         cfg.dist.distributed_backend = "gloo"
         return original(cfg, *args, allow_no_cuda=True, **kwargs)
@@ -235,6 +249,8 @@ def _initialize_on_cpu(original):
 
 
 def _seed_with_the_cpu_as_device(original):
+    """initialize.py:869 seeds the tensor-parallel RNG tracker only when torch.cuda.device_count() > 0."""
+
     def set_random_seed(*args, **kwargs):
         device_count = torch.cuda.device_count
         torch.cuda.device_count = lambda: 1
@@ -263,7 +279,7 @@ def _replaced(replacements: list[tuple[object, str, object]]) -> Iterator[None]:
 def bridge_loop() -> Iterator[None]:
     """Hold around Bridge's ``pretrain``/``finetune`` on CPU ranks; everything is restored on exit.
 
-    Needs :func:`install` and :func:`bridge_imports` first (it imports Bridge's training modules).
+    Needs :func:`install` first; runs :func:`bridge_imports` (it imports Bridge's training modules).
     """
     if not _INSTALLED:
         raise RuntimeError("megatron_bridge_ext.demo.cpu_emulation.install() must run first (and CUDA be absent)")
@@ -277,7 +293,7 @@ def bridge_loop() -> Iterator[None]:
         (core_optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm),
         (setup, "initialize_megatron", _initialize_on_cpu(setup.initialize_megatron)),
         (initialize, "_set_random_seed", _seed_with_the_cpu_as_device(initialize._set_random_seed)),
-        (torch._dynamo.config, "disable", True),
+        (torch._dynamo.config, "disable", True),  # core/jit.py: jit_fuser = torch.compile
     ]
     with _replaced(replacements), CudaToCpu():
         yield
