@@ -32,13 +32,14 @@ LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA_RANK, LORA_ALPHA = 8, 16
 BASE_ITERATIONS = 2  # pretraining steps that make the base checkpoint LoRA fine-tunes from
 SAVE_INTERVAL = 2
+TENSOR_PARALLEL = 2  # = ranks started by mbx demo --bridge
 
 
-def tiny_gpt(cfg, *, train_iters: int, tensor_parallel: int = 2, dtype=None):
+def tiny_gpt(cfg, *, train_iters: int, dtype=None):
     """Shrink the Bridge GPT recipe ``cfg`` (e.g. ``vanilla_gpt_pretrain_config()``) to the demo's model, in place.
 
-    2 layers, hidden 64, 4 heads (FFN 4h = 256), sequence 32, vocabulary 256; TP = ``tensor_parallel``
-    with sequence parallelism; ``dtype`` for parameters (fp32 by default), no mixed precision, no
+    2 layers, hidden 64, 4 heads (FFN 4h = 256), sequence 32, vocabulary 256; TP=2 with sequence
+    parallelism; ``dtype`` for parameters (fp32 by default), no mixed precision, no
     dropout; 2 micro-batches of 2 per iteration; Bridge's mock GPT data; torch_dist checkpoints
     every 2 iterations, saved synchronously. Returns ``cfg``. Applies ``core_local_norm_sequence_parallel``
     (the local spec's norm refuses sequence parallelism upstream).
@@ -55,7 +56,7 @@ def tiny_gpt(cfg, *, train_iters: int, tensor_parallel: int = 2, dtype=None):
     model.num_layers, model.hidden_size, model.num_attention_heads = 2, 64, 4
     model.seq_length, model.vocab_size = 32, 256
     model.transformer_layer_spec = local_layer_spec  # Megatron Core's local spec: runs without TE too
-    model.tensor_model_parallel_size, model.sequence_parallel = tensor_parallel, tensor_parallel > 1
+    model.tensor_model_parallel_size, model.sequence_parallel = TENSOR_PARALLEL, True
     model.hidden_dropout = model.attention_dropout = 0.0  # runs that compare LoRA variants stay deterministic
     model.gradient_accumulation_fusion = False
     model.bf16 = model.fp16 = False
@@ -155,8 +156,15 @@ class StepRecorder:
         self._probe = RecomputeProbe(context.model[0])
         self._probe.__enter__()
 
+    def close(self) -> None:
+        """Remove the probe of a step that did not end (the run failed inside it)."""
+        if self._probe is not None:
+            self._probe.__exit__(None, None, None)
+            self._probe = None
+
     def _end(self, context) -> None:
-        self._probe.__exit__(None, None, None)
+        recompute = self._probe.as_dict()
+        self.close()
         env_vars = getattr(context.state.cfg, "env_vars", None) or {}
         model = context.model[0]
         self.steps.append(Step(
@@ -164,7 +172,7 @@ class StepRecorder:
             loss=float(context.loss_dict["lm loss"]),
             grad_norm=None if context.grad_norm is None else float(context.grad_norm),
             environment={name: os.environ.get(name) for name in env_vars},
-            recompute=self._probe.as_dict(),
+            recompute=recompute,
             dtypes=sorted({str(p.dtype) for p in model.parameters()}),
             gradients={name: getattr(p, "main_grad", p.grad).detach().double().clone()
                        for name, p in model.named_parameters() if p.requires_grad} if self._keep_gradients else None,
@@ -214,7 +222,10 @@ def run(entry: str, cfg, *, meter: bool = False, keep_gradients: bool = False) -
         from megatron.bridge.training.finetune import finetune as bridge_entry
     recorder = StepRecorder(keep_gradients=keep_gradients)
     step = MeteredForwardStep(forward_step) if meter else forward_step
-    bridge_entry(cfg, step, callbacks=recorder.callbacks())
+    try:
+        bridge_entry(cfg, step, callbacks=recorder.callbacks())
+    finally:
+        recorder.close()
     return Run(recorder.steps, step.saved if meter else [])
 
 
@@ -247,7 +258,7 @@ def parser() -> argparse.ArgumentParser:
                    help="keep the checkpoints in DIR (DIR/base is the base model the README's finetune_lora.py "
                         "example fine-tunes); default: a temporary directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
-    p.set_defaults(tp=2)  # ranks started: tiny_gpt's tensor-parallel size
+    p.set_defaults(tp=TENSOR_PARALLEL)  # ranks started
     return p
 
 
