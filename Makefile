@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BRIDGE ?= 0.6.2
 
-.PHONY: setup demo test unit functional test-bridge-0.5.1
+.PHONY: setup demo test unit functional functional-tp4 e2e test-bridge-0.5.1
 
 setup:
 	bash scripts/setup_env.sh --bridge $(BRIDGE)
@@ -18,9 +18,19 @@ functional:
 	MBX_DIST_TIMEOUT_S=$${MBX_DIST_TIMEOUT_S:-180} $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 \
 		-m pytest tests/functional -q -p no:cacheprovider
 
+# The accuracy claim at TP=4 (4 gloo ranks on the CPU).
+functional-tp4:
+	MBX_DIST_TIMEOUT_S=$${MBX_DIST_TIMEOUT_S:-180} $(PY) -m torch.distributed.run --standalone --nproc_per_node=4 \
+		-m pytest tests/functional/test_accuracy.py -q -p no:cacheprovider
+
+e2e:
+	$(PY) -m pytest tests/e2e -q -p no:cacheprovider
+
 test: setup
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory functional
+	$(MAKE) --no-print-directory functional-tp4
+	$(MAKE) --no-print-directory e2e
 
 # The backport check: the functional tests (our LoRA and its upstream flag included) on Bridge 0.5.1.
 test-bridge-0.5.1:

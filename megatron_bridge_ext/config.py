@@ -9,12 +9,13 @@ gives the equivalent Bridge override set.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from megatron_bridge_ext import recompute
 from megatron_bridge_ext.findings import ACTION, ERROR, NO_EFFECT, WARNING, Finding, Refused
-from megatron_bridge_ext.peft import sp_lora
+from megatron_bridge_ext.peft import kinds, sp_lora
 from megatron_bridge_ext.peft.eligibility import ELIGIBLE_SURFACES, recompute_reason
 
 WHAT = "MemoryConfig"
@@ -53,7 +54,8 @@ class MemoryConfig:
     allocator_ipc: the processes share CUDA memory through IPC (colocated inference, weight sync):
         expandable segments are then left off.
     lora_sp_input: LoRA-A input under sequence parallelism: ``"regather"``, ``"shard_local"`` or
-        ``"off"`` (see :mod:`megatron_bridge_ext.peft`); None leaves ``cfg.peft`` alone.
+        ``"off"`` (see :mod:`megatron_bridge_ext.peft`) for a LoRA, DoRA or CanonicalLoRA ``cfg.peft``,
+        which becomes our class of the same kind; None leaves ``cfg.peft`` alone.
     recompute_modules: selective activation recompute modules (``["core_attn"]``, ...); None leaves
         the model's recompute settings alone.
     """
@@ -64,9 +66,14 @@ class MemoryConfig:
     recompute_modules: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
+        for name in ("expandable_segments", "allocator_ipc"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"MemoryConfig.{name}={value!r} is not a bool. Fix: write {name}=True or "
+                                 f"{name}=False")
         sp_lora.check_choice(self.lora_sp_input, "MemoryConfig.lora_sp_input", allow_none=True)
         if self.recompute_modules is not None:
-            self.recompute_modules = list(self.recompute_modules)
+            self.recompute_modules = _module_list(self.recompute_modules)
 
     # ------------------------------------------------------------------ validation
     def validate(self, cfg) -> list[Finding]:
@@ -91,7 +98,21 @@ class MemoryConfig:
             out.append(Finding("mla_up_proj_needs_mla", ERROR, "recompute_modules",
                                "'mla_up_proj' needs multi-latent attention",
                                "drop 'mla_up_proj' (the model does not use MLA)"))
-        granularity = "selective" if modules else getattr(model, "recompute_granularity", None)
+        current = getattr(model, "recompute_granularity", None)
+        if modules and current == "full":
+            out.append(Finding(
+                "replaces_full_recompute", ERROR, "recompute_modules",
+                f"model.recompute_granularity is 'full' (recompute_method={getattr(model, 'recompute_method', None)!r}, "
+                f"recompute_num_layers={getattr(model, 'recompute_num_layers', None)!r}); selective modules would "
+                "replace full recompute, which keeps less activation memory, not more",
+                "leave recompute_modules=None to keep full recompute, or switch to selective yourself first "
+                "(model.recompute_granularity=None, model.recompute_method=None, model.recompute_num_layers=None)"))
+        moe_only = [m for m in modules if m in ("moe", "moe_act", "shared_experts")]
+        if moe_only and not getattr(model, "num_moe_experts", None):
+            out.append(Finding("recompute_moe_on_dense", NO_EFFECT, "recompute_modules",
+                               f"{moe_only} recompute MoE layers, and the model has none (num_moe_experts is unset)",
+                               f"drop {moe_only}"))
+        granularity = "selective" if modules else current
         if getattr(model, "cpu_offloading", False):
             if granularity is not None:
                 out.append(Finding("offload_with_recompute", ERROR, "model.cpu_offloading",
@@ -120,11 +141,12 @@ class MemoryConfig:
         if self.lora_sp_input is None:
             return []
         model = cfg.model
-        if cfg.peft is None or not _is_lora(cfg.peft):
+        if cfg.peft is None or not _is_lora_family(cfg.peft):
             return [Finding("lora_sp_input_needs_lora", ERROR, "lora_sp_input",
-                            f"needs a LoRA PEFT config, found {type(cfg.peft).__name__}",
-                            "set cfg.peft to megatron_bridge_ext.peft.LoRA(...) or Bridge's LoRA, or leave "
-                            "lora_sp_input=None")]
+                            "needs a LoRA PEFT config (LoRA, DoRA or CanonicalLoRA), found "
+                            f"{type(cfg.peft).__name__}",
+                            "set cfg.peft to Bridge's or megatron_bridge_ext.peft's LoRA, DoRA or CanonicalLoRA, or "
+                            "leave lora_sp_input=None")]
         if self.lora_sp_input == sp_lora.OFF:
             return []
         out = []
@@ -143,7 +165,7 @@ class MemoryConfig:
             model = _RecomputeView(
                 "selective",
                 list(dict.fromkeys([*(getattr(model, "recompute_modules", None) or []), *self.recompute_modules])))
-        targets = set(getattr(cfg.peft, "target_modules", None) or ELIGIBLE_SURFACES)
+        targets = kinds.targeted_layers(getattr(cfg.peft, "target_modules", None) or ELIGIBLE_SURFACES)
         out = []
         for surface in ELIGIBLE_SURFACES:
             if surface not in targets:
@@ -182,16 +204,19 @@ class MemoryConfig:
     def _apply_recompute(self, model, summary: Summary) -> None:
         if self.recompute_modules is None:
             return
-        old_granularity = getattr(model, "recompute_granularity", None)
-        old_modules = list(getattr(model, "recompute_modules", None) or [])
-        if old_granularity == "full":
-            summary.findings.append(Finding("replaced_full_recompute", WARNING, "model.recompute_granularity",
-                                            "was 'full'; replaced by selective recompute of the requested modules"))
-        kept = [m for m in old_modules if m not in self.recompute_modules] if old_granularity == "selective" else []
+        old_granularity = getattr(model, "recompute_granularity", None)  # "full" was refused by validate()
+        old_modules = getattr(model, "recompute_modules", None)
+        kept = ([m for m in (old_modules or []) if m not in self.recompute_modules]
+                if old_granularity == "selective" else [])
         new_modules = kept + self.recompute_modules
         if old_granularity != "selective":
             model.recompute_granularity = "selective"
             summary.changes.append(Change("model.recompute_granularity", old_granularity, "selective"))
+        for name in ("recompute_method", "recompute_num_layers"):  # Megatron Core refuses them with selective
+            old = getattr(model, name, None)
+            if old is not None:
+                setattr(model, name, None)
+                summary.changes.append(Change(f"model.{name}", old, None, "only used by full recompute"))
         if new_modules != old_modules:
             model.recompute_modules = new_modules
             note = f"kept the model's {kept}" if kept else ""
@@ -200,21 +225,29 @@ class MemoryConfig:
     def _apply_lora(self, cfg, summary: Summary) -> None:
         if self.lora_sp_input is None:
             return
-        from megatron_bridge_ext.peft import LoRA
-
         old = cfg.peft
-        if not isinstance(old, LoRA):
-            if self.lora_sp_input == sp_lora.OFF:
-                return
-            values = {f.name: getattr(old, f.name) for f in fields(old) if f.init and hasattr(old, f.name)}
+        upstream_flag = bool(getattr(old, "sequence_parallel_input_regather", False))
+        ours = kinds.our_class(kinds.kind_of(old))
+        if not isinstance(old, ours):
+            if self.lora_sp_input == sp_lora.OFF and not upstream_flag:
+                return  # Bridge's class without the flag already takes the gathered input
+            # Copies: the new object shares no mutable field (target lists, CanonicalLoRA's mapping) with the old.
+            values = {f.name: copy.deepcopy(getattr(old, f.name))
+                      for f in fields(old) if f.init and hasattr(old, f.name)}
             values.pop("sequence_parallel_input_regather", None)
-            cfg.peft = LoRA(**values)
+            cfg.peft = ours(**values)
             summary.changes.append(Change("peft", type(old).__module__ + "." + type(old).__name__,
-                                          "megatron_bridge_ext.peft.LoRA", "same fields"))
-        previous = cfg.peft.strategy
-        if previous != self.lora_sp_input:
+                                          f"megatron_bridge_ext.peft.{ours.__name__}",
+                                          "every other field kept" if upstream_flag else "same fields"))
+        previous = cfg.peft.strategy if isinstance(old, ours) else (sp_lora.REGATHER if upstream_flag else sp_lora.OFF)
+        if upstream_flag:
+            object.__setattr__(cfg.peft, "sequence_parallel_input_regather", False)
+            summary.changes.append(Change("peft.sequence_parallel_input_regather", True, False,
+                                          f"replaced by sequence_parallel_input_strategy={self.lora_sp_input!r}"))
+        if cfg.peft.sequence_parallel_input_strategy != self.lora_sp_input:
             cfg.peft.sequence_parallel_input_strategy = self.lora_sp_input
-            summary.changes.append(Change("peft.sequence_parallel_input_strategy", previous, self.lora_sp_input))
+            if previous != self.lora_sp_input:  # None -> "off" changes nothing a user would notice
+                summary.changes.append(Change("peft.sequence_parallel_input_strategy", previous, self.lora_sp_input))
 
     def _apply_te_gradient_fix(self, cfg, summary: Summary) -> None:
         """A LoRA-family PEFT on Transformer Engine >= 2.4 needs the norm-gradient patch, whatever the flags say."""
@@ -249,6 +282,25 @@ class MemoryConfig:
         return out
 
 
+def _module_list(value) -> list[str]:
+    """``recompute_modules`` as a list of distinct names, or ValueError naming the problem and the fix."""
+    setting = "MemoryConfig.recompute_modules"
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{setting}={value!r} is not a list of module names. Fix: write e.g. "
+                         "recompute_modules=['core_attn']")
+    bad = [m for m in value if not isinstance(m, str)]
+    if bad:
+        raise ValueError(f"{setting} holds non-string entries {bad!r}. Fix: list module names, e.g. ['core_attn']")
+    if not value:
+        raise ValueError(f"{setting}=[] asks for no module, and Megatron Core would recompute its default "
+                         "['core_attn'] instead. Fix: name the modules, or leave recompute_modules=None to keep "
+                         "the model's recompute settings")
+    duplicates = sorted({m for m in value if list(value).count(m) > 1})
+    if duplicates:
+        raise ValueError(f"{setting} names {duplicates} more than once. Fix: list each module once")
+    return list(value)
+
+
 @dataclass(frozen=True)
 class _RecomputeView:
     """The recompute fields the model will have after :meth:`MemoryConfig.apply`."""
@@ -259,20 +311,4 @@ class _RecomputeView:
 
 def _is_lora_family(peft) -> bool:
     """Bridge's LoRA, DoRA or CanonicalLoRA (ours derive from them)."""
-    from megatron_bridge_ext.patches import bridge_peft_without_te
-
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
-    from megatron.bridge.peft.dora import DoRA
-    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
-
-    return isinstance(peft, (BridgeLoRA, DoRA, CanonicalLoRA))
-
-
-def _is_lora(peft) -> bool:
-    from megatron_bridge_ext.patches import bridge_peft_without_te
-
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
-
-    return isinstance(peft, BridgeLoRA)
+    return kinds.kind_of(peft) is not None

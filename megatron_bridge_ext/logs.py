@@ -16,7 +16,10 @@ _IMPORT_NOISE = (
     r".*supports MoE experts, but your version is 0\.0\.0.*",
     r".*full scope is deprecated.*",
     r".*transformers>=5\.0 support is experimental.*",
+    r".*If you are using transformer_engine as the transformer implementation.*",
+    r".*`torch\.jit\.script` is deprecated.*",
 )
+_UPSTREAM = r"(megatron|torch|modelopt|transformers|apex)(\.|$)"
 
 
 class _BelowWarning(logging.Filter):
@@ -24,10 +27,26 @@ class _BelowWarning(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class LogLevelError(ValueError):
+    """``MBX_LOG_LEVEL`` names no logging level."""
+
+
+def level_from_env() -> str:
+    """``MBX_LOG_LEVEL`` (default INFO), or :class:`LogLevelError` naming the variable and the fix."""
+    level = os.environ.get("MBX_LOG_LEVEL", "INFO").strip().upper()
+    if level not in LEVELS:
+        raise LogLevelError(f"MBX_LOG_LEVEL={os.environ['MBX_LOG_LEVEL']!r} is not a logging level. "
+                            f"Fix: set it to one of {', '.join(LEVELS)}, or unset it")
+    return level
+
+
 def configure() -> None:
     """INFO for ``megatron_bridge_ext`` (what was applied), WARNING for upstream (``MBX_LOG_LEVEL`` overrides).
     """
-    level = os.environ.get("MBX_LOG_LEVEL", "INFO").upper()
+    level = level_from_env()
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     # Ranks other than 0 repeat rank 0's decisions: they log warnings only.
     rank_level = level if os.environ.get("RANK", "0") == "0" else "WARNING"
@@ -43,3 +62,5 @@ def configure() -> None:
         import_logger.addFilter(_BelowWarning())
     for pattern in _IMPORT_NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    if os.environ.get("RANK", "0") != "0":  # other ranks would repeat rank 0's upstream warnings
+        warnings.filterwarnings("ignore", module=_UPSTREAM)

@@ -84,12 +84,14 @@ def _te_unfused_backend() -> bool:
 
 
 def core_attn_bytes_per_layer(*, seq: int, micro_batch: int, heads: int, tp: int, element_size: int,
-                              attention_dropout: float = 0.0) -> int:
+                              attention_dropout: float = 0.0, dropout_mask_element_size: int = 1) -> int:
     """Bytes of the s x s tensors unfused attention keeps per layer on one TP rank.
 
-    The softmax output [b, a/t, s, s]; with dropout also its mask (1 byte per element) and output.
-    With 16-bit elements and dropout this is Korthikanti et al.'s 5*a*s^2*b / t.
+    The softmax output [b, a/t, s, s]; with dropout also its mask and output. CUDA's fused dropout
+    keeps a 1-byte mask (the default): with 16-bit elements this is Korthikanti et al.'s
+    5*a*s^2*b / t. torch's CPU dropout multiplies by a mask of the input's dtype
+    (``dropout_mask_element_size=element_size``).
     """
     elements = micro_batch * (heads // tp) * seq * seq
-    with_dropout = elements * (1 + element_size) if attention_dropout > 0 else 0
+    with_dropout = elements * (dropout_mask_element_size + element_size) if attention_dropout > 0 else 0
     return elements * element_size + with_dropout

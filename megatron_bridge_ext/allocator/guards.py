@@ -109,15 +109,33 @@ def conf_findings(variable: str, conf: AllocConf) -> list[Finding]:
     findings = []
     for key in conf.unknown_keys():
         findings.append(Finding(
-            "unknown_key", WARNING, f"{variable} {key}",
-            "is not a key torch 2.14.1 knows; kept as you set it, but torch 2.14.1 raises "
-            "'ValueError: Unrecognized key' when it reads the settings.", f"check the spelling of {key!r}"))
+            "unknown_key", ERROR, f"{variable} {key}",
+            "is not a key torch knows (checked against torch 2.14.1's allocator config); torch raises "
+            "'ValueError: Unrecognized key' when it first reads the settings, i.e. after launch.",
+            f"check the spelling of {key!r} or remove it"))
     for key in conf.duplicates():
         findings.append(Finding(
             "duplicate_key", WARNING, f"{variable} {key}",
             f"appears more than once; torch applies the last one ({key}:{_render(conf.get(key))}).",
             f"keep one {key} entry"))
     return findings
+
+
+def mirrored(source: str, target: str) -> Finding:
+    """Torch >= 2.12 reads PYTORCH_CUDA_ALLOC_CONF first: the user's PYTORCH_ALLOC_CONF options go there too."""
+    return Finding(
+        "mirrored", ACTION, target,
+        f"set to the same options as {source}: torch reads {target} first when it is set, and a later "
+        f"{target} (e.g. from a Bridge recipe's env_vars, which Bridge applies with os.environ.setdefault) would "
+        f"otherwise hide your {source} options.")
+
+
+def carried(source: str, target: str) -> Finding:
+    """The recipe's variable shadows the user's shell variable: the user's options go into the recipe's."""
+    return Finding(
+        "carried", ACTION, f"cfg.env_vars {target}",
+        f"now also holds your shell's {source} options: Bridge applies cfg.env_vars with os.environ.setdefault, "
+        f"so {target} from the recipe would be set, and torch reads {target} first and would ignore your {source}.")
 
 
 def shadowed(variable: str, value: str, winner: str, winner_set: bool) -> Finding:

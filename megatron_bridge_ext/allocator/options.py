@@ -66,6 +66,15 @@ BOOLEAN_KEYS = frozenset({
     "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "throw_on_cudamalloc_oom",
 })
 
+# Keys torch parses as a number (c10's ConfigTokenizer: toSizeT / stod). A non-number makes torch raise
+# on first use of the allocator, i.e. after launch.
+NUMBER_KEYS = frozenset({
+    "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold", "large_segment_size_mb",
+    "per_process_memory_fraction", "pinned_max_cached_size_mb", "pinned_max_round_threshold_mb",
+    "pinned_num_register_threads", "pinned_reserve_segment_size_mb",
+})
+_NUMBER = re.compile(r"\d+(\.\d*)?\Z|\.\d+\Z")
+
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SEPARATORS = ",:[]"
 
@@ -202,6 +211,9 @@ def _parse(text: str, variable: str) -> list[Option]:
             value: Value = tuple(_list_item(item, variable, text, value_text) for item in items)
         else:
             value = _token(value_raw, variable, text, f"value for {key}", piece)
+        if key in NUMBER_KEYS and not (isinstance(value, str) and _NUMBER.match(value)):
+            raise _error(variable, text, f"{key}:{value}", "torch reads a number here",
+                         f"write {key}:<number>, e.g. {key}:512" if key.endswith("_mb") else f"write {key}:<number>")
         if key in BOOLEAN_KEYS and value not in ("True", "False"):
             raise _error(variable, text, f"{key}:{value}", "torch accepts only True or False here",
                          f"write {key}:True or {key}:False (capitalised)")

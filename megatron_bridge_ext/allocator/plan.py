@@ -81,7 +81,8 @@ def plan_allocator(environ: Mapping[str, str], *, torch_version: str, nccl_ub: b
     primary = targets[0]
 
     flags = {t: c.flag("expandable_segments") for t, c in target_confs.items()}
-    disabled_in = next((t for t, v in flags.items() if v is False), None)
+    # An explicit expandable_segments:False anywhere is the user's choice, even in a variable torch ignores.
+    disabled_in = next((n for n, c in confs.items() if c.flag("expandable_segments") is False), None)
     user_expandable = False if disabled_in else (True if True in flags.values() else None)
     async_in = next((t for t, c in target_confs.items() if c.get("backend") == "cudaMallocAsync"), None)
 
@@ -115,7 +116,42 @@ def plan_allocator(environ: Mapping[str, str], *, torch_version: str, nccl_ub: b
                 plan.findings.append(finding)
             if flags[name] is not True:
                 plan.changes[name] = (environ.get(name), conf.with_option("expandable_segments", "True").render())
+        _mirror_into_first_read(plan, precedence, environ, target_confs)
     return plan
+
+
+def _mirror_into_first_read(plan: AllocatorPlan, precedence, environ, target_confs) -> None:
+    """Torch >= 2.12: the user's options in PYTORCH_ALLOC_CONF also go into the unset PYTORCH_CUDA_ALLOC_CONF.
+
+    Torch reads PYTORCH_CUDA_ALLOC_CONF first whenever it is set, so a value set later by someone
+    else (a Bridge recipe's env_vars, applied with setdefault) would hide the user's options.
+    """
+    first = precedence.read_order[0]
+    if precedence.write_all_set or first in environ or len(precedence.read_order) < 2:
+        return
+    source = precedence.read_order[1]
+    conf = target_confs.get(source)
+    if conf is None or not [k for k in conf.keys() if k != "expandable_segments"]:
+        return  # nothing of the user's to protect
+    plan.changes[first] = (None, conf.with_option("expandable_segments", "True").render())
+    plan.findings.append(guards.mirrored(source, first))
+
+
+def _carry_shell_options(view: dict, recipe: Mapping[str, str], shell: Mapping[str, str], precedence):
+    """A recipe variable that torch reads first hides the user's shell variable: merge the shell's options in.
+
+    Returns (shell variable, recipe variable) when it merged, else None. Shell options win on duplicate keys.
+    """
+    if precedence.write_all_set or len(precedence.read_order) < 2:
+        return None
+    first, second = precedence.read_order[:2]
+    if not (first in recipe and first not in shell and second in shell):
+        return None
+    merged = AllocConf.parse(recipe[first], f"cfg.env_vars {first}")
+    for option in AllocConf.parse(shell[second], second).options:
+        merged = merged.with_option(option.key, option.value)
+    view[first] = merged.render()
+    return second, first
 
 
 def plan_bridge_env(cfg, *, ipc: Optional[bool] = None, environ: Optional[MutableMapping[str, str]] = None,
@@ -129,13 +165,22 @@ def plan_bridge_env(cfg, *, ipc: Optional[bool] = None, environ: Optional[Mutabl
     ``cfg.ddp.nccl_ub`` and ``cfg.model.cuda_graph_impl``.
     """
     env = os.environ if environ is None else environ
-    view = {k: str(v) for k, v in (getattr(cfg, "env_vars", None) or {}).items()}
+    recipe = {k: str(v) for k, v in (getattr(cfg, "env_vars", None) or {}).items()}
+    view = dict(recipe)
     view.update(env)
+    version = torch_version or installed_torch_version()
+    carried = _carry_shell_options(view, recipe, env, precedence_for(parse_version(version)))
     plan = plan_allocator(
-        view, torch_version=torch_version or installed_torch_version(),
+        view, torch_version=version,
         nccl_ub=bool(getattr(getattr(cfg, "ddp", None), "nccl_ub", False)),
         cuda_graph_impl=getattr(getattr(cfg, "model", None), "cuda_graph_impl", None),
         ipc=ipc_flag(view) if ipc is None else ipc)
+    if carried:
+        source, target = carried
+        plan.findings = [f for f in plan.findings if not (f.code == "shadowed" and f.setting == source)]
+        plan.findings.append(guards.carried(source, target))
+        if target not in plan.changes:  # the recipe already had expandable_segments:True
+            plan.changes[target] = (recipe[target], view[target])
     for name, (_, new) in plan.changes.items():
         if name in env and env[name] != new:
             plan.findings.append(Finding(

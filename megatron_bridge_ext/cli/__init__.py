@@ -13,11 +13,15 @@ import sys
 
 from megatron_bridge_ext.cli import env, patches
 
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+"""Megatron Core's ``TransformerConfig.cuda_graph_impl`` values (0.17-0.19)."""
+
 
 def _guard_options(p: argparse.ArgumentParser) -> None:
     """The settings the allocator guards depend on (as in the training config)."""
     p.add_argument("--nccl-ub", action="store_true", help="ddp.nccl_ub is on (NCCL user-buffer registration)")
-    p.add_argument("--cuda-graph-impl", default=None, help="model.cuda_graph_impl (e.g. local, transformer_engine)")
+    p.add_argument("--cuda-graph-impl", default=None, choices=CUDA_GRAPH_IMPLS,
+                   help="model.cuda_graph_impl of the training config")
     p.add_argument("--ipc", action="store_true", default=None,
                    help="this job shares CUDA memory between processes through IPC (also: MBX_ALLOCATOR_IPC=1)")
 
@@ -27,10 +31,13 @@ def _parse_size(text: str) -> int:
 
     units = {"": 1, "b": 1, "bytes": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-    match = re.fullmatch(r"\s*([\d.]+)\s*([a-z]*)\s*", text.lower())
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
     if not match or match.group(2) not in units:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or e.g. 80GiB")
-    return int(float(match.group(1)) * units[match.group(2)])
+    size = int(float(match.group(1)) * units[match.group(2)])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size; write e.g. 80GiB")
+    return size
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -46,6 +53,23 @@ def _diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mbx run", usage="mbx run [--nccl-ub] [--cuda-graph-impl X] [--ipc] -- COMMAND ...",
+                                description="Turn on expandable segments in the environment, then run COMMAND "
+                                            "(e.g. torchrun ...); the exit status is the command's.")
+    _guard_options(p)
+    return p
+
+
+def _run_main(argv: list[str]) -> int:
+    """``mbx run``: options up to ``--`` (or the first word that is not an option), then the command."""
+    split = argv.index("--") if "--" in argv else next((i for i, a in enumerate(argv) if not a.startswith("-")),
+                                                        len(argv))
+    args = _run_parser().parse_args(argv[:split])  # an unknown option: mbx run's usage, exit 2
+    args.cmd = argv[split + 1:] if argv[split:split + 1] == ["--"] else argv[split:]
+    return _run(args)
+
+
 def _run(args: argparse.Namespace) -> int:
     import os
 
@@ -54,8 +78,6 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_bridge_ext.findings import Refused
 
     command = list(args.cmd)
-    if command[:1] == ["--"]:
-        command = command[1:]
     if not command:
         print("mbx run: no command; usage: mbx run [--nccl-ub] [--cuda-graph-impl X] [--ipc] -- torchrun ...",
               file=sys.stderr)
@@ -80,7 +102,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_bridge_ext import __version__
+
     parser = argparse.ArgumentParser(prog="mbx", description="megatron-bridge-ext: cut peak GPU memory in Megatron Bridge training")
+    parser.add_argument("--version", action="version", version=f"megatron-bridge-ext {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("patches", help="list every upstream patch: version range, whether this environment needs it")
@@ -93,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _guard_options(p)
     p.add_argument("--verify", action="store_true",
                    help="also apply the setup to this process and check it on the device (imports torch)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=env.command)
 
     p = sub.add_parser("diagnose", help="fragmentation or capacity: diagnose an OOM from a memory_stats() JSON dump "
@@ -102,14 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--total-memory", type=_parse_size, default=None, help="device memory, bytes or e.g. 80GiB")
     p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
                    help="allocator state at the OOM, when the file does not say")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     p.set_defaults(func=_diagnose)
 
-    p = sub.add_parser("run", help="turn on expandable segments in the environment, then run the command "
-                                   "(mbx run -- torchrun ...); the exit status is the command's")
-    _guard_options(p)
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- then the launcher and its arguments")
-    p.set_defaults(func=_run)
+    sub.add_parser("run", help="turn on expandable segments in the environment, then run the command "
+                               "(mbx run -- torchrun ...); the exit status is the command's", add_help=False)
 
     sub.add_parser("demo", help="train the tiny LoRA model on 2 ranks and show activation memory per variant",
                    add_help=False)
@@ -119,7 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``mbx``: user errors end in one line on stderr and exit status 2, never a traceback."""
+    from megatron_bridge_ext.logs import LogLevelError, level_from_env
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        level_from_env()
+    except LogLevelError as error:
+        print(f"mbx: {error}", file=sys.stderr)
+        return 2
+    if argv[:1] == ["run"]:
+        return _run_main(argv[1:])
     if argv[:1] == ["demo"]:
         from megatron_bridge_ext.demo import train
 

@@ -1,11 +1,12 @@
 """``mbx bench memory``: the LoRA-A input variants side by side on identical weights and data.
 
-For each variant, on every rank: build the same tiny model (same seeds), apply the variant's LoRA,
-run one instrumented forward/backward (saved-activation bytes, bytes retained by LoRA-A modules of
-all adapters, collective elements per kind and in total, loss and gradients for parity against the
-baseline), one warm-up pass, then ``--steps`` timed forward/backward passes without instruments
-(``step_time_ms`` is their median). Rank 0 prints rank 0's figures (ranks are symmetric);
-parity errors are the maximum over ranks.
+For each variant, on every rank: build the same tiny model (same seeds), apply the variant's PEFT of
+the ``--peft`` kind (LoRA, DoRA or CanonicalLoRA), run one instrumented forward/backward
+(saved-activation bytes; the bytes LoRA-A modules retain, each storage once, so that the shard
+CanonicalLoRA's adapters of a layer share counts once; collective elements per kind and in total;
+loss and gradients for parity against the baseline), one warm-up pass, then
+``--steps`` timed forward/backward passes without instruments (``step_time_ms`` is their median).
+Rank 0 prints rank 0's figures (ranks are symmetric); parity errors are the maximum over ranks.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def run_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps
     row = {
         "name": variant.name,
         "saved_bytes": saved.total_bytes,
-        "lora_input_saved_bytes": saved.module_bytes("lora_input"),
+        "lora_input_saved_bytes": saved.by_category.get("lora_input", 0),
         "collective_elements": {**counter.elements_by_kind(), "total": counter.total_elements()},
         "step_time_ms": statistics.median(times),
     }
@@ -90,7 +91,8 @@ def _parity(outputs: dict, reference: dict) -> float:
 
 
 def run(shape: tiny_model.TinyGPTShape, names: list[str] | None, steps: int) -> dict:
-    chosen = variants.select(names or [n for n in BENCH_VARIANTS if variants.VARIANTS[n].available()[0]])
+    chosen = variants.select(names or [n for n in BENCH_VARIANTS if variants.VARIANTS[n].available(shape.peft)[0]],
+                             shape.peft)
     rows, reference = [], None
     for variant in chosen:
         row, outputs = run_variant(shape, variant, steps)
@@ -107,15 +109,17 @@ def run(shape: tiny_model.TinyGPTShape, names: list[str] | None, steps: int) -> 
 
 def format_table(result: dict) -> str:
     s = result["shape"]
-    header = (f"mbx bench memory: TP={result['tp']}, seq {s['seq']}, micro-batch {s['micro_batch']}, hidden {s['hidden']}, "
-              f"ffn {s['ffn']}, heads {s['heads']}/{s['kv_heads']}, layers {s['layers']}, LoRA r={s['lora_rank']}, "
+    header = (f"mbx bench memory: {s['peft']}, TP={result['tp']}, seq {s['seq']}, micro-batch {s['micro_batch']}, "
+              f"hidden {s['hidden']}, ffn {s['ffn']}{' (SwiGLU)' if s['swiglu'] else ''}, heads {s['heads']}/"
+              f"{s['kv_heads']}, layers {s['layers']}, r={s['lora_rank']}, "
               f"{s['dtype']} (figures of rank 0; first variant is the reference)")
     cols = ["variant", "saved MiB", "LoRA-A input MiB", "collective Melem", "step ms", "ratio", "parity rel err"]
     body = [[r["name"], f"{r['saved_bytes'] / 2**20:.3f}", f"{r['lora_input_saved_bytes'] / 2**20:.3f}",
              f"{r['collective_elements'].get('total', 0) / 1e6:.3f}", f"{r['step_time_ms']:.1f}",
              f"{r['step_time_ratio']:.3f}", f"{r['parity_max_rel_err']:.2e}"] for r in result["variants"]]
-    note = ("local spec: a LoRA-A strategy saves s*b*h*bytes*(1-1/t) per eligible adapter; under Transformer "
-            "Engine's LayerNorm-linear, which keeps its own norm-output shard, it saves s*b*h*bytes")
+    note = ("local spec: a LoRA-A strategy saves s*b*h*bytes*(n-1/t) per adapted linear_qkv or linear_fc1 with n "
+            "adapters (1 for LoRA and DoRA, 3 and 2 for CanonicalLoRA); under Transformer Engine's LayerNorm-linear, "
+            "which keeps its own norm-output shard, it saves s*b*h*bytes per such layer")
     return header + "\n" + text_table(cols, body, right_aligned=True) + "\n" + note
 
 

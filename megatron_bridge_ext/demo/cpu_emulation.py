@@ -59,7 +59,6 @@ everything on exit) add what Bridge's loop needs. Line numbers: Bridge 0.6.2 / C
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import sys
 import types
@@ -111,8 +110,8 @@ def install() -> bool:
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
 
-    @functools.lru_cache(maxsize=8)
     def cpu_causal_mask(sq: int) -> torch.Tensor:
+        """A fresh mask per call, as Megatron Core's (0.19) builds one per call and layer."""
         return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
     transformer_utils.get_default_causal_mask = cpu_causal_mask

@@ -45,6 +45,7 @@ def run(prog: str, module: str, parser, argv: list[str], worker: Callable, *, ch
     ``check`` (default: the tiny model's :func:`.options.check`) refuses what the ranks would fail on.
     Bad options exit with status 2 and one line, before any rank starts.
     """
+    from megatron_bridge_ext import logs
     from megatron_bridge_ext.demo import options
 
     args = parser.parse_args(argv)
@@ -52,8 +53,9 @@ def run(prog: str, module: str, parser, argv: list[str], worker: Callable, *, ch
         worker(args)
         return 0
     try:
+        logs.level_from_env()
         (check or options.check)(args)
-    except options.OptionError as error:
+    except (options.OptionError, logs.LogLevelError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     print(f"{prog}: starting {args.tp} ranks (torchrun; {'NCCL' if _cuda_available() else 'gloo on the CPU'}); "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_bridge_ext.demo import tiny_model, variants
+from megatron_bridge_ext.peft import kinds
 
 SHAPE_OPTIONS = (
     ("--layers", "layers", "transformer layers"),
@@ -45,6 +46,10 @@ def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, st
     for flag, attr, help_text in SHAPE_OPTIONS:
         shape.add_argument(flag, dest=attr, type=_positive_int, default=getattr(defaults, attr), help=help_text)
     shape.add_argument("--dtype", default=defaults.dtype, choices=sorted(tiny_model.DTYPES), help="parameter dtype")
+    shape.add_argument("--peft", default=defaults.peft, choices=kinds.KINDS,
+                       help="adapter kind: Bridge's LoRA, DoRA or CanonicalLoRA and ours of the same kind "
+                            "(canonical_lora runs the model with SwiGLU: its up/gate adapters are the halves of "
+                            "a gated linear_fc1)")
     p.add_argument("--steps", type=_positive_int, default=steps, help=steps_help)
     p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                    help=f"variants to run, in this order (default: {' '.join(variant_names)}); "
@@ -54,8 +59,8 @@ def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, st
 
 
 def shape_from_args(args: argparse.Namespace) -> tiny_model.TinyGPTShape:
-    fields = ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "micro_batch", "lora_rank", "tp", "dtype")
-    return tiny_model.TinyGPTShape(**{f: getattr(args, f) for f in fields})
+    fields = ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "micro_batch", "lora_rank", "tp", "dtype", "peft")
+    return tiny_model.TinyGPTShape(**{f: getattr(args, f) for f in fields}, swiglu=args.peft == "canonical_lora")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -66,6 +71,6 @@ def check(args: argparse.Namespace) -> None:
         raise OptionError(problems[0])
     if args.variants:
         try:
-            variants.select(args.variants)
+            variants.select(args.variants, args.peft)
         except ValueError as error:
             raise OptionError(f"--variants: {error}") from None

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_bridge_ext.patches import bridge_peft_without_te, bridge_truthful_te_detection
-from megatron_bridge_ext.patches import core_local_norm_sequence_parallel
+from megatron_bridge_ext.patches import bridge_truthful_te_detection, core_local_norm_sequence_parallel
+from megatron_bridge_ext.peft import kinds
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float64": torch.float64}
@@ -40,6 +40,9 @@ class TinyGPTShape:
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    """The adapted layers; CanonicalLoRA adapts linear_qkv as linear_q, _k and _v, linear_fc1 as up and gate."""
+    peft: str = "lora"
+    """The LoRA-family kind: ``lora``, ``dora`` or ``canonical_lora`` (:mod:`megatron_bridge_ext.peft.kinds`)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -52,6 +55,8 @@ class TinyGPTShape:
 def shape_problems(shape: TinyGPTShape) -> list[str]:
     """What Megatron Core (or the LoRA layout) would refuse about ``shape``, one line each, naming the option."""
     problems = []
+    if shape.peft not in kinds.KINDS:
+        problems.append(f"--peft={shape.peft}: use one of {', '.join(kinds.KINDS)}")
     for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "micro_batch", "lora_rank", "tp"):
         if getattr(shape, name) < 1:
             problems.append(f"--{name.replace('_', '-')}={getattr(shape, name)}: must be at least 1")
@@ -77,7 +82,7 @@ def transformer_config(shape: TinyGPTShape, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = shape.torch_dtype
-    return TransformerConfig(
+    fields = dict(
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         ffn_hidden_size=shape.ffn,
@@ -94,8 +99,9 @@ def transformer_config(shape: TinyGPTShape, **overrides):
         add_bias_linear=False,
         gated_linear_unit=shape.swiglu,
         activation_func=torch.nn.functional.silu if shape.swiglu else torch.nn.functional.gelu,
-        **overrides,
     )
+    fields.update(overrides)  # e.g. attention_dropout, recompute settings
+    return TransformerConfig(**fields)
 
 
 def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_overrides):
@@ -124,18 +130,22 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
 
 
 def bridge_lora(shape: TinyGPTShape, **fields):
-    """Megatron Bridge's own LoRA for ``shape`` (the upstream baseline)."""
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft.lora import LoRA
+    """Megatron Bridge's own PEFT of kind ``shape.peft`` for ``shape`` (the upstream baseline)."""
+    return kinds.bridge_class(shape.peft)(**peft_fields(shape), **fields)
 
-    return LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=shape.lora_alpha, **fields)
+
+def peft_fields(shape: TinyGPTShape) -> dict:
+    """The fields that make a LoRA-family PEFT of kind ``shape.peft`` adapt ``shape.lora_targets``."""
+    return {"target_modules": kinds.target_names(shape.peft, shape.lora_targets), "dim": shape.lora_rank,
+            "alpha": shape.lora_alpha}
 
 
 def apply_peft(model, peft, seed: int = 4321):
     """Apply a Bridge PEFT object (freeze base, add adapters) with deterministic adapter init.
 
-    LoRA-B is zero-initialised upstream; it is re-drawn here so that adapters contribute to
-    outputs and gradients in tests and benchmarks.
+    LoRA-B (every adapter's ``linear_out``, CanonicalLoRA's split adapters included) is
+    zero-initialised upstream; it is re-drawn here so that adapters contribute to outputs and
+    gradients in tests and benchmarks.
     """
     bridge_truthful_te_detection.PATCH.apply()  # Bridge's own LoRA needs it as much as ours
     torch.manual_seed(seed)
@@ -144,7 +154,7 @@ def apply_peft(model, peft, seed: int = 4321):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("adapter.linear_out.weight"):
+            if name.endswith(".linear_out.weight") and ".adapter." in name:
                 param.copy_(torch.randn(param.shape, generator=generator).mul_(0.02).to(param))
     return model
 

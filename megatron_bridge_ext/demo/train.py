@@ -67,27 +67,43 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
+def _figures(row: dict) -> tuple:
+    """What a rank's row says: its saved bytes, their split, the recompute counts and the losses."""
+    return (row["saved_bytes_per_step"], sorted(row["split"].items()), sorted(row["core_attn_recompute"].items()),
+            [round(loss, 6) for loss in row["losses"]])
+
+
 def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str) -> str:
-    header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}, heads {shape.heads}/"
+    """Rank 0's row per variant; the last column says whether every other rank reported the same figures."""
+    swiglu = " (SwiGLU)" if shape.swiglu else ""
+    header = (f"tiny GPT: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn}{swiglu}, heads {shape.heads}/"
               f"{shape.kv_heads} kv, seq {shape.seq}, micro-batch {shape.micro_batch}, {shape.dtype}; TP={shape.tp} "
-              f"sequence parallel; LoRA r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}")
-    cols = ["rank", "variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other",
-            "core_attn ckpt/recomputed"]
-    body = [[str(r["rank"]), r["variant"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
-             _mib(r["saved_bytes_per_step"][-1])] + [_mib(r["split"][c]) for c in CATEGORIES]
-            + ["{checkpointed_forwards}/{recomputed}".format(**r["core_attn_recompute"])] for r in rows]
+              f"sequence parallel; {shape.peft} r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}; "
+              "figures of rank 0")
+    cols = ["variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other",
+            "core_attn ckpt/recomputed", "other ranks"]
+    body = []
+    for r in (r for r in rows if r["rank"] == 0):
+        differ = [str(o["rank"]) for o in rows
+                  if o["variant"] == r["variant"] and o["rank"] != 0 and _figures(o) != _figures(r)]
+        body.append([r["variant"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}", _mib(r["saved_bytes_per_step"][-1])]
+                    + [_mib(r["split"][c]) for c in CATEGORIES]
+                    + ["{checkpointed_forwards}/{recomputed}".format(**r["core_attn_recompute"]),
+                       f"DIFFER: rank {', '.join(differ)}" if differ else "same"])
     return header + "\n" + text_table(cols, body)
 
 
 def format_report(rows: list[dict]) -> str:
-    """Per adapter, where the last variant with a LoRA report applied its strategy, and why not elsewhere."""
+    """Per adapter, where the last variant with a report (``LoRA.report()``, ``DoRA.report()``, ...) applied its
+    strategy, and why not elsewhere."""
     reported = [r for r in rows if r["rank"] == 0 and r["lora_report"]]
     if not reported:
         return ""
     row = reported[-1]
-    lines = [f"LoRA-A input decisions ({row['variant']}; LoRA.report()):"]
+    lines = [f"LoRA-A input decisions ({row['variant']}; report()):"]
+    width = max(len(decision["adapter"]) for decision in row["lora_report"])
     for decision in row["lora_report"]:
-        lines.append(f"  {decision['adapter']:<45} {decision['strategy']:<12} {decision['reason']}; "
+        lines.append(f"  {decision['adapter']:<{width}} {decision['strategy']:<12} {decision['reason']}; "
                      f"retains {decision['retains']}")
     return "\n".join(lines)
 
@@ -97,13 +113,14 @@ def worker(args: argparse.Namespace) -> None:
 
     logs.configure()
     shape = options.shape_from_args(args)
-    chosen = variants.select(args.variants)
+    chosen = variants.select(args.variants, shape.peft)
     distributed.init_from_env(tensor_parallel=shape.tp)
     rank = dist.get_rank()
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     with tqdm(total=len(chosen) * args.steps, desc="mbx demo", disable=rank != 0 or args.json,
-              file=sys.stderr) as progress:
+              file=sys.stderr) as progress, logging_redirect_tqdm():  # log lines above the bar, not on it
         rows = [train_variant(shape, v, args.steps, progress) for v in chosen]
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(rows, gathered, dst=0)

@@ -2,7 +2,8 @@
 
 A variant is one choice of features applied to the same tiny model, weights and data: which
 PEFT object to apply and which Megatron Core config fields to set. Each feature adds its own
-entry here, and every table of the demo and benchmarks gains its row.
+entry here, and every table of the demo and benchmarks gains its row. The PEFT kind (LoRA, DoRA,
+CanonicalLoRA) is the shape's (``TinyGPTShape.peft``): every variant builds that kind.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, bridge_lora
+from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, bridge_lora, peft_fields
+from megatron_bridge_ext.peft import kinds
 
 
-def _always() -> tuple[bool, str]:
+def _always(kind: str) -> tuple[bool, str]:
     return True, ""
 
 
@@ -23,35 +25,38 @@ class Variant:
     description: str
     make_peft: Callable[[TinyGPTShape], Any]
     config_overrides: dict[str, Any] = field(default_factory=dict)
-    available: Callable[[], tuple[bool, str]] = _always
+    available: Callable[[str], tuple[bool, str]] = _always
+    """Whether the variant runs for a PEFT kind, and why not."""
 
 
-def _our_lora(strategy: str) -> Callable[[TinyGPTShape], Any]:
+def _ours(strategy: str) -> Callable[[TinyGPTShape], Any]:
     def make(shape: TinyGPTShape):
-        from megatron_bridge_ext.peft import LoRA
-
-        return LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=shape.lora_alpha,
-                    sequence_parallel_input_strategy=strategy)
+        return kinds.our_class(shape.peft)(**peft_fields(shape), sequence_parallel_input_strategy=strategy)
 
     return make
 
 
-def _upstream_has_regather_flag() -> tuple[bool, str]:
-    from dataclasses import fields
+UPSTREAM_REGATHER_SINCE = "0.6.0"
+"""The first Megatron Bridge release with ``LoRA.sequence_parallel_input_regather`` (Bridge PR #4581)."""
 
-    from megatron_bridge_ext.patches import bridge_peft_without_te
 
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.peft.lora import LoRA as BridgeLoRA
+def _upstream_has_regather_flag(kind: str) -> tuple[bool, str]:
+    """From the kind and the installed version, so that checking the options imports nothing heavy."""
+    from packaging.version import Version
 
-    if any(f.name == "sequence_parallel_input_regather" for f in fields(BridgeLoRA)):
+    from megatron_bridge_ext.versions import installed_version
+
+    if kind != "lora":
+        return False, f"Bridge's {kind} has no sequence_parallel_input_regather (only its LoRA has)"
+    version = installed_version("megatron-bridge")
+    if version is not None and version >= Version(UPSTREAM_REGATHER_SINCE):
         return True, ""
-    return False, "the installed Megatron Bridge has no sequence_parallel_input_regather"
+    return False, f"Megatron Bridge {version} has no sequence_parallel_input_regather (new in {UPSTREAM_REGATHER_SINCE})"
 
 
 BASELINE = Variant(
     name="baseline",
-    description="Megatron Bridge's LoRA as shipped (LoRA-A keeps the gathered [s, b, h] input)",
+    description="Megatron Bridge's PEFT as shipped (LoRA-A keeps the gathered [s, b, h] input)",
     make_peft=bridge_lora,
 )
 UPSTREAM_REGATHER = Variant(
@@ -63,25 +68,25 @@ UPSTREAM_REGATHER = Variant(
 REGATHER = Variant(
     name="regather",
     description="our regather: LoRA-A keeps the shard, all-gathers it again in backward",
-    make_peft=_our_lora("regather"),
+    make_peft=_ours("regather"),
 )
 SHARD_LOCAL = Variant(
     name="shard_local",
     description="our shard-local LoRA-A: gathers the r x h weight and the s x b x r hidden, never the input",
-    make_peft=_our_lora("shard_local"),
+    make_peft=_ours("shard_local"),
 )
 
 SELECTIVE_CORE_ATTN = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
 CORE_ATTN = Variant(
     name="core_attn",
-    description="Bridge's LoRA with selective recompute of core attention (drops the s x s tensors of unfused attention)",
+    description="Bridge's PEFT with selective recompute of core attention (drops the s x s tensors of unfused attention)",
     make_peft=bridge_lora,
     config_overrides=SELECTIVE_CORE_ATTN,
 )
 SHARD_LOCAL_CORE_ATTN = Variant(
     name="shard_local+core_attn",
     description="shard-local LoRA-A input and core_attn recompute together",
-    make_peft=_our_lora("shard_local"),
+    make_peft=_ours("shard_local"),
     config_overrides=SELECTIVE_CORE_ATTN,
 )
 
@@ -90,16 +95,16 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
-def select(names: list[str] | None) -> list[Variant]:
-    """The named variants in the order given (all available ones when ``names`` is empty)."""
+def select(names: list[str] | None, kind: str = "lora") -> list[Variant]:
+    """The named variants in the order given (all available ones when ``names`` is empty), for PEFT ``kind``."""
     if not names:
-        return [v for v in VARIANTS.values() if v.available()[0]]
+        return [v for v in VARIANTS.values() if v.available(kind)[0]]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     chosen = [VARIANTS[n] for n in names]
     for variant in chosen:
-        ok, why = variant.available()
+        ok, why = variant.available(kind)
         if not ok:
             raise ValueError(f"variant {variant.name!r} is not available: {why}")
     return chosen

@@ -117,17 +117,35 @@ def _expandable_from(settings) -> Optional[bool]:
 
 def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, allocator_settings=None,
              expandable_segments: Optional[bool] = None, request_bytes: Optional[int] = None) -> Diagnosis:
-    """Classify one rank's OOM from its ``torch.cuda.memory_stats()`` dictionary."""
+    """Classify one rank's OOM from its ``torch.cuda.memory_stats()`` dictionary.
+
+    Raises ValueError naming the key and the fix when the input is not what torch reports.
+    """
+    if not isinstance(stats, Mapping):
+        raise ValueError(f"memory stats must be a JSON object (torch.cuda.memory_stats()), got {type(stats).__name__}")
     missing = [k for k in (ALLOCATED, RESERVED) if k not in stats]
     if missing:
         raise ValueError(f"memory stats lack {missing}: give the dictionary of torch.cuda.memory_stats() taken on the "
                          "device that ran out of memory (it is empty before CUDA is initialised)")
-    allocated, reserved = int(stats[ALLOCATED]), int(stats[RESERVED])
+    allocated, reserved = _count(stats, ALLOCATED), _count(stats, RESERVED)
     if reserved <= 0:
         raise ValueError(f"{RESERVED} is {reserved}: nothing to diagnose (backend:cudaMallocAsync reports zeros, and "
                          "stats taken after torch.cuda.empty_cache() lose the picture); take the stats at the OOM")
-    inactive = int(stats.get(INACTIVE_SPLIT, 0))
-    retries, ooms = int(stats.get(RETRIES, 0)), int(stats.get(OOMS, 0))
+    if allocated > reserved:
+        raise ValueError(f"{ALLOCATED} ({allocated}) is larger than {RESERVED} ({reserved}), which torch never "
+                         "reports: the stats were edited or mixed from two dumps; take one torch.cuda.memory_stats()")
+    inactive = _count(stats, INACTIVE_SPLIT, 0)
+    if inactive > reserved - allocated:
+        raise ValueError(f"{INACTIVE_SPLIT} ({inactive}) is larger than {RESERVED} - {ALLOCATED} "
+                         f"({reserved - allocated}), which torch never reports; take one torch.cuda.memory_stats()")
+    retries, ooms = _count(stats, RETRIES, 0), _count(stats, OOMS, 0)
+    total_memory = _optional_size(total_memory, "total memory")
+    request_bytes = _optional_size(request_bytes, "request_bytes")
+    if total_memory is not None and total_memory < reserved:
+        raise ValueError(f"total memory {fmt_bytes(total_memory)} is less than the {fmt_bytes(reserved)} reserved: "
+                         "wrong device or units; give the device's total memory (e.g. --total-memory 80GiB)")
+    if expandable_segments is not None and not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments={expandable_segments!r} must be true, false or absent")
     expandable = expandable_segments if expandable_segments is not None else _expandable_from(allocator_settings)
     gap = max(reserved - allocated, 0)
     gap_frac, inactive_frac = gap / reserved, inactive / reserved
@@ -137,7 +155,9 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
     if inactive_frac >= INACTIVE_SPLIT_FRACTION:
         strong.append(f"inactive split blocks hold {fmt_bytes(inactive)} = {inactive_frac:.1%} of reserved "
                       f"(threshold {INACTIVE_SPLIT_FRACTION:.0%})")
-    kind = "fragmentation" if strong and gap >= MIN_GAP_BYTES else "capacity"
+    free_anywhere = gap + (total_memory - reserved if total_memory is not None else 0)
+    too_big = request_bytes is not None and total_memory is not None and request_bytes > free_anywhere
+    kind = "fragmentation" if strong and gap >= MIN_GAP_BYTES and not too_big else "capacity"
 
     evidence = list(strong) if kind == "fragmentation" else [
         f"reserved - allocated = {fmt_bytes(gap)} = {gap_frac:.1%} of reserved (fragmentation needs >= "
@@ -147,7 +167,11 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
     if retries:
         evidence.append(f"{retries} allocation {'retry' if retries == 1 else 'retries'} (cudaMalloc failed, the "
                         "allocator freed its cache and retried)")
-    if request_bytes is not None:
+    if too_big:
+        evidence.insert(0, f"the failed request ({fmt_bytes(request_bytes)}) is larger than all free memory together "
+                           f"({fmt_bytes(free_anywhere)}: reserved but unallocated plus unreserved), so no "
+                           "allocator could have placed it")
+    elif request_bytes is not None:
         relation = "smaller" if request_bytes <= gap else "larger"
         evidence.append(f"the failed request ({fmt_bytes(request_bytes)}) is {relation} than the reserved but "
                         f"unallocated memory ({fmt_bytes(gap)})")
@@ -184,7 +208,30 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
         "thresholds": {"gap_fraction": GAP_FRACTION, "inactive_split_fraction": INACTIVE_SPLIT_FRACTION,
                        "min_gap_bytes": MIN_GAP_BYTES},
     }
-    return Diagnosis(kind, headline, evidence, metrics, dict(TABLE[kind]), dict(next_step), notes=notes)
+    row = dict(TABLE[kind])
+    if kind == "fragmentation" and expandable is True:
+        row["fix"] = ("expandable segments are on already: reduce the peak in the decision order (LoRA input under "
+                      "SP, selective recompute, parallelism, CPU offloading)")
+    return Diagnosis(kind, headline, evidence, metrics, row, dict(next_step), notes=notes)
+
+
+def _count(stats: Mapping[str, Any], key: str, default: Optional[int] = None) -> int:
+    """A non-negative whole number from the stats, or ValueError naming the key."""
+    if key not in stats and default is not None:
+        return default
+    value = stats[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} is {value!r}; torch.cuda.memory_stats() reports a non-negative whole number there: "
+                         "give the unedited dictionary")
+    return value
+
+
+def _optional_size(value, name: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} is {value!r}; it must be a positive whole number of bytes (or absent)")
+    return value
 
 
 _SIZE = r"([\d.]+) (bytes|B|KiB|MiB|GiB|TiB)"
@@ -205,13 +252,25 @@ def diagnose_file(path: str, *, total_memory: Optional[int] = None,
                   expandable_segments: Optional[bool] = None) -> Diagnosis:
     """Diagnose a JSON dump of ``torch.cuda.memory_stats()`` or an OOM report of :class:`OOMHandler`."""
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not JSON ({error})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object (memory_stats() or an OOM report), got {type(data).__name__}")
-    if isinstance(data.get("stats"), dict):  # an OOM report
-        allocator = data.get("allocator") or {}
-        return classify(data["stats"], total_memory=total_memory or data.get("total_memory"),
-                        expandable_segments=expandable_segments if expandable_segments is not None
-                        else allocator.get("expandable_segments"),
+    try:
+        if "stats" not in data:
+            return classify(data, total_memory=total_memory, expandable_segments=expandable_segments)
+        allocator = data.get("allocator", {})  # an OOM report of OOMHandler
+        if allocator is None:
+            allocator = {}
+        if not isinstance(allocator, dict):
+            raise ValueError(f"allocator is {allocator!r}; an OOM report holds an object there")
+        recorded = allocator.get("expandable_segments")
+        if recorded is not None and not isinstance(recorded, bool):
+            raise ValueError(f"allocator.expandable_segments is {recorded!r}; it must be true, false or null")
+        return classify(data["stats"], total_memory=total_memory if total_memory is not None else data.get("total_memory"),
+                        expandable_segments=expandable_segments if expandable_segments is not None else recorded,
                         request_bytes=data.get("request_bytes"))
-    return classify(data, total_memory=total_memory, expandable_segments=expandable_segments)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None

@@ -14,13 +14,15 @@ from megatron_bridge_ext.measure.modules import ModuleStack, Models, as_model_li
 def default_category(name: str) -> str:
     """Category of a module by name: ``lora_input``, ``attention`` or ``other``.
 
-    ``lora_input`` is LoRA-A (``...adapter.linear_in``), whose saved input is what
-    sequence-parallel LoRA shrinks; ``attention`` is everything inside a ``self_attention``
-    module except its adapters, so that LoRA savings and attention savings are not mixed.
+    ``lora_input`` is LoRA-A of every LoRA-family adapter (``...adapter.linear_in``, and
+    CanonicalLoRA's ``...adapter.adapter_q.linear_in`` and its k, v, up and gate siblings), whose
+    saved input is what sequence-parallel LoRA shrinks; ``attention`` is everything inside a
+    ``self_attention`` module except its adapters, so that LoRA savings and attention savings are
+    not mixed.
     """
-    if name.endswith("adapter.linear_in"):
-        return "lora_input"
     parts = name.split(".")
+    if parts[-1] == "linear_in" and "adapter" in parts[:-1]:
+        return "lora_input"
     if "self_attention" in parts and "adapter" not in parts:
         return "attention"
     return "other"

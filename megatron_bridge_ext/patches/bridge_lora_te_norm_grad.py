@@ -121,8 +121,8 @@ PATCH = Patch(
     versions=">=0.5.1,<=0.6.2",
     reason="with Transformer Engine >= 2.4 (TE commit ce0b46c4d) the LoRA branch's input gradient is dropped "
            "when Bridge feeds LoRA-A TE's gathered LayerNorm output under sequence parallelism",
-    applied_by="megatron_bridge_ext.peft.LoRA when it transforms a model, and MemoryConfig.apply for any "
-               "LoRA-family cfg.peft (Bridge's own included)",
+    applied_by="megatron_bridge_ext.peft's LoRA, DoRA and CanonicalLoRA when they transform a model, and "
+               "MemoryConfig.apply for any LoRA-family cfg.peft (Bridge's own included)",
     needed=_needed,
     do_apply=_apply,
 )

@@ -89,7 +89,8 @@ PATCH = Patch(
     distribution="megatron-bridge",
     versions=">=0.5.1,<=0.6.2",
     reason="Bridge's PEFT modules import Transformer Engine unconditionally; the local-spec LoRA path needs none of it",
-    applied_by="megatron_bridge_ext.peft (LoRA): for the one import of Bridge's PEFT modules, then removed",
+    applied_by="megatron_bridge_ext.peft (LoRA, DoRA, CanonicalLoRA): for the one import of Bridge's PEFT modules, "
+               "then removed",
     needed=_needed,
     do_apply=_apply,
 )

@@ -1,15 +1,17 @@
-"""PEFT: the drop-in LoRA with LoRA-A input under sequence parallelism.
+"""PEFT: drop-in LoRA, DoRA and CanonicalLoRA with LoRA-A input under sequence parallelism.
 
-``import megatron_bridge_ext.peft`` imports nothing else. Accessing ``LoRA`` (or
-``SequenceParallelLoRAIn``) imports Megatron Bridge's PEFT modules (on a machine without
-Transformer Engine through the ``bridge_peft_without_te`` import hook, installed for that import
-only). The autograd core in :mod:`.sp_lora` imports only torch and Megatron Core.
+``import megatron_bridge_ext.peft`` imports nothing else. Accessing ``LoRA``, ``DoRA``,
+``CanonicalLoRA`` (or ``SequenceParallelLoRAIn``) imports Megatron Bridge's PEFT modules (on a
+machine without Transformer Engine through the ``bridge_peft_without_te`` import hook, installed
+for that import only). The autograd core in :mod:`.sp_lora` imports only torch and Megatron Core.
 """
+
+_LAZY = {"LoRA": "lora", "DoRA": "dora", "CanonicalLoRA": "canonical_lora", "SequenceParallelLoRAIn": "sp_input"}
 
 
 def __getattr__(name):
-    if name in ("LoRA", "SequenceParallelLoRAIn"):
-        from megatron_bridge_ext.peft import lora
+    if name in _LAZY:
+        import importlib
 
-        return getattr(lora, name)
+        return getattr(importlib.import_module(f"megatron_bridge_ext.peft.{_LAZY[name]}"), name)
     raise AttributeError(name)

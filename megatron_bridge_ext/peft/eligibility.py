@@ -13,6 +13,11 @@ or all-to-all adapter, no CUDA graphs, no CPU activation offloading. Recompute d
   the s*b*h all-gather of the input (and the s*b*h reduce-scatter of its grad) with all-gathers of
   the r x h weight, and it shrinks the gathered tensor that lives during the recomputed backward
   from s*b*h to the shard.
+
+The rules are the same for every LoRA-family kind. The adapters of one base layer (CanonicalLoRA's
+q/k/v on ``linear_qkv``, up/gate on ``linear_fc1``) all take that layer's input, so they take it
+the same way: all keep the shard (one storage, shared) or none does. A kind may add a reason of
+its own (DoRA: see :mod:`megatron_bridge_ext.peft.dora`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
 class Decision:
     """The verdict for one adapter: ``strategy`` is ``"off"`` when it takes the input as Bridge gives it.
 
-    ``retains`` says what LoRA-A keeps for backward under that decision.
+    ``adapter`` names the adapted layer (with the adapter's key, ``...linear_qkv.adapter_q``, where a
+    layer has several adapters); ``retains`` says what LoRA-A keeps for backward under that decision;
+    ``lora_a`` is LoRA-A's module path.
     """
 
     adapter: str
@@ -37,6 +44,7 @@ class Decision:
     strategy: str
     reason: str
     retains: str = ""
+    lora_a: str = ""
 
     @property
     def eligible(self) -> bool:
@@ -82,10 +90,10 @@ def recompute_reason(config, surface: str, strategy: str) -> Optional[str]:
     return None
 
 
-def ineligibility(lora_linear, strategy: str) -> Optional[str]:
-    """Why this adapter cannot use ``strategy``, or None when it can."""
-    adapter = lora_linear.adapter
-    base_config = lora_linear.to_wrap.config
+def ineligibility(wrapper, strategy: str, adapter=None) -> Optional[str]:
+    """Why ``adapter`` of a Bridge adapter wrapper (default: ``wrapper.adapter``) cannot use ``strategy``, or None."""
+    adapter = wrapper.adapter if adapter is None else adapter
+    base_config = wrapper.to_wrap.config
     surface = adapter.base_linear_name.rsplit(".", 1)[-1]
     checks = (
         (surface not in ELIGIBLE_SURFACES, f"{surface} is not a column-parallel LoRA target ({', '.join(ELIGIBLE_SURFACES)})"),
@@ -94,7 +102,7 @@ def ineligibility(lora_linear, strategy: str) -> Optional[str]:
         (_tp_size(adapter) <= 1, "tensor parallel size is 1 (nothing to save)"),
         (getattr(adapter, "is_expert", False), "expert adapters are not supported"),
         (getattr(adapter, "use_a2a", False), "all-to-all adapters are not supported"),
-        (_base_skips_sequence_parallel_comm(lora_linear.to_wrap), "the base linear does no sequence-parallel communication"),
+        (_base_skips_sequence_parallel_comm(wrapper.to_wrap), "the base linear does no sequence-parallel communication"),
         (not adapter.linear_in.weight.requires_grad, "LoRA-A is frozen (its input is not retained anyway)"),
         (type(adapter.activation).__name__ != "Identity", "the adapter activation is not identity"),
         (getattr(base_config, "cuda_graph_impl", "none") not in (None, "none") or getattr(base_config, "enable_cuda_graph", False),
@@ -113,9 +121,20 @@ def is_te_layernorm_linear(base) -> bool:
     return hasattr(base, "return_layernorm_output_gathered")
 
 
-def retained(lora_linear, strategy: str) -> str:
-    """What LoRA-A keeps for backward when ``strategy`` (or ``"off"``) is in effect, and what that saves."""
-    adapter, base = lora_linear.adapter, lora_linear.to_wrap
+def _drops_its_input(adapter) -> bool:
+    """Adapter dropout before LoRA-A: LoRA-A then gets (and keeps) a dropped copy of the input of its own."""
+    dropout = getattr(adapter, "dropout", None)
+    return (dropout is not None and type(dropout).__name__ != "Identity"
+            and getattr(adapter, "dropout_position", "pre") == "pre")
+
+
+def retained(wrapper, strategy: str, adapter=None, shared_by: int = 1) -> str:
+    """What LoRA-A keeps for backward when ``strategy`` (or ``"off"``) is in effect, and what that saves.
+
+    ``shared_by``: how many adapters of the wrapper take the same input (CanonicalLoRA: 2 or 3).
+    Without adapter dropout they keep one storage between them; with it each keeps its own.
+    """
+    adapter, base = (wrapper.adapter if adapter is None else adapter), wrapper.to_wrap
     if not adapter.linear_in.weight.requires_grad:
         return "nothing (LoRA-A is frozen)"
     if adapter.input_is_parallel:
@@ -123,20 +142,51 @@ def retained(lora_linear, strategy: str) -> str:
     sequence_parallel = getattr(base.config, "sequence_parallel", False) and _tp_size(adapter) > 1
     if not sequence_parallel:
         return "its input [s, b, h] (no sequence parallelism: nothing to save)"
+    te = is_te_layernorm_linear(base)
+    n = 1 if _drops_its_input(adapter) else shared_by
     if strategy == OFF:
-        return "the gathered input [s, b, h]"
-    if is_te_layernorm_linear(base):
-        return ("the sequence shard [s/t, b, h], the storage TE keeps for its own backward: "
+        if shared_by == 1:
+            return "the gathered input [s, b, h]"
+        if te and n > 1:
+            return f"the gathered norm output [s, b, h], one copy for the {n} adapters of this layer"
+        return "its own gathered copy of the input [s, b, h]"
+    if _drops_its_input(adapter):
+        return ("its own dropped sequence shard [s/t, b, h] (adapter dropout): s*b*h*(1-1/t) elements less than "
+                "Bridge's dropped and gathered copy")
+    if te:
+        shared = f", one storage for the {n} adapters of this layer" if n > 1 else ""
+        return (f"the sequence shard [s/t, b, h], the storage TE keeps for its own backward{shared}: "
                 "s*b*h elements less than Bridge (which also keeps the gathered copy)")
+    if n > 1:
+        return (f"the sequence shard [s/t, b, h], one storage for the {n} adapters of this layer: s*b*h*({n}-1/t) "
+                f"elements less than Bridge's {n} gathered copies")
     return "the sequence shard [s/t, b, h]: s*b*h*(1-1/t) elements less than Bridge's gathered input"
+
+
+def _adapter_name(adapter, path: str) -> str:
+    """The adapted layer's name, with the adapter's key where a wrapper holds several (``...linear_qkv.adapter_q``)."""
+    key = path.rsplit(".", 1)[-1]
+    return adapter.base_linear_name if path == "adapter" else f"{adapter.base_linear_name}.{key}"
+
+
+def decide_wrapper(wrapper, strategy: str, adapters: list[tuple[str, object]],
+                   reason: Optional[str] = None) -> list[Decision]:
+    """The decisions for the adapters of one Bridge wrapper, each given as (module path under the wrapper, adapter).
+
+    The adapters of a wrapper all take the same input (the base layer's), so they take it the same way:
+    the strategy applies to all of them or to none, with the first reason found (``reason``, from the
+    PEFT kind, comes first).
+    """
+    if strategy == OFF:
+        reason = "off (no strategy requested)"
+    else:
+        reason = reason or next((r for _, a in adapters if (r := ineligibility(wrapper, strategy, a))), None)
+    chosen = strategy if reason is None else OFF
+    return [Decision(_adapter_name(a, path), strategy, chosen, reason or "eligible",
+                     retained(wrapper, chosen, a, len(adapters)), f"{a.base_linear_name}.{path}.linear_in")
+            for path, a in adapters]
 
 
 def decide(lora_linear, strategy: str) -> Decision:
     """The decision for one Bridge ``LoRALinear`` under the requested strategy (``"off"`` included)."""
-    name = lora_linear.adapter.base_linear_name
-    if strategy == OFF:
-        return Decision(name, OFF, OFF, "off (no strategy requested)", retained(lora_linear, OFF))
-    reason = ineligibility(lora_linear, strategy)
-    if reason is not None:
-        return Decision(name, strategy, OFF, reason, retained(lora_linear, OFF))
-    return Decision(name, strategy, strategy, "eligible", retained(lora_linear, strategy))
+    return decide_wrapper(lora_linear, strategy, [("adapter", lora_linear.adapter)])[0]

@@ -2,7 +2,8 @@
 
 Every rank runs the same tests in the same order; collectives inside a test pair up across
 ranks. Rank 0 reports on the terminal, other ranks write ``build/functional-rank<N>.log``.
-Without torchrun (plain ``pytest``) these tests are not collected: they need two processes.
+Without torchrun (plain ``pytest``) every test here is reported as skipped, with the command that
+runs them: they need two processes.
 On a machine without CUDA the test-support CPU emulation is installed before Megatron Core
 is imported, and the process group uses gloo; with CUDA it uses NCCL.
 """
@@ -17,12 +18,21 @@ import pytest
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 
-if WORLD_SIZE < 2:
-    collect_ignore_glob = ["test_*.py"]
-else:
+if WORLD_SIZE >= 2:
     from megatron_bridge_ext.demo import cpu_emulation
 
     cpu_emulation.install()
+
+NEEDS_RANKS = ("needs 2 ranks: torchrun --nproc_per_node=2 -m pytest tests/functional (make functional)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/functional/" not in str(item.fspath).replace("\\", "/"):
+            continue
+        item.add_marker(pytest.mark.functional)
+        if WORLD_SIZE < 2:
+            item.add_marker(pytest.mark.skip(reason=NEEDS_RANKS))
 
 
 @pytest.hookimpl(trylast=True)

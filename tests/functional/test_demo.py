@@ -27,6 +27,57 @@ def test_demo_rows_show_the_lora_input_saving(tp2):
     assert base["saved_bytes_per_step"][-1] - local["saved_bytes_per_step"][-1] == expected_saving
     assert abs(base["losses"][-1] - local["losses"][-1]) < 1e-5 * abs(base["losses"][-1])
     assert base["losses"][-1] < base["losses"][0]  # the adapters learn
-    table = train.format_table(shape, [base, local], "2 ranks")
-    lines = table.splitlines()
-    assert [line.split()[1] for line in lines[3:]] == ["baseline", "shard_local"]
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [base, local])
+    rows = [r for per_rank in everyone for r in per_rank]
+    lines = train.format_table(shape, rows, "2 ranks").splitlines()
+    body = lines[3:]
+    assert [line.split()[0] for line in body] == ["baseline", "shard_local"]  # rank 0's rows only
+    assert all(line.endswith("same") for line in body)  # TP ranks report the same figures
+    edited = [dict(r, saved_bytes_per_step=[1]) if r["rank"] == 1 and r["variant"] == "shard_local" else r for r in rows]
+    body = train.format_table(shape, edited, "2 ranks").splitlines()[3:]
+    assert body[0].endswith("same") and body[1].endswith("DIFFER: rank 1")
+
+
+def test_bench_run_measures_every_variant_against_the_baseline(tp2):
+    from megatron_bridge_ext.demo import bench
+
+    shape = tiny_model.TinyGPTShape()
+    result = bench.run(shape, ["baseline", "regather", "shard_local"], steps=1)
+    rows = {r["name"]: r for r in result["variants"]}
+    element = 4  # float32
+    saving = shape.layers * 2 * shape.seq * shape.micro_batch * shape.hidden * element // shape.tp
+    problems = []
+    for name in ("regather", "shard_local"):
+        if rows["baseline"]["saved_bytes"] - rows[name]["saved_bytes"] != saving:
+            problems.append(f"{name}: saved {rows[name]['saved_bytes']} vs baseline {rows['baseline']['saved_bytes']}")
+        if rows["baseline"]["lora_input_saved_bytes"] - rows[name]["lora_input_saved_bytes"] != saving:
+            problems.append(f"{name}: LoRA-A input bytes do not drop by {saving}")
+    if rows["regather"]["parity_max_rel_err"] != 0.0:
+        problems.append("regather is bitwise equal to the baseline")
+    if not rows["shard_local"]["parity_max_rel_err"] < 1e-5:
+        problems.append(f"shard_local parity {rows['shard_local']['parity_max_rel_err']}")
+    if rows["shard_local"]["collective_elements"]["total"] >= rows["baseline"]["collective_elements"]["total"]:
+        problems.append("shard_local moves fewer collective elements than the baseline")
+    text = bench.format_table(result)
+    if [line.split()[0] for line in text.splitlines()[3:6]] != ["baseline", "regather", "shard_local"]:
+        problems.append(f"table rows: {text}")
+    from tests.support.dist_checks import assert_no_problems
+
+    assert_no_problems(problems, tp2)
+
+
+def test_other_ranks_log_warnings_only(tp2, monkeypatch):
+    import logging
+    import os
+
+    from megatron_bridge_ext import logs
+
+    logs.configure()
+    level = logging.getLogger("megatron_bridge_ext").level
+    expected = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    from tests.support.dist_checks import assert_no_problems
+
+    assert_no_problems([] if level == expected else [f"level {level} on rank {os.environ.get('RANK')}"], tp2)

@@ -1,13 +1,18 @@
-"""Our drop-in LoRA against Megatron Bridge's LoRA on 2 ranks (TP=2, sequence parallelism).
+"""Our drop-in LoRA, DoRA and CanonicalLoRA against Megatron Bridge's on 2 ranks (TP=2, sequence parallelism).
 
-Every comparison builds the same model, weights and batch twice: once with Bridge's LoRA as
-shipped (the baseline) and once with ``megatron_bridge_ext.peft.LoRA`` under one strategy
-(``variants.VARIANTS`` defines both). ``tiny_model.apply_peft`` re-draws LoRA-B, so LoRA-A's
-gradient and the input gradient through the adapters are not trivially zero.
+Every comparison builds the same model, weights and batch twice: once with Bridge's class as
+shipped (the baseline) and once with ours of the same kind (``megatron_bridge_ext.peft.LoRA``,
+``DoRA``, ``CanonicalLoRA``) under one strategy (``variants.VARIANTS`` defines both, for the
+shape's kind). ``tiny_model.apply_peft`` re-draws LoRA-B, so LoRA-A's gradient and the input
+gradient through the adapters are not trivially zero. The tests for CanonicalLoRA use a SwiGLU MLP
+(its up and gate adapters are the halves of the gated linear_fc1). Tests on a single Megatron Core
+layer, and of the special cases of eligibility, run LoRA only: they test the strategies and rules
+every kind shares.
 
 Notation: TP size t = 2, sequence s, micro-batch b, hidden h, LoRA rank r. Eligible adapters
-are those of ``linear_qkv`` and ``linear_fc1`` (column-parallel bases); ``linear_proj`` and
-``linear_fc2`` adapters are row-parallel and stay as Bridge builds them.
+are those of ``linear_qkv`` and ``linear_fc1`` (column-parallel bases; CanonicalLoRA has three and
+two adapters there); ``linear_proj`` and ``linear_fc2`` adapters are row-parallel and stay as Bridge
+builds them.
 
 Each rank computes its own verdicts; they are all-reduced (MAX) before asserting, so both ranks
 pass or fail together (see ``tests.support.dist_checks``).
@@ -38,16 +43,19 @@ pytestmark = [
 from tests.support.lora_blocks import (  # noqa: F401  (shared with the TE-path tests)
     TP,
     STRATEGIES,
+    KINDS,
     ELIGIBLE_SURFACES,
     FP32_REL_TOL,
-    LORA_LOGGER,
+    PEFT_LOGGER,
     S,
     B,
     H,
     OUT,
     R,
     _device,
+    _shape,
     _gpt,
+    _adapters,
     _adapter_names,
     _trainable,
     _loss_and_grads,
@@ -67,21 +75,31 @@ from tests.support.lora_blocks import (  # noqa: F401  (shared with the TE-path 
 # ------------------------------------------------------------------------------------ 1a. whole model, fp32
 
 
+def _trainable_per_adapter(kind: str) -> int:
+    """LoRA-A and LoRA-B of every adapter, and DoRA's magnitude vector."""
+    return 3 if kind == "dora" else 2
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no dropout", "dropout"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_whole_model_fp32_loss_and_every_gradient_match_bridge(tp2, strategy):
-    """Regather runs Bridge's GEMMs on the same data: bitwise. Shard-local sums over ranks in another order."""
-    shape = tm.TinyGPTShape()
-    baseline, _ = _gpt(shape, "baseline")
-    ours, peft = _gpt(shape, strategy)
+def test_whole_model_fp32_loss_and_every_gradient_match_bridge(tp2, strategy, kind, dropout):
+    """Regather runs Bridge's GEMMs on the same data: bitwise. Shard-local sums over ranks in another order.
+
+    Adapter dropout acts on the sequence shard in Bridge's path (before the adapter's gather) as in
+    ours, so with the same seed both draw the same masks (DoRA's dropout correction included)."""
+    shape = _shape(kind)
+    baseline, _ = _gpt(shape, "baseline", peft_fields={"dropout": dropout})
+    ours, peft = _gpt(shape, strategy, peft_fields={"dropout": dropout})
     want_loss, want = _loss_and_grads(baseline, shape)
     got_loss, got = _loss_and_grads(ours, shape)
 
     problems = _compare({"loss": got_loss, **got}, {"loss": want_loss, **want}, bitwise=strategy == "regather")
     problems += _nontrivial(want)
     applied = sorted(d.adapter for d in peft.report() if d.strategy == strategy)
-    if applied != sorted(_adapter_names(shape, ELIGIBLE_SURFACES)):
+    if applied != sorted(name for name, _ in _adapters(shape, ELIGIBLE_SURFACES)):
         problems.append(f"strategy applied to {applied}")
-    if len(want) != 2 * len(_adapter_names(shape)):  # LoRA-A and LoRA-B of every adapter, nothing else
+    if len(want) != _trainable_per_adapter(kind) * len(_adapters(shape)):  # the adapters' parameters, nothing else
         problems.append(f"trainable parameters: {sorted(want)}")
     assert_no_problems(problems, tp2)
 
@@ -126,9 +144,12 @@ def _ddp_like_microbatches(model, shape: tm.TinyGPTShape, steps=(0, 1)) -> dict[
     return {name: bool(p.grad_added_to_main_grad) for name, p in params.items()}
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_main_grad_accumulates_two_microbatches_like_bridge(tp2, strategy):
-    shape = tm.TinyGPTShape()
+def test_main_grad_accumulates_two_microbatches_like_bridge(tp2, strategy, kind):
+    """Every LoRA-A and LoRA-B weight goes through the fused path in both models; DoRA's magnitude
+    vector is a plain parameter, whose grad DDP adds to main_grad itself."""
+    shape = _shape(kind)
     baseline, _ = _gpt(shape, "baseline", gradient_accumulation_fusion=True)
     ours, _ = _gpt(shape, strategy, gradient_accumulation_fusion=True)
     fused_baseline = _ddp_like_microbatches(baseline, shape)
@@ -137,7 +158,8 @@ def test_main_grad_accumulates_two_microbatches_like_bridge(tp2, strategy):
     want = {name: p.main_grad for name, p in _trainable(baseline).items()}
     got = {name: p.main_grad for name, p in _trainable(ours).items()}
     problems = _compare(got, want, bitwise=strategy == "regather") + _nontrivial(want)
-    problems += [f"{name}: the fused wgrad path was not used" for name, used in {**fused_baseline, **fused_ours}.items() if not used]
+    problems += [f"{name}: the fused wgrad path was not used" for name, used in {**fused_baseline, **fused_ours}.items()
+                 if not used and not name.endswith("weight_magnitude")]
     assert_no_problems(problems, tp2)
 
 
@@ -160,9 +182,10 @@ def _norm_rel_err(got: dict, want: dict) -> float:
     return (num / den).sqrt().item()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_whole_model_bf16_matches_bridge_within_bf16_rounding(tp2, strategy):
-    """bf16 whole model against Bridge's LoRA in bf16 and against the same model in fp32.
+def test_whole_model_bf16_matches_bridge_within_bf16_rounding(tp2, strategy, kind):
+    """bf16 whole model against Bridge's class of the same kind in bf16 and against the same model in fp32.
 
     Regather runs the baseline's GEMMs on the same bf16 data in the same order, so it stays
     bitwise equal in bf16 (observed: loss and every gradient identical).
@@ -182,8 +205,10 @@ def test_whole_model_bf16_matches_bridge_within_bf16_rounding(tp2, strategy):
       shard-local's error at most 1.25x Bridge's own. Observed both about 1.0e-2 (2.6u), the
       ratio 0.95 to 1.03 over five seeds: shard-local is as accurate as Bridge's bf16 LoRA. (The
       per-tensor maximum is too noisy for this: its ratio ranged 0.89 to 1.30.)
+
+    DoRA and CanonicalLoRA (three seeds each): loss 0; gradients 2.8u to 3.6u; ratio 0.97 to 1.03.
     """
-    shape = tm.TinyGPTShape(dtype="bfloat16")
+    shape = _shape(kind, dtype="bfloat16")
     want_loss, want = _loss_and_grads(_gpt(shape, "baseline")[0], shape)
     got_loss, got = _loss_and_grads(_gpt(shape, strategy)[0], shape)
 
@@ -203,9 +228,12 @@ def test_whole_model_bf16_matches_bridge_within_bf16_rounding(tp2, strategy):
 # ------------------------------------------------------------------------------------ 2. memory
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_eligible_lora_a_retains_exactly_the_sequence_shard(tp2, strategy):
-    shape = tm.TinyGPTShape()
+def test_eligible_lora_a_retains_exactly_the_sequence_shard(tp2, strategy, kind):
+    """Per LoRA-A, Bridge's gathered input against our shard; per adapted layer, one shard however many
+    adapters it has (CanonicalLoRA's q, k, v and up, gate); every LoRA-A counted as a LoRA input."""
+    shape = _shape(kind)
     batch = tm.synthetic_batch(shape)
     results = {}
     for variant in ("baseline", strategy):
@@ -217,8 +245,9 @@ def test_eligible_lora_a_retains_exactly_the_sequence_shard(tp2, strategy):
     itemsize = shape.torch_dtype.itemsize
     gathered = shape.seq * shape.micro_batch * shape.hidden * itemsize  # the [s, b, h] LoRA-A input
     shard = gathered // TP  # the local sequence shard [s/t, b, h]
-    eligible = [f"{name}.adapter.linear_in" for name in _adapter_names(shape, ELIGIBLE_SURFACES)]
-    others = [f"{name}.adapter.linear_in" for name in _adapter_names(shape, ("linear_proj", "linear_fc2"))]
+    eligible = [path for _, path in _adapters(shape, ELIGIBLE_SURFACES)]
+    others = [path for _, path in _adapters(shape, ("linear_proj", "linear_fc2"))]
+    layers = len(_adapter_names(shape, ELIGIBLE_SURFACES))  # adapted linear_qkv and linear_fc1 layers
 
     problems = []
     for variant, per_adapter in (("baseline", gathered), (strategy, shard)):
@@ -226,6 +255,9 @@ def test_eligible_lora_a_retains_exactly_the_sequence_shard(tp2, strategy):
         got = {name: result.by_module.get(name) for name in eligible}
         if got != dict.fromkeys(eligible, per_adapter):
             problems.append(f"{variant}: LoRA-A saved {got}, expected {per_adapter} each")
+        filed = {name: result.module_categories.get(name) for name in eligible + others}
+        if set(filed.values()) != {"lora_input"}:
+            problems.append(f"{variant}: LoRA-A modules filed as {filed}")
         lora_total = result.module_bytes("lora_input")
         if lora_total != sum(result.by_module.get(name, 0) for name in eligible + others):
             problems.append(f"{variant}: lora_input {lora_total} is not the sum of the adapters' LoRA-A")
@@ -233,14 +265,19 @@ def test_eligible_lora_a_retains_exactly_the_sequence_shard(tp2, strategy):
     for name in others:
         if results["baseline"].by_module.get(name) != results[strategy].by_module.get(name):
             problems.append(f"{name}: changed")
-    # The whole drop. Bridge's LoRA-A saves the gathered [s, b, h] copy of its input, held by nothing
-    # else. Ours saves the shard x_k, the base linear's own input (the LayerNorm output): the frozen
-    # base linear saves only its weight and LayerNorm saves its input, not its output, so the shard
-    # is the only copy retained, a new s*b*h/t. Everything else (LoRA-B's [s, b, r] input, norms,
-    # attention, ...) is the same. Hence per eligible adapter the total drops by s*b*h*(1 - 1/t).
+    # The whole drop. Each of Bridge's LoRA-A saves its own gathered [s, b, h] copy of its input
+    # (CanonicalLoRA's q, k and v each gather for themselves), held by nothing else. Ours save the
+    # shard x_k, the base linear's own input (the LayerNorm output): the frozen base linear saves only
+    # its weight and LayerNorm saves its input, not its output, so the shard is the only copy
+    # retained, a new s*b*h/t, one storage for all adapters of the layer. Everything else (LoRA-B's
+    # [s, b, r] input, norms, attention, DoRA's magnitude terms, ...) is the same. Hence per adapted
+    # layer with n adapters the total drops by s*b*h*(n - 1/t), all of it in the LoRA inputs.
+    expected = len(eligible) * gathered - layers * shard
     drop = results["baseline"].total_bytes - results[strategy].total_bytes
-    if drop != len(eligible) * (gathered - shard):
-        problems.append(f"total saved bytes dropped by {drop}, expected {len(eligible)} x {gathered - shard}")
+    lora_drop = results["baseline"].by_category["lora_input"] - results[strategy].by_category["lora_input"]
+    if (drop, lora_drop) != (expected, expected):
+        problems.append(f"total saved bytes dropped by {drop}, LoRA inputs by {lora_drop}, expected "
+                        f"{len(eligible)} x {gathered} - {layers} x {shard} = {expected}")
     assert_no_problems(problems, tp2)
 
 
@@ -349,19 +386,22 @@ def _model_collectives(shape: tm.TinyGPTShape, variant: str, **config):
                 needs_grad[name] = args[0].requires_grad
         return hook
 
-    for name in _adapter_names(shape, ELIGIBLE_SURFACES):
-        model.get_submodule(f"{name}.adapter.linear_in").register_forward_pre_hook(record(name))
+    for _, path in _adapters(shape, ELIGIBLE_SURFACES):
+        model.get_submodule(path).register_forward_pre_hook(record(path))
     with CollectiveCounter(model) as counter:
         tm.loss_of(model, tm.synthetic_batch(shape)).backward()
     calls = collections.Counter((c.phase, c.kind, c.elements) for c in counter.calls)
     return calls, sum(needs_grad.values())
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_whole_model_collectives_differ_from_bridge_only_at_lora_a(tp2, strategy):
-    shape = tm.TinyGPTShape(micro_batch=3)  # s*b*h, s*b*r and r*h all differ
+def test_whole_model_collectives_differ_from_bridge_only_at_lora_a(tp2, strategy, kind):
+    """Counted per eligible LoRA-A: CanonicalLoRA's adapters of a layer share the retained shard, but
+    each computes its own LoRA-A (Bridge's gather each their own input too)."""
+    shape = _shape(kind, micro_batch=3)  # s*b*h, s*b*r and r*h all differ
     sbh, rh = shape.seq * shape.micro_batch * shape.hidden, shape.lora_rank * shape.hidden
-    n = len(_adapter_names(shape, ELIGIBLE_SURFACES))
+    n = len(_adapters(shape, ELIGIBLE_SURFACES))
     (baseline, n_dgrad), (ours, _) = _model_collectives(shape, "baseline"), _model_collectives(shape, strategy)
     added, removed = ours - baseline, baseline - ours
     if strategy == "regather":
@@ -372,7 +412,9 @@ def test_whole_model_collectives_differ_from_bridge_only_at_lora_a(tp2, strategy
         expected_added = {("forward", "all_gather", rh): n, ("backward", "all_gather", rh): n_dgrad,
                           ("backward", "reduce_scatter", rh): n}
         expected_removed = {("forward", "all_gather", sbh): n, ("backward", "reduce_scatter", sbh): n_dgrad}
-    problems = [] if 0 < n_dgrad < n else [f"{n_dgrad} of {n} LoRA-A inputs need a grad: expected all but one"]
+    first_qkv = len(_adapters(dataclasses.replace(shape, layers=1), ["linear_qkv"]))
+    problems = [] if n_dgrad == n - first_qkv else [
+        f"{n_dgrad} of {n} LoRA-A inputs need a grad: expected all but the first layer's linear_qkv's {first_qkv}"]
     if dict(added) != expected_added:
         problems.append(f"added {dict(added)}, expected {expected_added}")
     if dict(removed) != expected_removed:
@@ -443,16 +485,18 @@ def _dist_checkpoint_round(source, target, directory: str) -> None:
     target.load_state_dict(loaded, strict=False)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, monkeypatch, strategy):
-    """Same parameters, state dicts and distributed checkpoints as Bridge's LoRA, both ways.
+def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, monkeypatch, strategy, kind):
+    """Same parameters, state dicts and distributed checkpoints as Bridge's class of the same kind, both ways.
 
-    Bridge's ``LoRALinear.state_dict()`` names the base weight without the ``to_wrap.`` level that
-    ``load_state_dict`` expects, so no Bridge LoRA model reloads even its own ``state_dict()``
-    strictly; Bridge resumes PEFT runs from distributed checkpoints, loading with ``strict=False``.
-    The test therefore requires: identical ``state_dict()`` keys, shapes and dtypes; a plain
-    ``load_state_dict`` that reports exactly the mismatches Bridge -> Bridge reports; and a strict
-    (``RAISE_ALL``) distributed-checkpoint load in both directions, after which every tensor is equal.
+    Bridge's ``LoRALinear.state_dict()`` (and DoRA's and CanonicalLoRA's wrappers') names the base weight
+    without the ``to_wrap.`` level that ``load_state_dict`` expects, so no Bridge LoRA model reloads even
+    its own ``state_dict()`` strictly; Bridge resumes PEFT runs from distributed checkpoints, loading with
+    ``strict=False``. The test therefore requires: identical ``state_dict()`` keys, shapes and dtypes; a
+    plain ``load_state_dict`` that reports exactly the mismatches Bridge -> Bridge reports; and a strict
+    (``RAISE_ALL``) distributed-checkpoint load in both directions, after which every tensor is what
+    Bridge's class resumes from the same checkpoint.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -462,7 +506,7 @@ def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, mon
     if not filesystem_async.HAVE_PSUTIL:
         # The writer logs its process memory through psutil, which this environment may lack.
         monkeypatch.setattr(filesystem_async, "_process_memory", lambda: 0)
-    shape = tm.TinyGPTShape()
+    shape = _shape(kind)
     bridge_model, _ = _gpt(shape, "baseline", seed=11, peft_seed=12)
     ours, _ = _gpt(shape, strategy, seed=21, peft_seed=22)
     problems = []
@@ -476,9 +520,14 @@ def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, mon
 
     if describe(ours) != describe(bridge_model):
         problems.append("parameter names, shapes or TP attributes differ")
-    lora_params = [name for name in describe(ours) if ".adapter." in name]
-    if len(lora_params) != 2 * len(_adapter_names(shape)) or any(describe(ours)[n][3][0] is not True for n in lora_params):
+    adapter_params = [name for name in describe(ours) if ".adapter." in name]
+    lora_params = [name for name in adapter_params if name.endswith(("linear_in.weight", "linear_out.weight"))]
+    if len(lora_params) != 2 * len(_adapters(shape)) or any(describe(ours)[n][3][0] is not True for n in lora_params):
         problems.append(f"LoRA parameters and their tensor_model_parallel flags: {lora_params}")
+    magnitudes = [name for name in adapter_params if name.endswith(".adapter.weight_magnitude")]
+    if sorted(adapter_params) != sorted(lora_params + magnitudes) or len(magnitudes) != (
+            len(_adapters(shape)) if kind == "dora" else 0):
+        problems.append(f"adapter parameters: {adapter_params}")
 
     bridge_state = bridge_model.state_dict()
     ours_state = ours.state_dict()
@@ -501,20 +550,31 @@ def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, mon
     adapters_only = lambda state: {k: v for k, v in state.items() if ".adapter." in k}  # noqa: E731
     problems += _state_problems(adapters_only(ours.state_dict()), adapters_only(bridge_state), "state_dict Bridge -> ours")
 
-    # Distributed checkpoints, strictly, both ways (into fresh models with other weights).
+    # Distributed checkpoints, strictly, both ways (into fresh models with other weights), against what
+    # Bridge's class resumes from Bridge's own checkpoint.
+    bridge_resumed, _ = _gpt(shape, "baseline", seed=31, peft_seed=32)
+    _dist_checkpoint_round(bridge_model, bridge_resumed, _shared_dir(tmp_path_factory, "bridge_bridge_ckpt", tp2))
+    want = bridge_resumed.state_dict()
     ours, _ = _gpt(shape, strategy, seed=51, peft_seed=52)
     _dist_checkpoint_round(bridge_model, ours, _shared_dir(tmp_path_factory, "bridge_ckpt", tp2))
-    problems += _state_problems(ours.state_dict(), bridge_state, "checkpoint Bridge -> ours")
+    problems += _state_problems(ours.state_dict(), want, "checkpoint Bridge -> ours")
     fresh_bridge, _ = _gpt(shape, "baseline", seed=61, peft_seed=62)
     _dist_checkpoint_round(ours, fresh_bridge, _shared_dir(tmp_path_factory, "ours_ckpt", tp2))
-    problems += _state_problems(fresh_bridge.state_dict(), bridge_state, "checkpoint ours -> Bridge")
+    problems += _state_problems(fresh_bridge.state_dict(), want, "checkpoint ours -> Bridge")
+    # Lossless, but for what Bridge's own DoRA loses: the magnitude of a row-parallel layer is computed
+    # from the rank's own input columns (a different vector on every TP rank) and checkpointed as one
+    # replicated tensor, so every rank resumes with rank 0's.
+    lost = sorted(k for k, v in bridge_state.items() if isinstance(v, torch.Tensor) and not torch.equal(v, want[k]))
+    rows = [f"{name}.adapter.weight_magnitude" for name in _adapter_names(shape, ("linear_proj", "linear_fc2"))]
+    if lost != (sorted(rows) if kind == "dora" and dist.get_rank() != 0 else []):
+        problems.append(f"Bridge's own checkpoint round trip changed {lost}")
 
     # The sharded state dicts carry the same keys and metadata.
     if list(_flat_sharded(ours.sharded_state_dict())) != list(_flat_sharded(bridge_model.sharded_state_dict())):
         problems.append("sharded_state_dict differs")
 
-    # The loaded model computes what the model it was saved from computes.
-    want_loss, _ = _loss_and_grads(bridge_model, shape)
+    # The loaded model computes what Bridge's class computes from the same checkpoint.
+    want_loss, _ = _loss_and_grads(bridge_resumed, shape)
     got_loss, _ = _loss_and_grads(ours, shape)
     problems += _compare({"loss": got_loss}, {"loss": want_loss}, bitwise=strategy == "regather")
     assert_no_problems(problems, tp2)
@@ -524,11 +584,11 @@ def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, mon
 
 
 def _apply_logged(caplog, build):
-    """Run ``build`` (returns (model, peft)) while capturing our LoRA's INFO logs."""
+    """Run ``build`` (returns (model, peft)) while capturing the INFO logs of our PEFT classes."""
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=LORA_LOGGER):
+    with caplog.at_level(logging.INFO, logger=PEFT_LOGGER):
         model, peft = build()
-    records = [r.getMessage() for r in caplog.records if r.name == LORA_LOGGER]
+    records = [r.getMessage() for r in caplog.records if r.name.startswith(PEFT_LOGGER + ".")]
     return model, peft, records
 
 
@@ -544,39 +604,48 @@ def _mutated_gpt(shape, strategy, **fields):
 _RECOMPUTE_FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 _RECOMPUTE_MLP = dict(recompute_granularity="selective", recompute_modules=["mlp"])
 
-# (case, strategy, how to build, {surface: expected reason fragment or None for eligible})
+_ROW_PARALLEL_REFUSED = {"linear_qkv": None, "linear_fc1": None, "linear_proj": "linear_proj is not a column-parallel",
+                         "linear_fc2": "linear_fc2 is not a column-parallel"}
+
+# (case, kind, strategy, how to build, {surface: expected reason fragment or None for eligible})
 _GPT_CASES = [
-    ("row-parallel surfaces", "regather", lambda s, k: _gpt(s, k),
-     {"linear_qkv": None, "linear_fc1": None, "linear_proj": "linear_proj is not a column-parallel",
-      "linear_fc2": "linear_fc2 is not a column-parallel"}),
-    ("sequence parallelism off", "shard_local", lambda s, k: _gpt(tm.TinyGPTShape(sequence_parallel=False), k),
+    ("row-parallel surfaces", "lora", "regather", lambda s, k: _gpt(s, k), _ROW_PARALLEL_REFUSED),
+    ("DoRA, row-parallel surfaces", "dora", "shard_local", lambda s, k: _gpt(s, k), _ROW_PARALLEL_REFUSED),
+    ("CanonicalLoRA, row-parallel surfaces", "canonical_lora", "shard_local", lambda s, k: _gpt(s, k),
+     _ROW_PARALLEL_REFUSED),
+    ("sequence parallelism off", "lora", "shard_local",
+     lambda s, k: _gpt(dataclasses.replace(s, sequence_parallel=False), k),
      {"linear_qkv": "sequence parallelism is off", "linear_fc1": "sequence parallelism is off"}),
-    ("CUDA graphs", "shard_local", lambda s, k: _mutated_gpt(s, k, cuda_graph_impl="local"),
+    ("CUDA graphs", "lora", "shard_local", lambda s, k: _mutated_gpt(s, k, cuda_graph_impl="local"),
      {"linear_qkv": "CUDA graphs", "linear_fc1": "CUDA graphs"}),
-    ("CPU activation offloading", "regather",
+    ("CPU activation offloading", "lora", "regather",
      lambda s, k: _mutated_gpt(s, k, cpu_offloading=True, cpu_offloading_activations=True),
      {"linear_qkv": "CPU activation offloading", "linear_fc1": "CPU activation offloading"}),
-    ("full recompute, regather", "regather", lambda s, k: _gpt(s, k, **_RECOMPUTE_FULL),
+    ("full recompute, regather", "lora", "regather", lambda s, k: _gpt(s, k, **_RECOMPUTE_FULL),
      {"linear_qkv": "full activation recompute", "linear_fc1": "full activation recompute"}),
-    ("full recompute, shard_local", "shard_local", lambda s, k: _gpt(s, k, **_RECOMPUTE_FULL),
+    ("full recompute, shard_local", "lora", "shard_local", lambda s, k: _gpt(s, k, **_RECOMPUTE_FULL),
      {"linear_qkv": None, "linear_fc1": None}),
-    ("mlp recompute, regather", "regather", lambda s, k: _gpt(s, k, **_RECOMPUTE_MLP),
+    ("mlp recompute, regather", "lora", "regather", lambda s, k: _gpt(s, k, **_RECOMPUTE_MLP),
      {"linear_qkv": None, "linear_fc1": "selective 'mlp' recompute"}),
-    ("mlp recompute, shard_local", "shard_local", lambda s, k: _gpt(s, k, **_RECOMPUTE_MLP),
+    ("CanonicalLoRA, mlp recompute, regather", "canonical_lora", "regather", lambda s, k: _gpt(s, k, **_RECOMPUTE_MLP),
+     {"linear_qkv": None, "linear_fc1": "selective 'mlp' recompute"}),
+    ("mlp recompute, shard_local", "lora", "shard_local", lambda s, k: _gpt(s, k, **_RECOMPUTE_MLP),
      {"linear_qkv": None, "linear_fc1": None}),
 ]
 
 
-@pytest.mark.parametrize("case, strategy, build, expected", _GPT_CASES, ids=[c[0] for c in _GPT_CASES])
-def test_eligibility_in_the_tiny_gpt_with_one_log_per_reason(tp2, caplog, case, strategy, build, expected):
-    shape = tm.TinyGPTShape()
+@pytest.mark.parametrize("case, kind, strategy, build, expected", _GPT_CASES, ids=[c[0] for c in _GPT_CASES])
+def test_eligibility_in_the_tiny_gpt_with_one_log_per_reason(tp2, caplog, case, kind, strategy, build, expected):
+    """Every adapter is reported, with LoRA-A switched exactly where eligible; CanonicalLoRA's adapters of
+    one layer share its verdict (a row each)."""
+    shape = _shape(kind)
     model, peft, records = _apply_logged(caplog, lambda: build(shape, strategy))
     report = peft.report()
     problems = []
-    if sorted(d.adapter for d in report) != sorted(_adapter_names(shape)):
-        problems.append(f"report lists {[d.adapter for d in report]}")
+    if sorted((d.adapter, d.lora_a) for d in report) != sorted(_adapters(shape)):
+        problems.append(f"report lists {[(d.adapter, d.lora_a) for d in report]}")
     for decision in report:
-        surface = decision.adapter.rsplit(".", 1)[-1]
+        surface = decision.lora_a.split(".adapter.")[0].rsplit(".", 1)[-1]
         if surface not in expected:
             continue
         want = expected[surface]
@@ -584,7 +653,7 @@ def test_eligibility_in_the_tiny_gpt_with_one_log_per_reason(tp2, caplog, case, 
             problems.append(f"{decision.adapter}: {decision}")
         if want is not None and (decision.eligible or want not in decision.reason):
             problems.append(f"{decision.adapter}: {decision.reason!r} lacks {want!r}")
-        lora_a = model.get_submodule(f"{decision.adapter}.adapter.linear_in")
+        lora_a = model.get_submodule(decision.lora_a)
         if (type(lora_a).__name__ == "SequenceParallelLoRAIn") != decision.eligible:
             problems.append(f"{decision.adapter}: LoRA-A class {type(lora_a).__name__} vs {decision}")
     # Each fallback reason is logged once, however many adapters share it.
@@ -728,4 +797,32 @@ def test_shard_local_under_full_recompute_matches_bridge_under_the_same_recomput
     itemsize = shape.torch_dtype.itemsize
     if base_saved - saved != n * (sbh - sbh // TP) * itemsize:
         problems.append(f"recomputed saves: {base_saved} -> {saved}")
+    assert_no_problems(problems, tp2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_transforming_an_already_transformed_model_changes_nothing(tp2, strategy):
+    """Applying the same LoRA twice (a resumed script, a second setup call) neither wraps nor decides again."""
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    shape = tm.TinyGPTShape()
+    model, peft = _gpt(shape, strategy)
+    before_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before_report = list(peft.report())
+    x = tm.synthetic_batch(shape, 0)
+    loss_before = tm.loss_of(model, x).detach()
+    again = peft(model, training=True)
+    again = again[0] if isinstance(again, list) else again
+    problems = []
+    if again is not model:
+        problems.append("a new model object")
+    if {n for n, _ in model.named_parameters()} != set(before_params):
+        problems.append("parameters added or renamed")
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if len(wrapped) != shape.layers * len(shape.lora_targets) or any(".to_wrap.adapter" in n for n in wrapped):
+        problems.append(f"adapters wrapped again: {wrapped}")
+    if peft.report() != before_report:
+        problems.append("the report changed")
+    if not torch.equal(tm.loss_of(model, x).detach(), loss_before):
+        problems.append("the output changed")
     assert_no_problems(problems, tp2)

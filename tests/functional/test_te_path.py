@@ -27,7 +27,7 @@ from megatron_bridge_ext.patches import bridge_lora_te_norm_grad, bridge_peft_wi
 from megatron_bridge_ext.peft import te_check
 from tests.support.dist_checks import assert_no_problems, local_rel_err
 from tests.support.fake_te import CONTRACTS, TE_GE_2_4, TE_VERSION, FakeTELayerNormColumnParallelLinear
-from tests.support.lora_blocks import B, H, OUT, S, TP, _parallel_config, _rank_slice
+from tests.support.lora_blocks import B, H, KINDS, OUT, S, TP, _parallel_config, _rank_slice
 
 pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
 
@@ -149,26 +149,48 @@ def _shared_file(tmp_path_factory, name: str, group) -> str:
     return f"{directory[0]}/{name}"
 
 
-@pytest.mark.parametrize("run", ("bridge", "bridge_patched", "shard_local"))
-def test_whole_gpt_embedding_grad_against_a_dense_reference(tp2, te_contract, run, tmp_path_factory):
-    """A tiny GPT with the TE LayerNorm-linears and LoRA on all four targets: the gradient reaching the
-    embedding output (through every layer) against the same model computed with TP=1 in one process."""
-    from megatron_bridge_ext.demo import tiny_model as tm
-    from tests.support.te_gpt import fake_te_spec, float64_loss, full_state, track_embedding_output
+def _te_shape(kind: str):
+    """The float64 tiny GPT for PEFT ``kind``. DoRA adapts the TE layers only: Bridge's DoRA normalises a
+    row-parallel layer's weight over the rank's own input columns, another function at TP=2 than at TP=1."""
+    from tests.support.lora_blocks import _shape
 
-    shape = tm.TinyGPTShape(dtype="float64")
+    return _shape(kind, dtype="float64", **({"lora_targets": ["linear_qkv", "linear_fc1"]} if kind == "dora" else {}))
+
+
+def _te_gpt(shape, contract: str, run: str):
+    """The tiny GPT on the TE fake with ``run``'s PEFT of kind ``shape.peft`` (Bridge's as shipped runs unpatched)."""
+    from megatron_bridge_ext.demo import tiny_model as tm
+    from tests.support.lora_blocks import _peft
+    from tests.support.te_gpt import fake_te_spec
+
     if run == "bridge_patched":
         bridge_lora_te_norm_grad.PATCH.apply()
-    from tests.support.lora_blocks import _peft
-
-    peft = _peft(_VARIANT[run], shape)
-    model = tm.apply_peft(tm.build_gpt(shape, layer_spec=fake_te_spec(te_contract)), peft)
+    model = tm.apply_peft(tm.build_gpt(shape, layer_spec=fake_te_spec(contract)), _peft(_VARIANT[run], shape))
     if run == "bridge":
         bridge_lora_te_norm_grad.PATCH.revert()
+    return model
+
+
+def _loss_weights(shape) -> torch.Tensor:
+    return torch.randn(shape.micro_batch, shape.seq, shape.vocab, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(77))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("run", ("bridge", "bridge_patched", "shard_local"))
+def test_whole_gpt_embedding_grad_against_a_dense_reference(tp2, te_contract, run, kind, tmp_path_factory):
+    """A tiny GPT with the TE LayerNorm-linears and LoRA on all four targets (DoRA on the TE layers,
+    CanonicalLoRA with SwiGLU): the gradient reaching the embedding output (through every layer) against
+    the same model computed with TP=1 in one process. The patch makes Bridge's DoRA and CanonicalLoRA
+    right too, their wrappers take the norm output from the same method as LoRA's."""
+    from megatron_bridge_ext.demo import tiny_model as tm
+    from tests.support.te_gpt import float64_loss, full_state, track_embedding_output
+
+    shape = _te_shape(kind)
+    model = _te_gpt(shape, te_contract, run)
     leaf = track_embedding_output(model)
     batch = tm.synthetic_batch(shape, 0)
-    weights = torch.randn(shape.micro_batch, shape.seq, shape.vocab, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(77))
+    weights = _loss_weights(shape)
     loss = float64_loss(model, batch, weights, tp2)
     loss.backward()
     state = full_state(model, tp2)
@@ -184,7 +206,74 @@ def test_whole_gpt_embedding_grad_against_a_dense_reference(tp2, te_contract, ru
                             "dropped LoRA input gradients to show")
         errors.pop("embedding output grad")
     problems += [f"{name}: rel err {err:.3g} > 1e-10" for name, err in errors.items() if err > 1e-10]
-    assert_no_problems([f"{te_contract} {run}: {p}" for p in problems], tp2)
+    assert_no_problems([f"{te_contract} {kind} {run}: {p}" for p in problems], tp2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_te_saving_in_the_whole_gpt_is_one_gathered_input_per_adapted_layer(tp2, te_contract, kind):
+    """Bridge's path keeps TE's norm-output shard and one gathered copy per adapted TE layer, which all of
+    the layer's adapters share (CanonicalLoRA's q, k and v, its up and gate); ours keeps the shard once:
+    s*b*h*8 bytes less per adapted layer, whatever the kind. Except the first layer's linear_qkv: its
+    input comes from the frozen embedding, so nothing in TE's function needs a grad and TE keeps no
+    shard there; ours keeps one, s*b*h*8/t, against Bridge's gathered s*b*h*8."""
+    from megatron_bridge_ext.demo import tiny_model as tm
+    from megatron_bridge_ext.measure import SavedActivationMeter
+    from tests.support.te_gpt import float64_loss
+
+    shape = _te_shape(kind)
+    saved = {}
+    for run in ("bridge_patched", "shard_local"):
+        model = _te_gpt(shape, te_contract, run)
+        with SavedActivationMeter(model) as meter:
+            float64_loss(model, tm.synthetic_batch(shape, 0), _loss_weights(shape), tp2)
+        saved[run] = meter.result().total_bytes
+    layers = shape.layers * len({"linear_qkv", "linear_fc1"} & set(shape.lora_targets))
+    sbh8 = shape.seq * shape.micro_batch * shape.hidden * 8
+    expected = layers * sbh8 - sbh8 // TP  # the first layer's linear_qkv saves sbh8 - sbh8/t
+    problems = [] if saved["bridge_patched"] - saved["shard_local"] == expected else [
+        f"saved {saved}: difference {saved['bridge_patched'] - saved['shard_local']} != {layers} x s*b*h*8 - "
+        f"s*b*h*8/t = {expected}"]
+    assert_no_problems([f"{te_contract} {kind}: {p}" for p in problems], tp2)
+
+
+def test_dora_with_dropout_keeps_bridges_path_on_a_te_layernorm_linear(tp2, te_2_4):
+    """Bridge's DoRA dropout correction runs the TE layer again on its gathered norm output, which fails under
+    sequence parallelism. Ours leaves such an adapter on Bridge's path (it would otherwise get a shard and
+    pass a wrong correction silently), says why in its report, and fails the same way; without dropout the
+    adapter is eligible."""
+    from megatron.bridge.peft.dora import DoRA as BridgeDoRA
+    from torch import nn
+
+    from megatron_bridge_ext.peft import DoRA
+    from megatron_bridge_ext.peft.dora import TE_DROPOUT_REASON
+
+    def forward_error(peft):
+        root = nn.Module()
+        root.add_module("linear_qkv", _fake(tp2, TE_GE_2_4)())
+        root = peft(root, training=True)
+        x = torch.randn(S // TP, B, H, dtype=torch.float64, requires_grad=True)
+        try:
+            root.linear_qkv(x)
+        except RuntimeError as error:
+            return root, str(error)
+        return root, None
+
+    fields = dict(target_modules=["linear_qkv"], dim=8, alpha=16)
+    _, bridge_error = forward_error(BridgeDoRA(**fields, dropout=0.1))
+    ours = DoRA(**fields, dropout=0.1, sequence_parallel_input_strategy="shard_local")
+    root, ours_error = forward_error(ours)
+    problems = []
+    if bridge_error is None or ours_error != bridge_error:
+        problems.append(f"Bridge's DoRA with dropout raised {bridge_error!r}, ours {ours_error!r}")
+    if [(d.strategy, d.reason) for d in ours.report()] != [("off", TE_DROPOUT_REASON)]:
+        problems.append(f"report {ours.report()}")
+    if type(root.linear_qkv.adapter.linear_in).__name__ == "SequenceParallelLoRAIn":
+        problems.append("LoRA-A was switched to the shard")
+    without = DoRA(**fields, sequence_parallel_input_strategy="shard_local")
+    _, error = forward_error(without)
+    if error is not None or [d.strategy for d in without.report()] != ["shard_local"]:
+        problems.append(f"DoRA without dropout: {error!r}, {without.report()}")
+    assert_no_problems(problems, tp2)
 
 
 _REFERENCES: dict[str, dict] = {}

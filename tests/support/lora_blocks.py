@@ -1,6 +1,7 @@
 """Shared pieces of the 2-rank LoRA tests: the per-adapter problem, blocks wrapped by a variant's PEFT,
-the tiny GPT with a variant, and comparisons that report problems instead of asserting (so that
-both ranks can agree on a verdict; see :mod:`tests.support.dist_checks`)."""
+the tiny GPT with a variant and a PEFT kind (LoRA, DoRA, CanonicalLoRA), and comparisons that report
+problems instead of asserting (so that both ranks can agree on a verdict; see
+:mod:`tests.support.dist_checks`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from tests.support.dist_checks import local_rel_err
 
 TP = 2
 STRATEGIES = ("regather", "shard_local")
+KINDS = ("lora", "dora", "canonical_lora")
 ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
 FP32_REL_TOL = 1e-6
-LORA_LOGGER = "megatron_bridge_ext.peft.lora"
+PEFT_LOGGER = "megatron_bridge_ext.peft"
+"""Our LoRA, DoRA and CanonicalLoRA log under its children (``megatron_bridge_ext.peft.lora``, ...)."""
 
 # The per-adapter problem: s*b*h, s*b*r and r*h all differ, so every collective is identifiable by size.
 S, B, H, OUT, R = 8, 3, 32, 48, 8
@@ -30,9 +33,18 @@ def _device() -> torch.device:
     return device()
 
 
-def _gpt(shape: tm.TinyGPTShape, variant: str, seed: int = 1234, peft_seed: int = 4321, **config):
-    """The tiny GPTModel with ``variant``'s PEFT applied; returns (model, peft)."""
+def _shape(kind: str = "lora", **fields) -> tm.TinyGPTShape:
+    """The tiny GPT's shape for PEFT ``kind``: CanonicalLoRA's up/gate adapters are the halves of a gated
+    (SwiGLU) linear_fc1, so that kind gets SwiGLU."""
+    return tm.TinyGPTShape(peft=kind, swiglu=kind == "canonical_lora", **fields)
+
+
+def _gpt(shape: tm.TinyGPTShape, variant: str, seed: int = 1234, peft_seed: int = 4321, peft_fields=None, **config):
+    """The tiny GPTModel with ``variant``'s PEFT of kind ``shape.peft`` applied (``peft_fields`` set on the
+    PEFT before it transforms, e.g. dropout); returns (model, peft)."""
     peft = VARIANTS[variant].make_peft(shape)
+    for name, value in (peft_fields or {}).items():
+        setattr(peft, name, value)
     model = tm.apply_peft(tm.build_gpt(shape, seed=seed, **config), peft, seed=peft_seed)
     return model, peft
 
@@ -46,11 +58,30 @@ def _adapter_names(shape: tm.TinyGPTShape, surfaces=None) -> list[str]:
     ]
 
 
+# CanonicalLoRA's adapters of the fused layers, in the order of Bridge's ModuleDicts.
+_SPLIT = {"linear_qkv": ("adapter_q", "adapter_k", "adapter_v"), "linear_fc1": ("adapter_up", "adapter_gate")}
+
+
+def _adapters(shape: tm.TinyGPTShape, surfaces=None) -> list[tuple[str, str]]:
+    """(name in ``report()``, LoRA-A module path) of every adapter of kind ``shape.peft`` on ``surfaces``."""
+    out = []
+    for name in _adapter_names(shape, surfaces):
+        keys = _SPLIT.get(name.rsplit(".", 1)[-1], ()) if shape.peft == "canonical_lora" else ()
+        split = [(f"{name}.{key}", f"{name}.adapter.{key}.linear_in") for key in keys]
+        out += split or [(name, f"{name}.adapter.linear_in")]
+    return out
+
+
 def _trainable(model) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _loss_and_grads(model, shape: tm.TinyGPTShape, step: int = 0):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    # Adapter dropout draws the same masks in every model: under sequence parallelism the transformer
+    # block runs in Megatron's model-parallel RNG state, which each forward advances.
+    model_parallel_cuda_manual_seed(1000 + step)
     loss = tm.loss_of(model, tm.synthetic_batch(shape, step))
     loss.backward()
     grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in _trainable(model).items()}
@@ -91,12 +122,11 @@ def _problem(seed: int, dtype=torch.float32):
 
 
 def _peft(variant: str, shape: tm.TinyGPTShape):
-    """``variant``'s PEFT, or (``"off"``) our LoRA with the strategy off."""
+    """``variant``'s PEFT of kind ``shape.peft``, or (``"off"``) ours of that kind with the strategy off."""
     if variant == "off":
-        from megatron_bridge_ext.peft import LoRA
+        from megatron_bridge_ext.peft import kinds
 
-        return LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=shape.lora_alpha,
-                    sequence_parallel_input_strategy="off")
+        return kinds.our_class(shape.peft)(**tm.peft_fields(shape), sequence_parallel_input_strategy="off")
     return VARIANTS[variant].make_peft(shape)
 
 

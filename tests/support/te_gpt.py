@@ -3,9 +3,10 @@
 :func:`fake_te_spec` is Megatron Core's local layer spec with the fused TE LayerNorm-linear in place
 of ``input_layernorm + linear_qkv`` and ``pre_mlp_layernorm + linear_fc1`` (as in Core's TE spec).
 :func:`full_state` gathers every tensor-parallel shard into the state of the same model built with
-TP=1 on the local spec (where the norms are separate modules). ``python -m tests.support.te_gpt
-IN.pt OUT.pt`` builds that TP=1 model in a single process (world size 1), loads the state, and
-writes the loss and the gradient of the embedding output: the dense reference.
+TP=1 on the local spec (where the norms are separate modules), with Bridge's PEFT of the same kind
+(``shape.peft``). ``python -m tests.support.te_gpt IN.pt OUT.pt`` builds that TP=1 model in a single
+process (world size 1), loads the state, and writes the loss and the gradient of the embedding
+output: the dense reference.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import os
+import re
 import sys
 
 import torch
@@ -42,12 +44,31 @@ def fake_te_spec(contract: str):
     return spec
 
 
-def _gathered(param: torch.Tensor, group) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or group.size() == 1:
+# Rows of the fused linear_fc1 output: under a gated MLP each TP rank holds [gate_k; up_k], TP=1 holds [gate; up].
+_GATED_ROWS = re.compile(
+    r"mlp\.linear_fc1\.(to_wrap\.weight|weight|adapter\.linear_out\.weight|adapter\.weight_magnitude)$")
+
+
+def _split_dim(model, name: str, param: torch.Tensor):
+    """The dim ``param`` is split on over TP, or None: Megatron's attribute, or for DoRA's magnitude of a
+    column-parallel adapter dim 0 (Bridge marks that split only in its sharded state dict)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim
+    if name.endswith("adapter.weight_magnitude") and not model.get_submodule(name.rsplit(".", 1)[0]).input_is_parallel:
+        return 0
+    return None
+
+
+def _gathered(model, name: str, param: torch.Tensor, group) -> torch.Tensor:
+    dim = _split_dim(model, name, param)
+    if dim is None or group.size() == 1:
         return param.detach().clone()
     parts = [torch.empty_like(param) for _ in range(group.size())]
     dist.all_gather(parts, param.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+    if dim == 0 and model.config.gated_linear_unit and _GATED_ROWS.search(name):
+        halves = [part.chunk(2, dim=0) for part in parts]
+        parts = [gate for gate, _ in halves] + [up for _, up in halves]
+    return torch.cat(parts, dim=dim)
 
 
 def _local_name(name: str) -> str:
@@ -60,7 +81,7 @@ def _local_name(name: str) -> str:
 
 def full_state(model, group) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded, under the names of the TP=1 local-spec model (LoRA wrappers included)."""
-    return {_local_name(name): _gathered(param, group) for name, param in model.named_parameters()}
+    return {_local_name(name): _gathered(model, name, param, group) for name, param in model.named_parameters()}
 
 
 def track_embedding_output(model) -> list[torch.Tensor]:

@@ -160,12 +160,29 @@ def test_unset_writes_pytorch_alloc_conf_on_new_torch():
     assert p.findings == []
 
 
-def test_user_options_are_kept_in_order_and_unknown_keys_survive():
-    env = {CUDA_VAR: "garbage_collection_threshold:0.6,roundup_power2_divisions:[256:1,>:8],my_key:1"}
+def test_user_options_are_kept_in_order():
+    env = {CUDA_VAR: "garbage_collection_threshold:0.6,roundup_power2_divisions:[256:1,>:8]"}
     p = plan(env)
-    assert p.changes[CUDA_VAR] == (env[CUDA_VAR], env[CUDA_VAR] + "," + ES)
-    assert ALLOC_VAR not in p.changes
-    assert codes(p.findings) == ["unknown_key"] and "my_key" in p.findings[0].setting
+    assert p.changes == {CUDA_VAR: (env[CUDA_VAR], env[CUDA_VAR] + "," + ES)}
+    assert p.findings == []
+
+
+def test_an_unknown_key_is_refused_before_launch_and_nothing_is_written():
+    env = {CUDA_VAR: "garbage_collection_threshold:0.6,my_key:1"}
+    p = plan(env)
+    assert codes(p.findings, "error") == ["unknown_key"] and "my_key" in p.findings[0].setting
+    with pytest.raises(Refused, match="my_key.*Unrecognized key.*Fix: check the spelling of 'my_key'"):
+        setup_allocator(env, torch_version=NEW)
+    assert env == {CUDA_VAR: "garbage_collection_threshold:0.6,my_key:1"}
+
+
+@pytest.mark.parametrize("text, key", [("max_split_size_mb:abc", "max_split_size_mb"),
+                                       ("garbage_collection_threshold:high", "garbage_collection_threshold"),
+                                       ("max_non_split_rounding_mb:-3", "max_non_split_rounding_mb")])
+def test_a_number_option_must_be_a_number(text, key):
+    with pytest.raises(AllocatorConfigError, match=f"{key}.*torch reads a number here.*Fix: write {key}:<number>"):
+        AllocConf.parse(text, ALLOC_VAR)
+    assert AllocConf.parse(f"{key}:0.5" if "threshold" in key else f"{key}:512", ALLOC_VAR).get(key)
 
 
 def test_both_set_new_torch_writes_the_one_it_reads_and_keeps_the_other():
@@ -279,7 +296,7 @@ def test_cuda_malloc_async_with_explicit_expandable_segments_is_refused():
 def test_max_split_size_with_expandable_segments_warns_but_keeps_both():
     p = plan({ALLOC_VAR: "max_split_size_mb:512"})
     assert p.changes[ALLOC_VAR][1] == "max_split_size_mb:512," + ES
-    (warning,) = p.findings
+    (warning,) = [f for f in p.findings if f.level == "warning"]
     assert warning.code == "max_split_size" and "without bound" in warning.message
 
 
@@ -410,7 +427,11 @@ def test_init_keeps_the_users_variables_and_torch_reads_the_merge():
     assert child["env"] == {CUDA_VAR: "garbage_collection_threshold:0.6," + ES, ALLOC_VAR: "max_split_size_mb:64"}
     assert child["torch_reads"] == "garbage_collection_threshold:0.6," + ES
     assert [f["code"] for f in child["result"]["findings"]] == ["shadowed"]
-    assert allocator.installed_torch_version().startswith("2.14")
+    import torch
+    from packaging.version import Version
+
+    # metadata, read without importing torch, against what the imported torch says (minus its local +cuXYZ tag)
+    assert allocator.installed_torch_version() == Version(torch.__version__).base_version
 
 
 def test_package_import_stays_cheap():
@@ -514,3 +535,79 @@ def test_verify_on_cpu_reports_the_configuration_and_says_it_is_not_verified():
     assert "not verified on a device" in on.message and ALLOC_VAR in on.message
     off = verify_allocator(environ={CUDA_VAR: "", ALLOC_VAR: ES})
     assert off.configured is False
+
+
+# --------------------------------------------------------------------------------------------
+# The user's options survive every path: shell, mbx run, init(), a recipe's env_vars
+# (what torch finally reads is asked from torch itself, in a child process)
+# --------------------------------------------------------------------------------------------
+
+_TORCH_READS = ("import json, os, torch; print(json.dumps({'reads': torch._C._accelerator_getAllocatorSettings(), "
+                "'env': {k: os.environ.get(k) for k in ('PYTORCH_ALLOC_CONF', 'PYTORCH_CUDA_ALLOC_CONF')}}))")
+
+
+def _torch_reads(env: dict) -> dict:
+    """What the installed torch reads from ``env`` (a fresh interpreter, CUDA untouched)."""
+    clean = {k: v for k, v in os.environ.items() if k not in (CUDA_VAR, ALLOC_VAR, "MBX_ALLOCATOR_IPC")}
+    out = subprocess.run([sys.executable, "-c", _TORCH_READS], env={**clean, **env}, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+RECIPE = {CUDA_VAR: ES}  # what Bridge's recipes put in cfg.env_vars
+
+
+def test_mbx_run_then_a_recipes_env_vars_keep_the_users_options():
+    """Shell PYTORCH_ALLOC_CONF, `mbx run`, then Bridge applies a recipe's PYTORCH_CUDA_ALLOC_CONF with setdefault."""
+    shell = {ALLOC_VAR: "max_split_size_mb:512"}
+    launched = dict(shell)
+    result = setup_allocator(launched, torch_version=NEW)  # what mbx run writes into the command's environment
+    assert "mirrored" in codes(result.findings)
+    after_bridge = _bridge_applies(_cfg(RECIPE), launched)
+    reads = AllocConf.parse(_torch_reads(after_bridge)["reads"])
+    assert reads.get("max_split_size_mb") == "512" and reads.flag("expandable_segments") is True
+
+
+def test_without_the_mirror_torch_would_lose_the_users_options():
+    """Why the mirror exists: the recipe's variable, set by setdefault, hides the user's on this torch."""
+    after_bridge = _bridge_applies(_cfg(RECIPE), {ALLOC_VAR: "max_split_size_mb:512," + ES})
+    assert AllocConf.parse(_torch_reads(after_bridge)["reads"]).get("max_split_size_mb") is None
+
+
+def test_a_recipes_variable_carries_the_shells_options():
+    """MemoryConfig.apply / configure_bridge_env on a recipe, with the user's options in the shell."""
+    shell = {ALLOC_VAR: "max_split_size_mb:512,garbage_collection_threshold:0.7"}
+    cfg = _cfg({CUDA_VAR: "garbage_collection_threshold:0.6," + ES})
+    result = configure_bridge_env(cfg, environ=shell, torch_version=NEW)
+    assert codes(result.findings) == ["max_split_size", "carried"]
+    merged = AllocConf.parse(cfg.env_vars[CUDA_VAR])
+    assert merged.get("max_split_size_mb") == "512" and merged.get("garbage_collection_threshold") == "0.7"
+    reads = AllocConf.parse(_torch_reads(_bridge_applies(cfg, shell))["reads"])
+    assert (reads.get("max_split_size_mb"), reads.get("garbage_collection_threshold")) == ("512", "0.7")
+    assert reads.flag("expandable_segments") is True
+
+
+def test_an_explicit_false_in_a_variable_torch_ignores_is_still_respected():
+    env = {CUDA_VAR: "max_split_size_mb:256", ALLOC_VAR: "expandable_segments:False"}
+    child = _child(env)  # init() in a fresh interpreter
+    assert child["env"] == env  # nothing turned on against the user's explicit False
+    assert [f["code"] for f in child["result"]["findings"]] == ["shadowed", "user_disabled"]
+
+
+def test_torch_that_already_read_its_settings_gets_them_through_its_real_setter():
+    """No mocks: torch has read PYTORCH_ALLOC_CONF (getter called), then the setup changes it."""
+    code = """
+import json, os, torch
+before = torch._C._accelerator_getAllocatorSettings()  # torch parses the variable now
+from megatron_bridge_ext.allocator import setup_allocator
+result = setup_allocator()
+print(json.dumps({"before": before, "after": torch._C._accelerator_getAllocatorSettings(),
+                  "applied": result.applied, "codes": [f.code for f in result.findings]}))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in (CUDA_VAR, ALLOC_VAR, "MBX_ALLOCATOR_IPC")}
+    env[ALLOC_VAR] = "max_split_size_mb:64"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, check=True)
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    assert child["before"] == "max_split_size_mb:64"
+    assert AllocConf.parse(child["after"]).flag("expandable_segments") is True
+    assert child["applied"] == "runtime" and "runtime" in child["codes"]

@@ -20,6 +20,17 @@ DATA = ROOT / "tests" / "data"
 ALLOC, CUDA = "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"
 
 
+def requirements_pins() -> dict[str, set[str]]:
+    """Every version the repository's requirements pin per distribution (an independent source)."""
+    pins: dict[str, set[str]] = {}
+    for path in (ROOT / "requirements").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            name, sep, version = line.split("#")[0].strip().partition("==")
+            if sep:
+                pins.setdefault(name, set()).add(version)
+    return pins
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in (ALLOC, CUDA, "MBX_ALLOCATOR_IPC", "NCCL_GRAPH_REGISTER"):
@@ -31,10 +42,15 @@ def test_env_json_reports_versions_settings_and_findings(clean_env, capsys):
     clean_env.setenv(CUDA, "max_split_size_mb:512")
     assert main(["env", "--json", "--cuda-graph-impl", "local"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["versions"]["torch"] == importlib.metadata.version("torch")
-    assert report["versions"]["megatron-core"] == importlib.metadata.version("megatron-core")
-    assert report["versions"]["megatron-bridge"] == importlib.metadata.version("megatron-bridge")
-    assert "transformer-engine" in report["versions"]
+    import torch
+    from megatron.core import package_info
+    from packaging.version import Version
+
+    # the report reads package metadata; the imported modules say their own versions
+    assert report["versions"]["torch"] == Version(torch.__version__).base_version
+    assert report["versions"]["megatron-core"] == Version(package_info.__version__).base_version
+    assert report["versions"]["transformer-engine"] is None  # not installed here
+    assert report["versions"]["megatron-bridge"] in requirements_pins()["megatron-bridge"]
     assert report["effective"] == {"variable": CUDA, "value": "max_split_size_mb:512", "expandable_segments": False}
     assert report["setup_would_change"] == {
         CUDA: {"old": "max_split_size_mb:512", "new": "max_split_size_mb:512,expandable_segments:True"},
@@ -66,7 +82,7 @@ def test_diagnose_first_line_starts_with_the_class(name, kind, capsys):
 
 
 def test_shipped_stats_use_torch_key_names():
-    from tests.unit.memstats import capacity_stats, fragmentation_stats
+    from tests.support.memstats import capacity_stats, fragmentation_stats
 
     assert json.loads((DATA / "memory_stats_fragmentation.json").read_text()) == fragmentation_stats()
     assert json.loads((DATA / "memory_stats_capacity.json").read_text()) == capacity_stats()
@@ -116,3 +132,33 @@ def test_run_without_command_or_unknown_command():
     assert _mbx(["run"]).returncode == 2
     missing = _mbx(["run", "--", "no-such-command-mbx"])
     assert missing.returncode == 127 and "command not found" in missing.stderr
+
+
+def test_patches_lists_every_patch_in_a_narrow_table_and_says_this_process_is_unpatched():
+    from megatron_bridge_ext.patches import PATCHES
+
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge_ext.cli", "patches"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=600, env=dict(os.environ, MBX_LOG_LEVEL="WARNING"))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines[2:2 + len(PATCHES)]] == [p.name for p in PATCHES]
+    assert max(len(line) for line in lines[:2 + len(PATCHES)]) <= 120
+    assert "this process: nothing applied" in done.stdout
+    verbose = subprocess.run([sys.executable, "-m", "megatron_bridge_ext.cli", "patches", "--verbose"], cwd=ROOT,
+                             text=True, capture_output=True, timeout=600, env=dict(os.environ, MBX_LOG_LEVEL="WARNING"))
+    assert verbose.returncode == 0 and max(len(line) for line in verbose.stdout.splitlines()) <= 120
+    for patch in PATCHES:
+        assert f"\n{patch.name}\n" in verbose.stdout
+    assert verbose.stdout.count("applied by:") == len(PATCHES)
+
+
+def test_env_verify_on_cpu_applies_the_setup_and_says_it_could_not_verify_on_a_device(clean_env, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU path")
+    assert main(["env", "--verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verify"]["on_device"] is False and report["verify"]["configured"] is True
+    assert "not verified on a device" in report["verify"]["message"]
+    assert os.environ[ALLOC] == "expandable_segments:True"  # --verify applies the setup to this process

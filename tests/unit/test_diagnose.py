@@ -12,9 +12,9 @@ import torch
 
 from megatron_bridge_ext.diagnose import classifier as diagnose
 from megatron_bridge_ext.diagnose import DECISION_ORDER, OOMHandler, classify, diagnose_file, oom_guard, parse_oom_message
-from megatron_bridge_ext.diagnose.classifier import GAP_FRACTION, MIN_GAP_BYTES
+from megatron_bridge_ext.diagnose.classifier import MIN_GAP_BYTES
 from megatron_bridge_ext.diagnose.handler import write_atomic
-from tests.unit.memstats import GiB, MiB, capacity_stats, fragmentation_stats, memory_stats
+from tests.support.memstats import GiB, MiB, capacity_stats, fragmentation_stats, memory_stats
 
 pytestmark = pytest.mark.unit
 
@@ -63,15 +63,23 @@ def test_capacity_notes_memory_outside_the_allocator():
 
 
 def test_thresholds_decide_at_their_documented_boundaries():
-    """Documented: gap >= 10% of reserved, or inactive split >= 5% of reserved (and gap >= 256 MiB)."""
+    """Documented: gap >= 10% of reserved, or inactive split >= 5% of reserved, and gap >= 256 MiB.
+
+    The boundaries are exact: a value AT the threshold counts (>=), one byte below does not.
+    """
     reserved = 40 * GiB  # 10% = 4 GiB, 5% = 2 GiB
-    below = memory_stats(allocated=reserved - (4 * GiB - 64 * MiB), reserved=reserved, inactive_split=2 * GiB - 64 * MiB)
-    assert classify(below).kind == "capacity"
-    gap_at = memory_stats(allocated=reserved - (4 * GiB + 64 * MiB), reserved=reserved, inactive_split=2 * GiB - 64 * MiB)
-    assert classify(gap_at).kind == "fragmentation"
-    split_at = memory_stats(allocated=reserved - (3 * GiB), reserved=reserved, inactive_split=2 * GiB + 64 * MiB)
-    assert classify(split_at).kind == "fragmentation"
-    assert (GAP_FRACTION, diagnose.INACTIVE_SPLIT_FRACTION, MIN_GAP_BYTES) == (0.10, 0.05, 256 * MiB)
+    quiet_split = 2 * GiB - 64 * MiB  # below its own threshold, so the gap alone decides
+    at = memory_stats(allocated=reserved - 4 * GiB, reserved=reserved, inactive_split=quiet_split)
+    below = memory_stats(allocated=reserved - 4 * GiB + 1, reserved=reserved, inactive_split=quiet_split)
+    assert (classify(at).kind, classify(below).kind) == ("fragmentation", "capacity")
+    gap = 3 * GiB  # below 10%: the inactive split alone decides
+    split_at = memory_stats(allocated=reserved - gap, reserved=reserved, inactive_split=2 * GiB)
+    split_below = memory_stats(allocated=reserved - gap, reserved=reserved, inactive_split=2 * GiB - 1)
+    assert (classify(split_at).kind, classify(split_below).kind) == ("fragmentation", "capacity")
+    small = 1 * GiB  # 256 MiB floor: a gap of exactly 256 MiB counts, one byte less does not
+    floor_at = memory_stats(allocated=small - 256 * MiB, reserved=small, inactive_split=0)
+    floor_below = memory_stats(allocated=small - 256 * MiB + 1, reserved=small, inactive_split=0)
+    assert (classify(floor_at).kind, classify(floor_below).kind) == ("fragmentation", "capacity")
 
 
 def test_small_gap_is_capacity_even_when_its_fraction_is_high():

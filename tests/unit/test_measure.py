@@ -187,6 +187,12 @@ def test_default_categories_split_the_total_and_lora_input_shows_per_module():
 def test_default_category_rules():
     assert default_category("decoder.layers.0.self_attention.linear_qkv.adapter.linear_in") == "lora_input"
     assert default_category("decoder.layers.0.mlp.linear_fc1.adapter.linear_in") == "lora_input"
+    for key in ("adapter_q", "adapter_k", "adapter_v"):  # CanonicalLoRA's split adapters
+        assert default_category(f"decoder.layers.0.self_attention.linear_qkv.adapter.{key}.linear_in") == "lora_input"
+        assert default_category(f"decoder.layers.0.self_attention.linear_qkv.adapter.{key}.linear_out") == "other"
+    for key in ("adapter_up", "adapter_gate"):
+        assert default_category(f"decoder.layers.0.mlp.linear_fc1.adapter.{key}.linear_in") == "lora_input"
+    assert default_category("decoder.layers.0.mlp.linear_in") == "other"  # a linear_in outside any adapter
     assert default_category("decoder.layers.0.self_attention.core_attention") == "attention"
     assert default_category("decoder.layers.0.self_attention") == "attention"
     assert default_category("decoder.layers.0.self_attention.linear_qkv.adapter.linear_out") == "other"

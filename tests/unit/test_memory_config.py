@@ -262,3 +262,179 @@ def test_apply_fixes_the_te_norm_gradient_for_bridges_own_lora(cfg, monkeypatch,
     assert applied is (te_version == "2.8.0")
     assert [f.level for f in actions] == (["action"] if te_version == "2.8.0" else [])
     assert type(cfg.peft).__module__.startswith("megatron.bridge")  # the user's LoRA object is kept
+
+
+# ------------------------------------------------------------------ semantics: what apply may produce
+
+
+@pytest.fixture
+def sized(cfg):
+    """The recipe's model with real dimensions, so that Megatron Core's own validation (finalize) can run."""
+    model = cfg.model
+    model.num_layers, model.hidden_size, model.num_attention_heads, model.ffn_hidden_size = 2, 64, 4, 128
+    model.seq_length, model.vocab_size = 32, 128
+    return cfg
+
+
+def test_selective_modules_never_silently_replace_full_recompute(sized):
+    model = sized.model
+    model.recompute_granularity, model.recompute_method, model.recompute_num_layers = "full", "uniform", 1
+    message = _errors(MemoryConfig(recompute_modules=["core_attn"], expandable_segments=False), sized)
+    assert "recompute_granularity is 'full'" in message and "keeps less activation memory" in message
+    assert "leave recompute_modules=None" in message
+    assert (model.recompute_granularity, model.recompute_method, model.recompute_num_layers) == ("full", "uniform", 1)
+
+
+_STARTS = [
+    dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None),
+    dict(recompute_granularity=None, recompute_method="uniform", recompute_num_layers=None, recompute_modules=None),
+    dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
+         recompute_modules=["layernorm"]),
+    dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
+         recompute_modules=["core_attn"]),
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, recompute_modules=None),
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2, recompute_modules=None),
+]
+
+
+@pytest.mark.parametrize("start", _STARTS, ids=[f"{s['recompute_granularity']}-{s['recompute_method']}" for s in _STARTS])
+@pytest.mark.parametrize("requested", [None, ["core_attn"], ["mlp", "core_attn"], ["layernorm"]])
+def test_whatever_apply_produces_passes_megatron_cores_validation(sized, start, requested):
+    """Every combination apply can reach is either refused before anything changes, or finalizes in Core."""
+    import copy
+
+    for name, value in start.items():
+        setattr(sized.model, name, copy.copy(value))
+    flags = MemoryConfig(recompute_modules=requested, expandable_segments=False)
+    try:
+        flags.apply(sized)
+    except Refused as refused:
+        assert start["recompute_granularity"] == "full" and requested, refused
+        assert sized.model.recompute_granularity == "full"  # nothing changed
+        return
+    sized.model.finalize()  # raises if Megatron Core refuses what apply produced
+    if requested:
+        assert set(requested) <= set(sized.model.recompute_modules)
+
+
+def test_the_summary_shows_an_unset_modules_list_as_none(sized):
+    summary = MemoryConfig(recompute_modules=["core_attn"], expandable_segments=False).apply(sized)
+    (change,) = [c for c in summary.changes if c.field == "model.recompute_modules"]
+    assert (change.old, change.new) == (None, ["core_attn"])
+    assert "model.recompute_modules: None -> ['core_attn']" in str(summary)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("core_attn", "is not a list of module names"),
+    ([], "asks for no module"),
+    (["core_attn", "core_attn"], "more than once"),
+    ([1], "non-string entries"),
+])
+def test_recompute_modules_must_be_a_list_of_distinct_names(value, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        MemoryConfig(recompute_modules=value)
+    assert "MemoryConfig.recompute_modules" in str(raised.value) and "Fix:" in str(raised.value)
+
+
+@pytest.mark.parametrize("name", ["expandable_segments", "allocator_ipc"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_allocator_flags_must_be_bools(name, value):
+    with pytest.raises(ValueError, match=f"MemoryConfig.{name}=.* is not a bool"):
+        MemoryConfig(**{name: value})
+
+
+@pytest.mark.parametrize("module", ["moe", "shared_experts"])
+def test_moe_modules_on_a_dense_model_say_they_do_nothing(cfg, module):
+    findings = MemoryConfig(recompute_modules=[module], expandable_segments=False).validate(cfg)
+    (note,) = [f for f in findings if f.code == "recompute_moe_on_dense"]
+    assert note.level == NO_EFFECT and module in note.message
+
+
+def test_replacing_bridges_regather_flag_is_reported(bridge, cfg):
+    if "sequence_parallel_input_regather" not in {f.name for f in __import__("dataclasses").fields(bridge[1])}:
+        pytest.skip("this Bridge has no sequence_parallel_input_regather")
+    cfg.peft = bridge[1](dim=16, alpha=32, target_modules=["linear_qkv"], sequence_parallel_input_regather=True)
+    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+    changed = {c.field: c for c in summary.changes}
+    flag = changed["peft.sequence_parallel_input_regather"]
+    assert (flag.old, flag.new) == (True, False) and "shard_local" in flag.note
+    strategy = changed["peft.sequence_parallel_input_strategy"]
+    assert (strategy.old, strategy.new) == ("regather", "shard_local")
+    assert cfg.peft.strategy == "shard_local" and cfg.peft.sequence_parallel_input_regather is False
+
+
+def test_off_turns_our_strategy_off_and_says_so(cfg):
+    from megatron_bridge_ext.peft import LoRA
+
+    cfg.peft = LoRA(dim=16, alpha=32, sequence_parallel_input_strategy="shard_local")
+    summary = MemoryConfig(lora_sp_input="off", expandable_segments=False).apply(cfg)
+    (change,) = [c for c in summary.changes if c.field == "peft.sequence_parallel_input_strategy"]
+    assert (change.old, change.new) == ("shard_local", "off")
+    assert cfg.peft.strategy == "off"
+
+
+def test_apply_on_our_own_lora_changes_only_the_strategy(cfg):
+    from megatron_bridge_ext.peft import LoRA
+
+    ours = LoRA(dim=16, alpha=32, target_modules=["linear_qkv"], sequence_parallel_input_strategy="regather")
+    cfg.peft = ours
+    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+    assert cfg.peft is ours and ours.strategy == "shard_local"
+    assert [(c.field, c.old, c.new) for c in summary.changes] == [
+        ("peft.sequence_parallel_input_strategy", "regather", "shard_local")]
+
+
+# ------------------------------------------------------------------------------------------ DoRA and CanonicalLoRA
+
+
+def _bridge_peft(kind: str, **fields):
+    from megatron_bridge_ext.peft import kinds
+
+    targets = kinds.target_names(kind, ["linear_qkv", "linear_proj", "linear_fc1"])
+    return kinds.bridge_class(kind)(target_modules=targets, dim=16, alpha=32, dropout=0.05, **fields)
+
+
+@pytest.mark.parametrize("kind, ours", [("dora", "DoRA"), ("canonical_lora", "CanonicalLoRA")])
+def test_apply_keeps_the_peft_kind_and_every_field(cfg, kind, ours):
+    import dataclasses
+
+    from megatron_bridge_ext.peft import kinds
+
+    cfg.peft = before = _bridge_peft(kind)
+    fields = {f.name: getattr(before, f.name) for f in dataclasses.fields(before) if f.init}
+    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+
+    assert type(cfg.peft) is kinds.our_class(kind) and type(cfg.peft).__name__ == ours
+    assert {name: getattr(cfg.peft, name) for name in fields} == fields
+    assert cfg.peft.strategy == "shard_local"
+    changed = {c.field: (c.old, c.new) for c in summary.changes}
+    assert changed["peft"] == (f"{type(before).__module__}.{ours}", f"megatron_bridge_ext.peft.{ours}")
+    assert changed["peft.sequence_parallel_input_strategy"] == ("off", "shard_local")
+    # The user's object is left as it was, and shares no mutable field with the new one.
+    assert {f.name: getattr(before, f.name) for f in dataclasses.fields(before) if f.init} == fields
+    assert cfg.peft.target_modules is not before.target_modules
+    assert cfg.peft.canonical_mapping is not before.canonical_mapping
+
+
+def test_apply_to_our_own_dora_changes_only_the_strategy(cfg):
+    from megatron_bridge_ext.peft import DoRA
+
+    cfg.peft = ours = DoRA(dim=16, sequence_parallel_input_strategy="regather")
+    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+    assert cfg.peft is ours and ours.strategy == "shard_local"
+    assert [(c.field, c.old, c.new) for c in summary.changes] == [
+        ("peft.sequence_parallel_input_strategy", "regather", "shard_local")]
+
+
+def test_a_peft_outside_the_lora_family_is_refused_naming_the_kinds(cfg):
+    cfg.peft = object()
+    message = _errors(MemoryConfig(lora_sp_input="regather"), cfg)
+    assert "lora_sp_input" in message and all(name in message for name in ("LoRA", "DoRA", "CanonicalLoRA"))
+
+
+def test_canonical_targets_get_the_recompute_rule_of_their_layers(cfg):
+    """linear_fc1_up/gate are linear_fc1's adapters: regather warns for them under 'mlp', not for q/k/v."""
+    cfg.peft = _bridge_peft("canonical_lora")
+    findings = [f for f in MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
+                if f.code == "lora_sp_input_recompute"]
+    assert [("linear_fc1" in f.message, "linear_qkv" in f.message) for f in findings] == [(True, False)]

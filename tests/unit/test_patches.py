@@ -8,9 +8,11 @@ Only the version-gate tests run in this process: an out-of-range patch imports n
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 
 import pytest
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from megatron_bridge_ext.patches import PATCHES, apply_all, base, bridge_prebuilt_dataset_helpers, revert_all, status_all
@@ -51,6 +53,7 @@ def test_upstream_bridge_lora_import_fails_without_te():
 @without_te
 def test_patched_bridge_lora_imports_and_the_placeholder_stays_scoped():
     result = run("""
+        import importlib.metadata
         import importlib.util
         from megatron_bridge_ext.patches import bridge_peft_without_te
 
@@ -350,18 +353,37 @@ def test_status_all_lists_every_patch_and_changes_nothing():
         after = patches.status_all()
         import megatron.bridge.peft.lora  # Bridge still imports cleanly after a status report
 
+        import importlib
+        import re
+
+        def resolves(target):  # the first dotted name of a target string, as a module attribute (or module)
+            dotted = re.match(r"[\w.]+", target).group(0)
+            parts = dotted.split(".")
+            for cut in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:cut]))
+                except ImportError:
+                    continue
+                for name in parts[cut:]:
+                    obj = getattr(obj, name)
+                return True
+            return False
+
         report(before=[asdict(s) for s in before], after=[asdict(s) for s in after],
-               bridge_imported_by_status=bridge_imported_by_status)
+               bridge_imported_by_status=bridge_imported_by_status,
+               resolves=[resolves(s.target) for s in before])
     """)
     before, after = result["before"], result["after"]
     assert [s["name"] for s in before] == [p.name for p in PATCHES] == [
         "bridge_peft_without_te", "bridge_truthful_te_detection", "core_local_norm_sequence_parallel",
         "bridge_lora_te_norm_grad", "bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers"]
-    for patch, row in zip(PATCHES, before):
-        assert row["target"] == patch.target and row["target"]
-        assert row["versions"] == f"{patch.distribution} {patch.versions}"
+    assert result["resolves"] == [True] * len(before)  # every target names something that exists upstream
+    for row in before:
+        distribution, _, specifier = row["versions"].partition(" ")
+        installed = importlib.metadata.version(distribution)
+        assert Version(installed) in SpecifierSet(specifier), (row["name"], installed, specifier)
         assert row["status"] in (APPLIED, NOT_NEEDED, OUT_OF_RANGE, NOT_APPLIED)
-        assert row["reason"]
+        assert row["reason"] and row["applied_by"]
     assert "lora_layers" in before[0]["target"]
     assert "HAVE_TE" in before[1]["target"]
     assert "WrappedTorchNorm" in before[2]["target"]
@@ -399,6 +421,7 @@ def test_te_versions_affected_by_the_dropped_norm_gradient(monkeypatch, installe
 
 def test_te_norm_grad_patch_wraps_the_adapter_wrapper_and_revert_restores_it():
     result = run("""
+        from packaging.specifiers import SpecifierSet
         from packaging.version import Version
 
         from megatron_bridge_ext import versions

@@ -1,0 +1,56 @@
+"""The README's runnable blocks, executed as written, and their shown output compared line by line.
+
+A block preceded by ``<!-- readme-test: run -->`` is run in a fresh interpreter (python blocks) or a
+shell (bash blocks) from the repository root, with nothing of the test's own setup; the block after
+``<!-- readme-test: output -->`` that follows it is what it must print last: the end of stdout must be
+those lines exactly (Bridge's import chatter, which some of its modules log to stdout, comes before).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = re.compile(r"<!-- readme-test: (run|output) -->\n```(\w*)\n(.*?)```", re.S)
+
+
+def _blocks() -> list[tuple[str, str, str | None]]:
+    """(language, code, expected output or None) for every runnable block of the README."""
+    found, pending = [], None
+    for kind, language, body in BLOCK.findall((ROOT / "README.md").read_text()):
+        if kind == "run":
+            if pending:
+                found.append(pending)
+            pending = (language, body, None)
+        elif pending:
+            found.append((pending[0], pending[1], body))
+            pending = None
+    if pending:
+        found.append(pending)
+    return found
+
+
+BLOCKS = _blocks()
+
+
+def test_the_readme_has_runnable_blocks():
+    assert BLOCKS, "no <!-- readme-test: run --> block found in README.md"
+
+
+@pytest.mark.parametrize("language, code, expected", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_readme_block_runs_as_written(language, code, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    env["MBX_LOG_LEVEL"] = "WARNING"
+    command = [sys.executable, "-c", code] if language == "python" else ["bash", "-c", code]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # mbx of this venv
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    if expected is not None:
+        want = expected.rstrip("\n").splitlines()
+        assert done.stdout.rstrip("\n").splitlines()[-len(want):] == want
