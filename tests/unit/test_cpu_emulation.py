@@ -1,7 +1,11 @@
-"""The CPU emulation of Bridge's training loop: every spelling of a CUDA device lands on the CPU, and
-``bridge_loop()`` puts back everything it replaced (the functional tests run Bridge in their own process)."""
+"""The CPU emulation of Bridge's training loop: only the CPU runner imports it, every spelling of a CUDA device
+lands on the CPU, and ``bridge_loop()`` puts back everything it replaced (the functional tests run Bridge in their
+own process)."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,23 @@ from megatron_bridge_ext.demo.cpu_emulation import CudaToCpu
 from tests.support.fresh import run
 
 pytestmark = [pytest.mark.unit]
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_bridge_ext"
+
+
+def _imports_cpu_emulation(path: Path) -> bool:
+    """Whether ``path`` imports the module (``import ...cpu_emulation`` or ``from ... import cpu_emulation``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [getattr(node, "module", None) or ""] + [alias.name for alias in node.names]
+            if any(name.split(".")[-1] == "cpu_emulation" for name in names):
+                return True
+    return False
+
+
+def test_only_the_cpu_runner_imports_the_emulation():
+    importers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _imports_cpu_emulation(p))
+    assert importers == ["demo/cpu_run.py"]  # mbx demo / bench start CPU ranks through it; no feature imports it
 
 
 def test_every_way_upstream_names_a_cuda_device_lands_on_the_cpu():
