@@ -342,7 +342,7 @@ def test_out_of_range_version_is_reported_and_applies_nothing(patches_unapplied,
 @without_nvrx
 @wheel_helpers
 def test_status_all_lists_every_patch_and_changes_nothing():
-    result = run("""
+    result = run(r"""
         from dataclasses import asdict
 
         from megatron_bridge_ext import patches
