@@ -9,12 +9,25 @@ __version__ = "0.1.0"
 
 
 def init(*, nccl_ub=False, cuda_graph_impl=None, ipc=None):
-    """First call of a training script: turn on expandable segments before CUDA starts.
+    """The first line of a training script, before anything touches CUDA or imports Bridge's training modules.
 
-    See :func:`megatron_bridge_ext.allocator.init`; the import happens here, on call, so that
+    1. Turns on expandable segments before CUDA starts: see :func:`megatron_bridge_ext.allocator.init`.
+    2. Applies the patches Bridge's ``pretrain``/``finetune`` need to import and start
+       (:data:`megatron_bridge_ext.patches.registry.TRAINING_ENTRY`): import hooks, so they import
+       nothing now and take effect when the script imports Bridge. One log line says what each did.
+
+    Returns the allocator's result. The imports happen here, on call, so that
     ``import megatron_bridge_ext`` stays cheap and torch is not imported before the allocator
     variables are set.
     """
-    from megatron_bridge_ext.allocator import init as _init
+    import logging
 
-    return _init(nccl_ub=nccl_ub, cuda_graph_impl=cuda_graph_impl, ipc=ipc)
+    from megatron_bridge_ext.allocator import init as _init
+    from megatron_bridge_ext.patches.registry import apply_training_entry
+
+    result = _init(nccl_ub=nccl_ub, cuda_graph_impl=cuda_graph_impl, ipc=ipc)
+    statuses = apply_training_entry()
+    logging.getLogger("megatron_bridge_ext").info(
+        "megatron_bridge_ext.init() (first line of the training script): patches for Bridge's training entry "
+        "points: %s", "; ".join(f"{s.name} {s.status}" for s in statuses))
+    return result

@@ -194,7 +194,7 @@ class MemoryConfig:
         if self.expandable_segments:
             from megatron_bridge_ext.allocator.apply import configure_bridge_env
 
-            before = dict(cfg.env_vars or {})
+            before = dict(getattr(cfg, "env_vars", None) or {})  # Bridge 0.5.1 has no env_vars field
             configure_bridge_env(cfg, ipc=self.allocator_ipc)
             for name, new in cfg.env_vars.items():
                 if before.get(name) != new:

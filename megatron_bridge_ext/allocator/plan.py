@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping, Optional
 
@@ -187,4 +188,15 @@ def plan_bridge_env(cfg, *, ipc: Optional[bool] = None, environ: Optional[Mutabl
                 f"is {env[name]!r} in the shell; Bridge applies cfg.env_vars with os.environ.setdefault, so the "
                 f"shell value wins and {new!r} from cfg.env_vars is not applied.",
                 f"export {name}={new!r} in the launch script, or call megatron_bridge_ext.init() first"))
+    if plan.changes and not _applies_env_vars(cfg):
+        plan.findings.append(Finding(
+            "bridge_ignores_env_vars", WARNING, "cfg.env_vars",
+            "this Megatron Bridge's ConfigContainer has no env_vars field (added in Bridge 0.6), so Bridge never "
+            f"applies the allocator variables written there ({', '.join(plan.changes)}).",
+            "call megatron_bridge_ext.init() first in the training script, or launch with `mbx run -- torchrun ...`"))
     return plan
+
+
+def _applies_env_vars(cfg) -> bool:
+    """Whether Bridge applies ``cfg.env_vars``: a field of its ConfigContainer (Bridge >= 0.6), not a stray attribute."""
+    return not dataclasses.is_dataclass(cfg) or any(f.name == "env_vars" for f in dataclasses.fields(cfg))

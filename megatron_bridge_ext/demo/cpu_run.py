@@ -1,7 +1,10 @@
-"""Run a module on CPU ranks with the CPU emulation installed first.
+"""Run a module or script on CPU ranks with the CPU emulation installed first.
 
-``python -m megatron_bridge_ext.demo.cpu_run MODULE [ARGS...]``: how :mod:`.launch` starts the
-demo and benchmark ranks on a machine without CUDA.
+``python -m megatron_bridge_ext.demo.cpu_run [--bridge] MODULE|SCRIPT.py [ARGS...]``: how :mod:`.launch`
+starts the demo and benchmark ranks on a machine without CUDA. ``--bridge`` also readies Megatron
+Bridge's training loop (:func:`.cpu_emulation.bridge_imports`, then the whole run inside
+:func:`.cpu_emulation.bridge_loop`), for ``mbx demo --bridge`` and Bridge training scripts such as
+the README's example.
 """
 
 import runpy
@@ -10,15 +13,28 @@ import sys
 from megatron_bridge_ext import logs
 from megatron_bridge_ext.demo import cpu_emulation
 
+USAGE = "usage: python -m megatron_bridge_ext.demo.cpu_run [--bridge] MODULE|SCRIPT.py [ARGS...]"
+
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m megatron_bridge_ext.demo.cpu_run MODULE [ARGS...]")
-    module = sys.argv[1]
-    sys.argv = [module] + sys.argv[2:]
+    args = sys.argv[1:]
+    bridge = args[:1] == ["--bridge"]
+    args = args[1:] if bridge else args
+    if not args:
+        raise SystemExit(USAGE)
+    target = args[0]
+    sys.argv = [target] + args[1:]
     logs.configure()
     cpu_emulation.install()
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    if not bridge:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    cpu_emulation.bridge_imports()
+    with cpu_emulation.bridge_loop():
+        if target.endswith(".py"):
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

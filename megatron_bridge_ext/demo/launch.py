@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 CPU_RUN = "megatron_bridge_ext.demo.cpu_run"
 
@@ -25,19 +25,24 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def torchrun_command(module: str, args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that start ``module`` on ``nproc`` local ranks."""
+def torchrun_command(module: str, args: list[str], nproc: int, *, bridge: bool = False) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start ``module`` on ``nproc`` local ranks.
+
+    ``bridge``: the module runs Megatron Bridge's training loop (on CPU ranks, ``cpu_run --bridge``).
+    """
     env = dict(os.environ)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     if _cuda_available():
         return launcher + ["-m", module, *args], env
     env.setdefault("OMP_NUM_THREADS", "1")
-    return launcher + ["-m", CPU_RUN, module, *args], env
+    return launcher + ["-m", CPU_RUN, *(["--bridge"] if bridge else []), module, *args], env
 
 
-def run(prog: str, module: str, parser, argv: list[str], worker: Callable) -> int:
-    """Parse and check ``argv``; under torchrun run ``worker(args)``, else start one rank per TP rank.
+def run(prog: str, module: str, parser, argv: list[str], worker: Callable, *, check: Optional[Callable] = None,
+        bridge: bool = False) -> int:
+    """Parse and check ``argv``; under torchrun run ``worker(args)``, else start one rank per TP rank (``args.tp``).
 
+    ``check`` (default: the tiny model's :func:`.options.check`) refuses what the ranks would fail on.
     Bad options exit with status 2 and one line, before any rank starts.
     """
     from megatron_bridge_ext import logs
@@ -49,11 +54,11 @@ def run(prog: str, module: str, parser, argv: list[str], worker: Callable) -> in
         return 0
     try:
         logs.level_from_env()
-        options.check(args)
+        (check or options.check)(args)
     except (options.OptionError, logs.LogLevelError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     print(f"{prog}: starting {args.tp} ranks (torchrun; {'NCCL' if _cuda_available() else 'gloo on the CPU'}); "
           "importing Megatron takes a while on the first run", file=sys.stderr, flush=True)
-    command, env = torchrun_command(module, argv, args.tp)
+    command, env = torchrun_command(module, argv, args.tp, bridge=bridge)
     return subprocess.call(command, env=env)

@@ -24,9 +24,12 @@ CATEGORIES = ("lora_input", "attention", "other")
 
 
 def parser() -> argparse.ArgumentParser:
-    return options.parser("mbx demo", __doc__.splitlines()[0], tiny_model.TinyGPTShape(), steps=3,
-                          variant_names=[v.name for v in variants.select(None)],
-                          steps_help="training steps per variant")
+    p = options.parser("mbx demo", __doc__.splitlines()[0], tiny_model.TinyGPTShape(), steps=3,
+                       variant_names=[v.name for v in variants.select(None)], steps_help="training steps per variant")
+    p.add_argument("--bridge", action="store_true",
+                   help="instead: LoRA fine-tuning through Megatron Bridge's own pretrain/finetune loop "
+                        "(options: mbx demo --bridge --help)")
+    return p
 
 
 def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps: int, progress) -> dict:
@@ -135,6 +138,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--bridge" in argv:
+        from megatron_bridge_ext.demo import bridge_loop
+
+        return bridge_loop.main([a for a in argv if a != "--bridge"])
     return launch.run("mbx demo", "megatron_bridge_ext.demo.train", parser(), argv, worker)
 
 

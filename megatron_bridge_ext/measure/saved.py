@@ -117,10 +117,12 @@ class SavedActivationMeter:
         self.reset()
 
     def __enter__(self) -> "SavedActivationMeter":
+        # nn.Module's own methods: Megatron Core's DistributedDataParallel sets ``self.buffers = []``
+        # (its grad buffers), which hides ``buffers()`` on the wrapper Bridge hands to forward_step.
         self._parameter_keys = {
             _storage_key(tensor.untyped_storage())
             for model in self._models
-            for tensor in (*model.parameters(), *model.buffers())
+            for tensor in (*torch.nn.Module.parameters(model), *torch.nn.Module.buffers(model))
         }
         self._modules.install()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)

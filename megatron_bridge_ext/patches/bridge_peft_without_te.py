@@ -4,7 +4,7 @@ Megatron Bridge 0.5.1-0.6.2 ``megatron/bridge/peft/lora_layers.py`` (and 0.5.1 `
 run ``import transformer_engine.pytorch as te`` at module level, so ``megatron.bridge.peft.lora``
 cannot be imported on a machine without TE, although the local (non-TE) LoRA path never uses it.
 
-The patch is an import hook scoped to those modules only: while their top-level code runs,
+The patch is an import hook (:mod:`.import_hooks`) scoped to those modules only: while their top-level code runs,
 ``import transformer_engine...`` resolves to a placeholder whose every attribute is a class that
 raises a clear error when instantiated. Nothing else in the process sees the placeholder, so
 ``safe_import`` checks elsewhere keep reporting TE as absent. Only active when TE cannot be imported.
@@ -15,13 +15,13 @@ that one import and removed afterwards (accessing ``megatron_bridge_ext.peft.LoR
 
 from __future__ import annotations
 
-import builtins
-import importlib.abc
+import importlib
 import importlib.util
 import sys
 import types
 from typing import Callable
 
+from megatron_bridge_ext.patches import import_hooks
 from megatron_bridge_ext.patches.base import APPLIED, Patch
 
 TARGET_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora")
@@ -31,34 +31,9 @@ _MESSAGE = (
 )
 
 
-class _MissingTEMeta(type):
-    """Every attribute of a missing-TE placeholder is another placeholder class."""
-
-    def __getattr__(cls, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _missing(f"{cls.__qualname__}.{name}")
-
-    def __call__(cls, *args, **kwargs):
-        raise ImportError(_MESSAGE.format(name=cls.__qualname__))
-
-
-def _missing(qualname: str) -> type:
-    placeholder = _MissingTEMeta(qualname.rsplit(".", 1)[-1], (), {"__module__": "transformer_engine"})
-    placeholder.__qualname__ = qualname
-    return placeholder
-
-
-def _placeholder_package() -> types.ModuleType:
-    root = types.ModuleType("transformer_engine")
-    root.__doc__ = "megatron-bridge-ext placeholder: Transformer Engine is not installed"
-
-    def module_getattr(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _missing(f"transformer_engine.{name}")
-
-    root.__getattr__ = module_getattr
+def te_placeholder() -> types.ModuleType:
+    """``transformer_engine`` as a placeholder; ``transformer_engine.pytorch`` is the same object."""
+    root = import_hooks.placeholder_module("transformer_engine", _MESSAGE)
     root.pytorch = root
     return root
 
@@ -71,42 +46,6 @@ def _te_importable() -> bool:
     except Exception:  # TE raises RuntimeError for an empty meta package, OSError for missing CUDA libs
         return False
     return True
-
-
-class _ScopedTEImportFinder(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of TARGET_MODULES so their top-level TE import gets the placeholder."""
-
-    def __init__(self) -> None:
-        self.placeholder = _placeholder_package()
-        self._busy = False
-
-    def _import(self, name, globals=None, locals=None, fromlist=(), level=0):
-        if level == 0 and (name == "transformer_engine" or name.startswith("transformer_engine.")):
-            return self.placeholder
-        return builtins.__import__(name, globals, locals, fromlist, level)
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in TARGET_MODULES or self._busy:
-            return None
-        self._busy = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None:
-            return spec
-        original_exec = spec.loader.exec_module
-        scoped_builtins = dict(builtins.__dict__, __import__=self._import)
-
-        def exec_module(module: types.ModuleType) -> None:
-            module.__builtins__ = scoped_builtins
-            try:
-                original_exec(module)
-            finally:
-                module.__builtins__ = builtins
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 _imported_through_hook = False
@@ -136,14 +75,12 @@ def import_bridge_peft() -> None:
 
 
 def _apply() -> Callable[[], None]:
-    finder = _ScopedTEImportFinder()
-    sys.meta_path.insert(0, finder)
+    placeholder = te_placeholder()
 
-    def undo() -> None:
-        if finder in sys.meta_path:
-            sys.meta_path.remove(finder)
+    def resolve(name: str, fromlist: tuple):
+        return placeholder if name.split(".")[0] == "transformer_engine" else None
 
-    return undo
+    return import_hooks.scoped_imports(TARGET_MODULES, resolve)
 
 
 PATCH = Patch(

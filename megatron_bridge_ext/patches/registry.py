@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from megatron_bridge_ext.patches import (
     bridge_lora_te_norm_grad,
     bridge_peft_without_te,
+    bridge_prebuilt_dataset_helpers,
+    bridge_pretrain_without_nvrx,
     bridge_truthful_te_detection,
     core_local_norm_sequence_parallel,
 )
@@ -22,7 +24,12 @@ PATCHES: tuple[Patch, ...] = (
     bridge_truthful_te_detection.PATCH,
     core_local_norm_sequence_parallel.PATCH,
     bridge_lora_te_norm_grad.PATCH,
+    bridge_pretrain_without_nvrx.PATCH,
+    bridge_prebuilt_dataset_helpers.PATCH,
 )
+
+TRAINING_ENTRY: tuple[Patch, ...] = (bridge_pretrain_without_nvrx.PATCH, bridge_prebuilt_dataset_helpers.PATCH)
+"""What Bridge's ``pretrain``/``finetune`` need to import and start; import hooks, so applying them imports nothing."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,11 @@ def _report(patch: Patch, result: tuple[str, str]) -> PatchStatus:
 def apply_all() -> list[PatchStatus]:
     """Apply every patch in order (idempotent) and report each one's status."""
     return [_report(patch, patch.apply()) for patch in PATCHES]
+
+
+def apply_training_entry() -> list[PatchStatus]:
+    """Apply :data:`TRAINING_ENTRY` (idempotent), before or after the script imports Bridge; report each one."""
+    return [_report(patch, patch.apply(quiet=True)) for patch in TRAINING_ENTRY]
 
 
 def revert_all() -> None:

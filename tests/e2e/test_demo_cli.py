@@ -1,7 +1,9 @@
-"""The README's first command end to end: ``mbx demo`` starts 2 ranks itself and prints its results."""
+"""The README's demo commands end to end: ``mbx demo`` and ``mbx demo --bridge`` start 2 ranks themselves and
+print their results."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +23,45 @@ def test_mbx_demo_starts_two_ranks_and_reports_both(tmp_path):
     base, local = rows[("baseline", 0)], rows[("shard_local", 0)]
     assert local["saved_bytes_per_step"][-1] < base["saved_bytes_per_step"][-1]
     assert [d["strategy"] for d in local["lora_report"]].count("shard_local") == 4
+
+
+def readme_demo_bridge_output() -> str:
+    """The tables the README shows under "One command" for ``mbx demo --bridge``."""
+    match = re.search(r"```\n(Megatron Bridge pretrain \+ finetune .*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert match, "README.md lost the output of mbx demo --bridge"
+    return match.group(1).rstrip("\n")
+
+
+def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_inside_it(tmp_path):
+    from megatron_bridge_ext.demo.bridge_loop import format_tables
+
+    # tiny_gpt: s=32, b=2, h=64, t=2, 2 layers; LoRA-A of linear_qkv and linear_fc1 keep s*b*h/t instead of s*b*h.
+    s, b, h, t, layers, fp32 = 32, 2, 64, 2, 2, 4
+    keep = tmp_path / "checkpoints"
+    command = [sys.executable, "-m", "megatron_bridge_ext.cli", "demo", "--bridge", "--json", "--keep", str(keep)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    done = subprocess.run(command, cwd=tmp_path, env=dict(env, MBX_LOG_LEVEL="WARNING"),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)  # Bridge's own log went to stderr
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["Bridge LoRA", "shard_local", "shard_local+core_attn"]
+    bridge, ours, recomputed = rows.values()
+    assert [len(r["losses"]) for r in rows.values()] == [4, 4, 4]  # --steps defaults to 4
+    assert bridge["lora_input_bytes"] - ours["lora_input_bytes"] == layers * 2 * s * b * h * fp32 * (t - 1) // t
+    assert [r["core_attn_recompute"] for r in rows.values()] == [{"checkpointed_forwards": 0, "recomputed": 0}] * 2 + [
+        {"checkpointed_forwards": layers * 2, "recomputed": layers * 2}]  # 2 micro-batches per step
+    assert recomputed["attention_bytes"] < ours["attention_bytes"]
+    assert "expandable_segments:True" in ours["environment"].get("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert "lm loss" in done.stderr  # Bridge's training log: these numbers come from Bridge's loop
+    assert (keep / "base" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    # without --json the same run prints these rows as tables: the README shows them
+    assert format_tables(result["rows"]).splitlines() == readme_demo_bridge_output().splitlines()
+
+
+def test_mbx_demo_bridge_refuses_a_bad_option_with_one_line_before_starting_ranks():
+    command = [sys.executable, "-m", "megatron_bridge_ext.cli", "demo", "--bridge", "--steps", "0"]
+    done = subprocess.run(command, env=dict(os.environ), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == "mbx demo --bridge: error: argument --steps: 0 must be at least 1"
+    assert "starting" not in done.stderr  # no rank was started

@@ -499,6 +499,27 @@ def test_bridge_guards_read_the_config():
         configure_bridge_env(_cfg({"NCCL_GRAPH_REGISTER": 1}, cuda_graph_impl="local"), environ={}, torch_version=NEW)
 
 
+def test_a_bridge_config_without_an_env_vars_field_is_reported_as_not_applying_them():
+    # Bridge 0.5.1's ConfigContainer has no env_vars field: writing one adds a stray attribute Bridge never reads.
+    import dataclasses
+
+    @dataclasses.dataclass
+    class OldContainer:
+        ddp: object = dataclasses.field(default_factory=lambda: SimpleNamespace(nccl_ub=False))
+        model: object = dataclasses.field(default_factory=lambda: SimpleNamespace(cuda_graph_impl="none"))
+
+    @dataclasses.dataclass
+    class NewContainer(OldContainer):
+        env_vars: dict = dataclasses.field(default_factory=dict)
+
+    old = configure_bridge_env(OldContainer(), environ={}, torch_version=NEW)
+    new = configure_bridge_env(NewContainer(), environ={}, torch_version=NEW)
+    ignored = [f for f in old.findings if f.code == "bridge_ignores_env_vars"]
+    assert len(ignored) == 1 and ignored[0].setting == "cfg.env_vars"
+    assert "megatron_bridge_ext.init()" in ignored[0].fix and "mbx run" in ignored[0].fix
+    assert [f.code for f in new.findings] == []
+
+
 # --------------------------------------------------------------------------------------------
 # verify_allocator on CPU
 # --------------------------------------------------------------------------------------------

@@ -546,3 +546,56 @@ def test_counter_as_dict_is_json_serialisable(one_rank):
         }
     ]
     assert data["elements_by_phase"] == {"forward": {"all_reduce": 2}, "backward": {}}
+
+
+def test_meter_accepts_megatron_cores_ddp_wrapper_whose_buffers_attribute_is_a_list():
+    # Core's DistributedDataParallel sets `self.buffers = []`, hiding nn.Module.buffers(); Bridge hands the
+    # wrapper to forward_step. Real Core DDP in a fresh interpreter (Core's parallel state is process-global).
+    from tests.support.fresh import run
+
+    n, h = 3, 8
+    result = run(f"""
+        import tempfile
+
+        from megatron_bridge_ext.demo import cpu_emulation
+
+        cpu_emulation.install()
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/rendezvous", rank=0,
+                                world_size=1)
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import MegatronModule
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from megatron_bridge_ext.measure import SavedActivationMeter
+
+        parallel_state.initialize_model_parallel()
+        config = TransformerConfig(num_layers=1, hidden_size={h}, num_attention_heads=1, use_cpu_initialization=True)
+
+
+        class Net(MegatronModule):
+            def __init__(self):
+                super().__init__(config)
+                self.linear = torch.nn.Linear({h}, {h})
+                self.register_buffer("scale", torch.full(({h},), 2.0))
+
+            def forward(self, x):
+                return self.linear(x) * self.scale
+
+
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), Net())
+        x = torch.randn({n}, {h}, requires_grad=True)
+        with SavedActivationMeter(ddp) as meter:
+            ddp(x)
+        saved = meter.result()
+        report(buffers_attribute=type(ddp.buffers).__name__, total=saved.total_bytes, by_module=saved.by_module,
+               parameter_bytes=saved.parameter_bytes)
+    """)
+    assert result["buffers_attribute"] == "list"  # what made SavedActivationMeter(ddp) raise before
+    assert result["total"] == n * h * FP32  # the linear's input
+    assert result["by_module"] == {"module.linear": n * h * FP32}  # names relative to the wrapper
+    # the linear's weight (addmm saves weight.t()) and the buffer the product saves: parameters, not activations
+    assert result["parameter_bytes"] == (h * h + h) * FP32

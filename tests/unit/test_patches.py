@@ -1,52 +1,35 @@
-"""The three upstream patches: upstream fails each scenario, the patched upstream passes it.
+"""The upstream patches: upstream fails each scenario, the patched upstream passes it.
 
 Imports are process-global (a module imported once stays imported, a patched class stays patched),
-so every scenario runs in a fresh interpreter: ``run(*parts)`` executes the code ``parts`` with
-``sys.executable -c`` from the repository root and returns what it passed to ``report(...)``.
+so every scenario runs in a fresh interpreter (``tests.support.fresh.run``).
 Only the version-gate tests run in this process: an out-of-range patch imports nothing.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.metadata
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from megatron_bridge_ext.patches import PATCHES, apply_all, base, revert_all, status_all
+from megatron_bridge_ext.patches import PATCHES, apply_all, base, bridge_prebuilt_dataset_helpers, revert_all, status_all
 from megatron_bridge_ext.patches.base import APPLIED, NOT_APPLIED, NOT_NEEDED, OUT_OF_RANGE
+from tests.support.fresh import run
 
-ROOT = Path(__file__).resolve().parents[2]
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
 without_te = pytest.mark.skipif(TE_INSTALLED, reason="Transformer Engine is installed: upstream imports and detects it")
+without_nvrx = pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+                                  reason="nvidia-resiliency-ext is installed: Bridge's pretrain.py imports it")
+
+_DATASETS = bridge_prebuilt_dataset_helpers.core_datasets_dir()
+wheel_helpers = pytest.mark.skipif(
+    _DATASETS is None or (_DATASETS / "Makefile").exists(),
+    reason="Megatron Core's datasets directory has a Makefile (a source install): upstream builds the helpers")
 
 pytestmark = [pytest.mark.unit]
-
-PRELUDE = """
-import json, sys
-
-def report(**values):
-    print("RESULT " + json.dumps(values))
-"""
-
-
-def run(*parts: str) -> dict:
-    """Run the code ``parts`` in a fresh interpreter; return the keyword arguments of its last ``report()``."""
-    script = "\n".join(textwrap.dedent(part) for part in (PRELUDE, *parts))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and results, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(results[-1].removeprefix("RESULT "))
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,15 +264,14 @@ def test_patched_local_norm_builds_under_sequence_parallel_and_revert_restores_u
 # --------------------------------------------------------------------------------------------
 
 @without_te
+@without_nvrx
+@wheel_helpers
 def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
     result = run("""
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         from megatron_bridge_ext import patches
-        from megatron_bridge_ext.patches import bridge_peft_without_te
-
-        def finders():
-            return sum(isinstance(f, bridge_peft_without_te._ScopedTEImportFinder) for f in sys.meta_path)
+        from megatron_bridge_ext.patches import import_hooks
 
         original_new = WrappedTorchNorm.__dict__["__new__"]
         first = patches.apply_all()
@@ -297,26 +279,29 @@ def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
         second = patches.apply_all()
         from megatron.bridge.peft import utils as peft_utils
 
-        state_applied = dict(finders=finders(), same_wrapper=WrappedTorchNorm.__dict__["__new__"] is wrapped_new,
+        state_applied = dict(hooks=import_hooks.hooks_installed(),
+                             same_wrapper=WrappedTorchNorm.__dict__["__new__"] is wrapped_new,
                              have_te=peft_utils.HAVE_TE)
         patches.revert_all()
         report(
             first=[s.status for s in first], second=[[s.status, s.reason] for s in second], **state_applied,
-            finders_after_revert=finders(), new_restored=WrappedTorchNorm.__dict__["__new__"] is original_new,
+            hooks_after_revert=import_hooks.hooks_installed(),
+            new_restored=WrappedTorchNorm.__dict__["__new__"] is original_new,
             have_te_after_revert=peft_utils.HAVE_TE, applied_after_revert=[p.applied for p in patches.PATCHES],
         )
     """)
     # the TE gradient patch is not needed without Transformer Engine (see test_bridge_lora_te_norm_grad)
-    assert result["first"] == [APPLIED] * 3 + [NOT_NEEDED]
-    assert [s[0] for s in result["second"]] == [APPLIED] * 3 + [NOT_NEEDED]
-    assert [s[1] for s in result["second"][:3]] == ["already applied"] * 3
-    assert result["finders"] == 1
+    expected = [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 2
+    assert result["first"] == expected
+    assert [s[0] for s in result["second"]] == expected
+    assert [s[1] for s in result["second"] if s[0] == APPLIED] == ["already applied"] * 5
+    assert result["hooks"] == 3  # Bridge's PEFT modules, Bridge's pretrain, Bridge's initialize: one each
     assert result["same_wrapper"] is True  # not wrapped twice
     assert result["have_te"] is False
-    assert result["finders_after_revert"] == 0
+    assert result["hooks_after_revert"] == 0
     assert result["new_restored"] is True
     assert result["have_te_after_revert"] is True
-    assert result["applied_after_revert"] == [False] * 4
+    assert result["applied_after_revert"] == [False] * 6
 
 
 @pytest.fixture
@@ -354,8 +339,10 @@ def test_out_of_range_version_is_reported_and_applies_nothing(patches_unapplied,
 
 
 @without_te
+@without_nvrx
+@wheel_helpers
 def test_status_all_lists_every_patch_and_changes_nothing():
-    result = run("""
+    result = run(r"""
         from dataclasses import asdict
 
         from megatron_bridge_ext import patches
@@ -389,7 +376,7 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     before, after = result["before"], result["after"]
     assert [s["name"] for s in before] == [p.name for p in PATCHES] == [
         "bridge_peft_without_te", "bridge_truthful_te_detection", "core_local_norm_sequence_parallel",
-        "bridge_lora_te_norm_grad"]
+        "bridge_lora_te_norm_grad", "bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers"]
     assert result["resolves"] == [True] * len(before)  # every target names something that exists upstream
     for row in before:
         distribution, _, specifier = row["versions"].partition(" ")
@@ -400,10 +387,12 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     assert "lora_layers" in before[0]["target"]
     assert "HAVE_TE" in before[1]["target"]
     assert "WrappedTorchNorm" in before[2]["target"]
-    assert before[0]["status"] == NOT_APPLIED and before[2]["status"] == NOT_APPLIED
+    assert "CallWrapper" in before[4]["target"]
+    assert "compile_helpers" in before[5]["target"]
+    assert [before[i]["status"] for i in (0, 2, 4)] == [NOT_APPLIED] * 3
     assert APPLIED not in [s["status"] for s in before]
     assert result["bridge_imported_by_status"] is False  # a half-failed Bridge import would poison the process
-    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED]
+    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 2
     assert all(s["reason"] for s in after)
 
 
@@ -453,3 +442,188 @@ def test_te_norm_grad_patch_wraps_the_adapter_wrapper_and_revert_restores_it():
     """)
     assert result == {"status": APPLIED, "again": APPLIED, "replaced": True, "wraps": True, "same": True,
                       "restored": True}
+
+
+# --------------------------------------------------------------------------------------------
+# bridge_pretrain_without_nvrx: Bridge's pretrain.py imports nvidia-resiliency-ext for a type hint
+# --------------------------------------------------------------------------------------------
+
+BRIDGE_WITHOUT_TE = '''
+from megatron_bridge_ext.patches import bridge_peft_without_te
+
+
+def import_bridge():
+    """Import Megatron Bridge as our LoRA does (Transformer Engine is another patch's matter)."""
+    bridge_peft_without_te.import_bridge_peft()
+
+
+def upstream_loaded():
+    return sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "megatron"))
+'''
+
+
+@without_te
+@without_nvrx
+def test_upstream_entry_points_fail_to_import_without_nvrx_as_after_a_reverted_patch():
+    result = run(BRIDGE_WITHOUT_TE, """
+        from megatron_bridge_ext.patches import bridge_pretrain_without_nvrx, import_hooks
+
+        bridge_pretrain_without_nvrx.PATCH.apply()
+        bridge_pretrain_without_nvrx.PATCH.revert()  # before Bridge is imported: upstream as it is
+        import_bridge()
+        try:
+            from megatron.bridge.training.finetune import finetune
+        except ImportError as exc:
+            report(error=type(exc).__name__, name=exc.name, hooks=import_hooks.hooks_installed())
+        else:
+            report(error=None)
+    """)
+    assert result == {"error": "ModuleNotFoundError", "name": "nvidia_resiliency_ext", "hooks": 0}
+
+
+@without_te
+@without_nvrx
+def test_patched_entry_points_import_when_applied_first_and_the_stub_stays_scoped():
+    result = run(BRIDGE_WITHOUT_TE, """
+        import importlib.util
+
+        from megatron_bridge_ext.patches import bridge_pretrain_without_nvrx
+
+        status = bridge_pretrain_without_nvrx.PATCH.apply()
+        loaded_by_apply = upstream_loaded()
+        import_bridge()
+        from megatron.bridge.training import pretrain as pretrain_module
+        from megatron.bridge.training.finetune import finetune
+        from megatron.bridge.utils.import_utils import safe_import
+
+        try:
+            pretrain_module.CallWrapper()
+            use_error = None
+        except ImportError as exc:
+            use_error = str(exc)
+        report(
+            status=status[0], loaded_by_apply=loaded_by_apply, finetune=finetune.__module__,
+            nvrx_modules=[n for n in sys.modules if n.startswith("nvidia_resiliency_ext")],
+            nvrx_spec=importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+            bridge_sees_nvrx=safe_import("nvidia_resiliency_ext.inprocess")[1], use_error=use_error,
+        )
+    """)
+    assert result["status"] == APPLIED
+    assert result["loaded_by_apply"] == []  # an import hook: applying it imports nothing upstream
+    assert result["finetune"] == "megatron.bridge.training.finetune"
+    assert result["nvrx_modules"] == []  # the placeholder never reaches sys.modules
+    assert result["nvrx_spec"] is False
+    assert result["bridge_sees_nvrx"] is False  # Bridge's guarded uses still see the package as absent
+    assert result["use_error"] is not None and "pip install nvidia-resiliency-ext" in result["use_error"]
+    assert "CallWrapper" in result["use_error"]
+
+
+# --------------------------------------------------------------------------------------------
+# bridge_prebuilt_dataset_helpers: Bridge's initialize_megatron runs make where the wheel has no Makefile
+# --------------------------------------------------------------------------------------------
+
+# initialize_megatron calls initialize.compile_helpers() on local rank 0 (Bridge initialize.py L147).
+COMPILE_HELPERS = BRIDGE_WITHOUT_TE + '''
+import subprocess
+
+make_runs = []
+_subprocess_run = subprocess.run
+
+
+def recording_run(command, *args, **kwargs):
+    make_runs.append(list(command)[0])
+    return _subprocess_run(command, *args, **kwargs)
+
+
+subprocess.run = recording_run
+
+
+def compile_helpers():
+    """[exit status or None, whether make ran] for Bridge's compile_helpers() call."""
+    from megatron.bridge.training import initialize
+
+    make_runs.clear()
+    try:
+        initialize.compile_helpers()
+        status = None
+    except SystemExit as exc:
+        status = exc.code
+    return [status, make_runs == ["make"]]
+'''
+
+
+@without_te
+@wheel_helpers
+def test_upstream_compile_helpers_exits_with_status_1_on_the_installed_wheel():
+    result = run(COMPILE_HELPERS, """
+        import_bridge()
+        report(compile=compile_helpers())
+    """)
+    assert result["compile"] == [1, True]
+
+
+@without_te
+@wheel_helpers
+def test_patched_compile_helpers_uses_the_prebuilt_extension_and_otherwise_keeps_upstream():
+    result = run(COMPILE_HELPERS, """
+        from megatron_bridge_ext.patches import bridge_prebuilt_dataset_helpers as helpers_patch
+
+        status = helpers_patch.PATCH.apply()  # before Bridge is imported: an import hook
+        loaded_by_apply = upstream_loaded()
+        import_bridge()
+        prebuilt = compile_helpers()
+        sys.modules[helpers_patch.PREBUILT] = None  # the prebuilt extension no longer imports
+        missing = compile_helpers()
+        del sys.modules[helpers_patch.PREBUILT]
+        helpers_patch.PATCH.revert()
+        after_revert = compile_helpers()
+        helpers_patch.PATCH.apply()  # after Bridge's import: rebinds at once
+        applied_late = compile_helpers()
+        report(status=status[0], loaded_by_apply=loaded_by_apply, prebuilt=prebuilt, missing=missing,
+               after_revert=after_revert, applied_late=applied_late)
+    """)
+    assert result["status"] == APPLIED
+    assert result["loaded_by_apply"] == []
+    assert result["prebuilt"] == [None, False]  # no make, no exit
+    assert result["missing"] == [1, True]  # without the prebuilt extension: upstream's build, and its exit
+    assert result["after_revert"] == [1, True]
+    assert result["applied_late"] == [None, False]
+
+
+def test_the_helpers_patch_is_needed_only_with_a_prebuilt_extension_and_no_makefile(tmp_path, monkeypatch):
+    datasets = tmp_path / "megatron" / "core" / "datasets"
+    datasets.mkdir(parents=True)
+    monkeypatch.setattr(bridge_prebuilt_dataset_helpers, "core_datasets_dir", lambda: datasets)
+
+    verdicts = [bridge_prebuilt_dataset_helpers.PATCH.needed()[0]]  # neither file: nothing to use
+    (datasets / ("helpers_cpp" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"")
+    verdicts.append(bridge_prebuilt_dataset_helpers.PATCH.needed()[0])  # the wheel's layout
+    (datasets / "Makefile").write_text("all:\n")
+    verdicts.append(bridge_prebuilt_dataset_helpers.PATCH.needed()[0])  # a source checkout: make works
+
+    assert verdicts == [False, True, False]
+
+
+# --------------------------------------------------------------------------------------------
+# megatron_bridge_ext.init(), the first line of a training script, applies both and imports nothing upstream
+# --------------------------------------------------------------------------------------------
+
+@without_te
+@without_nvrx
+@wheel_helpers
+def test_init_applies_the_training_entry_patches_before_the_script_imports_bridge():
+    result = run(COMPILE_HELPERS, """
+        import megatron_bridge_ext
+        from megatron_bridge_ext.patches import registry
+
+        megatron_bridge_ext.init()
+        loaded_by_init = upstream_loaded()
+        applied = [p.name for p in registry.TRAINING_ENTRY if p.applied]
+        import_bridge()
+        from megatron.bridge.training.finetune import finetune  # the script's own top-level import
+
+        report(loaded_by_init=loaded_by_init, applied=applied, compile=compile_helpers())
+    """)
+    assert result["loaded_by_init"] == []
+    assert result["applied"] == ["bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers"]
+    assert result["compile"] == [None, False]

@@ -1,0 +1,402 @@
+"""Megatron Bridge's own pretrain/finetune loop with our flags, on the 2 ranks (gloo on CPU, NCCL on GPUs).
+
+The runs (Bridge's ``pretrain``, then ``finetune`` with ``gpt_step.forward_step``, torch_dist
+checkpoints) happen once, in this process, in the ``runs`` fixture; the tests assert on what they
+recorded through Bridge's callbacks and a metered forward step (``megatron_bridge_ext.demo.bridge_loop``).
+Our LoRA comes in exactly as the README tells users: ``MemoryConfig(...).apply(cfg)`` on a config
+whose ``cfg.peft`` is Bridge's LoRA.
+
+Expected numbers come from shapes (saved bytes, recompute counts), from Bridge's own LoRA (bitwise
+where the arithmetic is the same), or from a float64 run of Bridge's LoRA from the same checkpoint
+(``shard_local``, whose sums are ordered differently: see :func:`fp32_bound`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import re
+import runpy
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_bridge_ext.demo import bridge_loop
+from tests.support.bridge_session import Session, bridge_session, shared_directory, timeout_minutes
+from tests.support.dist_checks import assert_no_problems, max_over_ranks
+
+pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
+
+ROOT = Path(__file__).resolve().parents[2]
+RESUME_STEP = 2
+FINETUNE_ITERATIONS = 4
+MICRO_BATCHES = 2  # global batch 4 = 2 micro-batches of 2 (data-parallel size 1)
+FP32 = torch.finfo(torch.float32)
+# A recipe's own allocator option, which MemoryConfig must keep (Bridge 0.6.2's recipes set expandable segments already).
+USER_ALLOCATOR_OPTION = ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
+
+
+@dataclasses.dataclass
+class Planned:
+    """One Bridge run: which entry point, and how its config is made."""
+
+    name: str
+    entry: str
+    config: Callable[[], object]
+    memory: Optional[dict] = None  # MemoryConfig fields, applied as the README says
+    meter: bool = False
+    keep_gradients: bool = False
+    user_env_vars: Optional[dict] = None  # added to the recipe's cfg.env_vars (Bridge >= 0.6) before MemoryConfig
+    unclipped: bool = False  # clip_grad=0: Core's clipping asserts fp32 gradients (clip_grads.py), see fp32_bound
+
+
+@dataclasses.dataclass
+class Outcome:
+    run: Optional[bridge_loop.Run] = None
+    summary: object = None  # what MemoryConfig.apply returned
+    env_vars: dict = dataclasses.field(default_factory=dict)
+    error: Optional[str] = None
+
+
+def plan(directory: str) -> list[Planned]:
+    base = f"{directory}/base"
+
+    def finetune(save=None, load=None, dtype=None):
+        return lambda: bridge_loop.finetune_config(
+            base, train_iters=FINETUNE_ITERATIONS, save=save and f"{directory}/{save}",
+            load=load and f"{directory}/{load}", ckpt_step=RESUME_STEP if load else None, dtype=dtype)
+
+    regather, shard_local = dict(lora_sp_input="regather"), dict(lora_sp_input="shard_local")
+    return [
+        Planned("base", "pretrain", lambda: bridge_loop.pretrain_config(base)),
+        Planned("bridge", "finetune", finetune(save="bridge"), meter=True),
+        Planned("regather", "finetune", finetune(save="regather"), regather, meter=True,
+                user_env_vars=dict([USER_ALLOCATOR_OPTION])),
+        Planned("shard_local", "finetune", finetune(save="shard_local"), shard_local, meter=True),
+        Planned("shard_local+core_attn", "finetune", finetune(),
+                dict(lora_sp_input="shard_local", recompute_modules=["core_attn"]), meter=True),
+        # resumed at iteration 2 from a LoRA checkpoint: iterations 3 and 4
+        Planned("bridge <- bridge", "finetune", finetune(load="bridge"), keep_gradients=True),
+        Planned("shard_local <- shard_local", "finetune", finetune(load="shard_local"), shard_local),
+        Planned("regather <- bridge", "finetune", finetune(load="bridge"), regather),
+        Planned("bridge <- regather", "finetune", finetune(load="regather")),
+        Planned("shard_local <- bridge", "finetune", finetune(load="bridge"), shard_local, keep_gradients=True),
+        Planned("bridge <- shard_local", "finetune", finetune(load="shard_local")),
+        Planned("float64 bridge <- bridge", "finetune", finetune(load="bridge", dtype=torch.float64),
+                keep_gradients=True, unclipped=True),
+    ]
+
+
+def execute(planned: Planned, session: Session) -> Outcome:
+    from megatron_bridge_ext.config import MemoryConfig
+
+    outcome = Outcome()
+    session.next_run()
+    try:
+        cfg = planned.config()
+        cfg.dist.distributed_timeout_minutes = timeout_minutes()
+        if planned.unclipped:
+            cfg.optimizer.clip_grad = 0.0
+        if planned.user_env_vars and _bridge_applies_env_vars():
+            cfg.env_vars.update(planned.user_env_vars)
+        if planned.memory is not None:
+            outcome.summary = MemoryConfig(**planned.memory).apply(cfg)
+        outcome.env_vars = dict(getattr(cfg, "env_vars", None) or {})
+        outcome.run = bridge_loop.run(planned.entry, cfg, meter=planned.meter, keep_gradients=planned.keep_gradients)
+    except Exception:  # recorded, then shared with the other rank: both stop together
+        outcome.error = traceback.format_exc(limit=-8)
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return shared_directory(str(tmp_path_factory.mktemp("bridge_loop")))
+
+
+@pytest.fixture(scope="module")
+def runs(directory) -> dict[str, Outcome]:
+    """Every planned run, in order, on both ranks; after a failure on any rank no further run starts."""
+    outcomes: dict[str, Outcome] = {}
+    with bridge_session() as session:
+        for planned in plan(directory):
+            outcomes[planned.name] = outcome = execute(planned, session)
+            if max_over_ranks(1.0 if outcome.error else 0.0, dist.group.WORLD):
+                break
+    return outcomes
+
+
+def outcome_of(runs: dict[str, Outcome], name: str) -> bridge_loop.Run:
+    """The run ``name``; fails (on both ranks) when it did not complete on some rank."""
+    outcome = runs.get(name)
+    problem = ("not run: an earlier run failed" if outcome is None
+               else f"failed on this rank:\n{outcome.error}" if outcome.error else None)
+    assert_no_problems([f"{name}: {problem}"] if problem else [], dist.group.WORLD)
+    return outcome.run
+
+
+def last(run: bridge_loop.Run, count: int) -> tuple[list, list]:
+    return run.losses()[-count:], run.grad_norms()[-count:]
+
+
+# --------------------------------------------------------------------------------------------
+# The loop runs, with our LoRA in it
+# --------------------------------------------------------------------------------------------
+
+def test_bridge_pretrains_fine_tunes_and_resumes_for_every_lora(runs):
+    problems = []
+    for planned in plan(""):
+        run = outcome_of(runs, planned.name)
+        resumed = "<-" in planned.name
+        expected = [1, 2] if planned.entry == "pretrain" else [3, 4] if resumed else [1, 2, 3, 4]
+        iterations = [s.iteration for s in run.steps]
+        if iterations != expected:
+            problems.append(f"{planned.name}: iterations {iterations}, expected {expected}")
+        numbers = run.losses() + ([] if planned.unclipped else run.grad_norms())
+        if not all(v is not None and math.isfinite(v) for v in numbers):
+            problems.append(f"{planned.name}: losses {run.losses()} grad norms {run.grad_norms()}")
+    for name, strategy in (("regather", "regather"), ("shard_local", "shard_local")):
+        changes = {c.field: c.new for c in runs[name].summary.changes}
+        if changes.get("peft") != "megatron_bridge_ext.peft.LoRA" or \
+                changes.get("peft.sequence_parallel_input_strategy") != strategy:
+            problems.append(f"{name}: MemoryConfig.apply changed {changes}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_regather_matches_bridge_lora_bitwise(runs):
+    bridge, regather = outcome_of(runs, "bridge"), outcome_of(runs, "regather")
+    problems = []
+    if (regather.losses(), regather.grad_norms()) != (bridge.losses(), bridge.grad_norms()):
+        problems.append(f"regather {regather.losses()} {regather.grad_norms()} vs Bridge's LoRA "
+                        f"{bridge.losses()} {bridge.grad_norms()}")
+    if len(set(bridge.grad_norms())) < 2:
+        problems.append(f"Bridge's grad norms do not change: {bridge.grad_norms()}")  # nothing trained
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def rel_diff(got: list, want: list) -> float:
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+
+
+def gradient_error(got: dict, want: dict) -> float:
+    """||got - want|| / ||want|| over every trainable parameter (this rank's shards), in float64."""
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    difference = sum(float((got[k] - want[k]).norm() ** 2) for k in want)
+    return math.sqrt(difference / sum(float(want[k].norm() ** 2) for k in want))
+
+
+def fp32_bound(runs) -> float:
+    """How far an fp32 run of these steps may be from exact arithmetic, measured against float64.
+
+    ``float64 bridge <- bridge`` resumes Bridge's step-2 checkpoint in float64 (its fp32 weights and
+    optimizer state load into float64 exactly), and ``bridge <- bridge`` resumes it in fp32: at
+    iteration 3 both start from the same weights, so the distance between their gradients is the
+    fp32 rounding error of one step of this computation (the largest over the ranks). ``shard_local``
+    does the same arithmetic except for the order of two sums (LoRA-A's GEMM over the local sequence
+    shard, its weight gradient reduce-scattered); that reordering changes the result by no more than
+    rounding does, so ``shard_local``'s own error is at most Bridge's error plus that much again: the
+    bound is twice Bridge's measured error. A gradient that is wrong (a missing reduction, a wrong
+    shard, a 1e-4 scaling of LoRA-A's gradient) misses it by orders of magnitude.
+
+    The float64 run has gradient clipping off (Megatron Core's clipping asserts fp32 gradients); that is
+    the same arithmetic as long as the fp32 runs' grad norms stay below ``clip_grad`` (checked).
+    """
+    bridge, reference = outcome_of(runs, "bridge <- bridge"), outcome_of(runs, "float64 bridge <- bridge")
+    clip_grad = bridge_loop.recipe(train_iters=1).optimizer.clip_grad
+    problems = [] if reference.steps[0].dtypes == ["torch.float64"] else [
+        f"the reference ran in {reference.steps[0].dtypes}, not float64"]
+    if not max(bridge.grad_norms()) < clip_grad:
+        problems.append(f"fp32 grad norms {bridge.grad_norms()} reach clip_grad={clip_grad}: the unclipped "
+                        "float64 run is not the same arithmetic")
+    error = max_over_ranks(gradient_error(bridge.steps[0].gradients, reference.steps[0].gradients), dist.group.WORLD)
+    if not error > 0.0:
+        problems.append("Bridge's fp32 gradient equals the float64 one: the comparison proves nothing")
+    assert_no_problems(problems, dist.group.WORLD)
+    return 2 * error
+
+
+def scalar_tolerance(runs) -> float:
+    """For reported losses and grad norms: the fp32 bound, plus one fp32 ulp for rounding the reported value."""
+    return fp32_bound(runs) + FP32.eps
+
+
+def test_shard_local_gradients_are_within_fp32_rounding_of_a_float64_run(runs):
+    bound = fp32_bound(runs)
+    reference = outcome_of(runs, "float64 bridge <- bridge").steps[0]
+    ours = outcome_of(runs, "shard_local <- bridge").steps[0]  # from Bridge's checkpoint: the same weights
+    error = gradient_error(ours.gradients, reference.gradients)
+    lora_a = [k for k in reference.gradients if "linear_in" in k]
+    lora_a_error = gradient_error({k: ours.gradients[k] for k in lora_a}, {k: reference.gradients[k] for k in lora_a})
+    problems = [f"shard_local gradient error {e:.3g} ({what}) > fp32 bound {bound:.3g}"
+                for what, e in (("all adapters", error), ("LoRA-A", lora_a_error)) if e > bound]
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_shard_local_losses_and_grad_norms_match_bridges_lora_within_the_fp32_bound(runs):
+    tolerance = scalar_tolerance(runs)
+    pairs = (("shard_local", "bridge", True), ("shard_local <- bridge", "bridge <- bridge", True),
+             ("shard_local <- bridge", "float64 bridge <- bridge", False))  # the reference has no grad norm
+    problems = []
+    for ours, theirs, with_norms in pairs:
+        got, want = outcome_of(runs, ours), outcome_of(runs, theirs)
+        error = rel_diff(got.losses(), want.losses())
+        if with_norms:
+            error = max(error, rel_diff(got.grad_norms(), want.grad_norms()))
+        if error > tolerance:
+            problems.append(f"{ours} vs {theirs}: relative difference {error:.3g} > {tolerance:.3g}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory and recompute, measured inside Bridge's loop
+# --------------------------------------------------------------------------------------------
+
+def _lora_a_bytes(saved) -> dict[str, int]:
+    """Bytes saved by each LoRA-A, keyed by its target (``linear_qkv`` ...) and layer."""
+    out = {}
+    for name, nbytes in saved.by_module.items():
+        if name.endswith("adapter.linear_in"):
+            parts = name.split(".")
+            out[f"{parts[parts.index('layers') + 1]}.{parts[-3]}"] = nbytes
+    return out
+
+
+def test_lora_a_input_saving_inside_bridges_loop_is_exact(runs):
+    cfg = bridge_loop.recipe(train_iters=1)
+    s, b, h = cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size
+    t, ffn, layers, element = cfg.model.tensor_model_parallel_size, 4 * h, cfg.model.num_layers, FP32.bits // 8
+    row_parallel = {"linear_proj": s * b * (h // t) * element, "linear_fc2": s * b * (ffn // t) * element}
+    problems = []
+    for name, gathered in (("bridge", True), ("regather", False), ("shard_local", False)):
+        run = outcome_of(runs, name)
+        column = s * b * h * element // (1 if gathered else t)  # LoRA-A of linear_qkv / linear_fc1
+        expected = {f"{layer}.{target}": row_parallel.get(target, column)
+                    for layer in range(layers) for target in bridge_loop.LORA_TARGETS}
+        if len(run.saved) != FINETUNE_ITERATIONS * MICRO_BATCHES:
+            problems.append(f"{name}: {len(run.saved)} metered forwards")
+        for index, saved in enumerate(run.saved):
+            if _lora_a_bytes(saved) != expected:
+                problems.append(f"{name} forward {index}: {_lora_a_bytes(saved)} != {expected}")
+    bridge, ours = outcome_of(runs, "bridge").saved[-1], outcome_of(runs, "shard_local").saved[-1]
+    saving = layers * 2 * s * b * h * element * (t - 1) // t  # two column-parallel adapters per layer
+    if bridge.total_bytes - ours.total_bytes != saving:
+        problems.append(f"total saved {bridge.total_bytes} -> {ours.total_bytes}, expected a saving of {saving}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_core_attn_recompute_runs_in_bridges_loop_and_changes_no_number(runs):
+    layers = bridge_loop.recipe(train_iters=1).model.num_layers
+    recomputed, plain = outcome_of(runs, "shard_local+core_attn"), outcome_of(runs, "shard_local")
+    per_step = {"checkpointed_forwards": layers * MICRO_BATCHES, "recomputed": layers * MICRO_BATCHES}
+    problems = [f"shard_local+core_attn iteration {s.iteration}: {s.recompute} != {per_step}"
+                for s in recomputed.steps if s.recompute != per_step]
+    problems += [f"shard_local iteration {s.iteration}: {s.recompute} without recompute"
+                 for s in plain.steps if any(s.recompute.values())]
+    if (recomputed.losses(), recomputed.grad_norms()) != (plain.losses(), plain.grad_norms()):
+        problems.append(f"recompute changed the numbers: {recomputed.losses()} vs {plain.losses()}")
+    attention = [r.saved[-1].by_category.get("attention", 0) for r in (plain, recomputed)]
+    if not attention[1] < attention[0]:
+        problems.append(f"attention saved bytes {attention[0]} -> {attention[1]} with core_attn recompute")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def _bridge_applies_env_vars() -> bool:
+    from megatron.bridge.training.config import ConfigContainer
+
+    return any(f.name == "env_vars" for f in dataclasses.fields(ConfigContainer))
+
+
+def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs):
+    from megatron_bridge_ext.allocator.options import VARIABLES
+
+    outcome_of(runs, "regather")
+    outcome = runs["regather"]  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
+    allocator = {name: str(value) for name, value in outcome.env_vars.items() if name in VARIABLES}
+    problems = []
+    if _bridge_applies_env_vars():
+        if allocator != {USER_ALLOCATOR_OPTION[0]: USER_ALLOCATOR_OPTION[1] + ",expandable_segments:True"}:
+            problems.append(f"MemoryConfig.apply left cfg.env_vars with {allocator}")
+        for step in outcome.run.steps:
+            seen = {name: step.environment.get(name) for name in allocator}
+            if seen != allocator:
+                problems.append(f"iteration {step.iteration}: the rank's environment has {seen}, cfg.env_vars {allocator}")
+    else:  # Bridge 0.5.1's ConfigContainer has no env_vars: MemoryConfig must say so rather than pretend
+        codes = [f.code for f in outcome.summary.findings]
+        if "bridge_ignores_env_vars" not in codes:
+            problems.append(f"this Bridge ignores cfg.env_vars and MemoryConfig.apply did not say so: {codes}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+# --------------------------------------------------------------------------------------------
+# torch_dist checkpoints: resume and cross-resume
+# --------------------------------------------------------------------------------------------
+
+def test_resuming_from_a_lora_checkpoint_reproduces_the_uninterrupted_run_exactly(runs):
+    problems = []
+    for resumed, uninterrupted in (("bridge <- bridge", "bridge"), ("shard_local <- shard_local", "shard_local"),
+                                   ("regather <- bridge", "bridge"), ("bridge <- regather", "regather")):
+        got, want = last(outcome_of(runs, resumed), 2), last(outcome_of(runs, uninterrupted), 2)
+        if got != want:
+            problems.append(f"{resumed}: {got} != {uninterrupted} iterations 3-4 {want}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_checkpoints_cross_between_bridges_lora_and_shard_local(runs):
+    bound = scalar_tolerance(runs)
+    pairs = (("shard_local <- bridge", "bridge <- bridge"), ("bridge <- shard_local", "shard_local <- shard_local"))
+    problems = []
+    for cross, same in pairs:
+        got, want = outcome_of(runs, cross), outcome_of(runs, same)
+        error = max(rel_diff(got.losses(), want.losses()), rel_diff(got.grad_norms(), want.grad_norms()))
+        if error > bound:
+            problems.append(f"{cross} vs {same}: {error:.3g} > {bound:.3g}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+# --------------------------------------------------------------------------------------------
+# The README's example, as written
+# --------------------------------------------------------------------------------------------
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"```python\n(# finetune_lora\.py.*?)```", text, re.S)
+    assert match, "README.md lost its Bridge example (a python block starting with '# finetune_lora.py')"
+    return match.group(1)
+
+
+def run_script(script: Path, argv: list[str]) -> None:
+    """Run ``script`` as ``python script ARGV...`` would, in this process (the ranks are already up)."""
+    saved = sys.argv
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved
+
+
+def test_the_readme_example_runs_as_written_and_trains_as_the_recipe_run(runs, directory, tmp_path):
+    expected = outcome_of(runs, "shard_local+core_attn").losses()
+    script = tmp_path / "finetune_lora.py"
+    script.write_text(readme_example())
+    output, error = io.StringIO(), None
+    with bridge_session() as session, contextlib.redirect_stdout(output):
+        try:
+            session.next_run()
+            run_script(script, [f"{directory}/base", f"{directory}/readme_example"])
+        except Exception:
+            error = traceback.format_exc(limit=-8)
+    text = output.getvalue()
+    problems = [f"the example failed:\n{error}"] if error else []
+    if "peft.sequence_parallel_input_strategy: 'off' -> 'shard_local'" not in text:
+        problems.append("the example did not print MemoryConfig's summary")
+    if dist.get_rank() == dist.get_world_size() - 1:  # Bridge prints its training log on the last rank
+        printed = re.findall(r"lm loss: ([0-9.E+-]+)", text)
+        if printed != [f"{loss:E}" for loss in expected]:
+            problems.append(f"the example's losses {printed} != the recipe run's {expected}")
+    assert_no_problems(problems, dist.group.WORLD)

@@ -1,0 +1,118 @@
+"""Megatron Bridge's training loop inside the functional test process, leaving the process as it was.
+
+Bridge supports being called more than once in a process: ``pretrain`` only destroys a process
+group it created itself (``should_destroy_process_group = not dist.is_initialized()``, Bridge
+0.5.1 and 0.6.2 ``training/pretrain.py``), and ``_finish_train`` ends every run with
+``destroy_global_state()`` (microbatch calculator, global memory buffer, Megatron Core's parallel
+state, rerun state machine). So the runs share the test's process group and follow each other, with two exceptions that
+``Session.next_run()`` handles, so that each run starts as in a fresh process: Bridge caches what it
+reads from a checkpoint directory (``read_train_state`` and ``read_run_config`` in
+``training/utils/checkpoint_utils.py`` are ``functools.lru_cache``d) and training then mutates the
+cached ``TrainState``, so a second run resuming from the same checkpoint would start at the first
+run's last iteration; and Bridge applies ``cfg.env_vars`` to ``os.environ``, which the next run's
+``MemoryConfig`` would then find already set.
+
+:func:`bridge_session` handles what a run leaves behind for the other tests: Megatron Core's parallel
+state is destroyed before the runs (Bridge builds its own) and rebuilt with the same tensor-parallel
+size afterwards; the environment (Bridge applies ``cfg.env_vars``, ``megatron_bridge_ext.init()``
+sets the allocator variables), logger levels, warning filters and the RNG states are restored. On a
+machine without CUDA the runs go through the demo's CPU emulation of Bridge's loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import warnings
+from typing import Iterator
+
+import numpy
+import torch
+import torch.distributed as dist
+
+
+def _logger_levels() -> dict[str, int]:
+    loggers = {name: logger for name, logger in logging.root.manager.loggerDict.items()
+               if isinstance(logger, logging.Logger)}
+    return {"": logging.root.level, **{name: logger.level for name, logger in loggers.items()}}
+
+
+def _restore_logger_levels(levels: dict[str, int]) -> None:
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger):
+            logger.setLevel(levels.get(name, logging.NOTSET))
+    logging.root.setLevel(levels[""])
+
+
+def timeout_minutes() -> int:
+    """The process group's timeout (``MBX_DIST_TIMEOUT_S``) in whole minutes, for Bridge's own groups."""
+    return max(1, math.ceil(int(os.environ.get("MBX_DIST_TIMEOUT_S", "300")) / 60))
+
+
+class Session:
+    """What :func:`bridge_session` yields."""
+
+    def __init__(self, environ: dict[str, str]) -> None:
+        self._environ = environ
+
+    def next_run(self) -> None:
+        """Call before each run: the environment as the session found it, Bridge's checkpoint caches empty."""
+        from megatron.bridge.training.utils import checkpoint_utils
+
+        os.environ.clear()
+        os.environ.update(self._environ)
+        checkpoint_utils.read_train_state.cache_clear()
+        checkpoint_utils.read_run_config.cache_clear()
+
+
+@contextlib.contextmanager
+def bridge_session() -> Iterator[Session]:
+    """Hold around Bridge runs in this process; see the module docstring. Needs the process group initialised
+    (:func:`shared_directory` does it)."""
+    from megatron.core import parallel_state
+
+    from megatron_bridge_ext.demo import cpu_emulation, distributed
+    from megatron_bridge_ext.patches.registry import apply_training_entry
+
+    tensor_parallel = None
+    if parallel_state.model_parallel_is_initialized():
+        tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+        parallel_state.destroy_model_parallel()
+    environ = dict(os.environ)
+    levels = _logger_levels()
+    rng = (torch.get_rng_state(), random.getstate(), numpy.random.get_state())
+    emulate = not torch.cuda.is_available()
+    if emulate:
+        cpu_emulation.bridge_imports()
+    apply_training_entry()
+    try:
+        with warnings.catch_warnings(), (cpu_emulation.bridge_loop() if emulate else contextlib.nullcontext()):
+            yield Session(environ)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        _restore_logger_levels(levels)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        numpy.random.set_state(rng[2])
+        if parallel_state.model_parallel_is_initialized():  # a run that failed half-way
+            parallel_state.destroy_model_parallel()
+        if tensor_parallel is not None:
+            distributed.init_from_env(tensor_parallel=tensor_parallel)
+
+
+def shared_directory(local: str) -> str:
+    """Rank 0's ``local`` path, on every rank (the ranks of these tests share a file system).
+
+    Initialises the process group first when no test has yet (Bridge then keeps it alive).
+    """
+    from megatron_bridge_ext.demo import distributed
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend=distributed.backend_for_device(), timeout=distributed.DEFAULT_TIMEOUT)
+    shared = [local if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
