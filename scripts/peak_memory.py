@@ -16,6 +16,11 @@ after forward, ``max_memory_allocated`` over forward+backward (reset before the 
 bytes of the step (counted on the fake group), then ``--steps`` timed steps (CUDA events, median).
 ``--dry-run``: a tiny shape in float32 on the CPU (no CUDA needed): the same code path, with saved
 activation bytes instead of allocator figures.
+
+``--estimate`` adds the memory estimate of the same model (``megatron_bridge_ext.estimate``, traced
+on fake tensors in this process, its fused-attention stand-in for the SDPA core): on CUDA its peak,
+less the optimizer states a bare forward/backward never allocates, against ``max_memory_allocated``
+(target within 5%), and its saved-activation bytes beside the meter's.
 """
 
 from __future__ import annotations
@@ -86,6 +91,31 @@ def measure(variant_name: str, layers: int, steps: int, dry_run: bool) -> dict:
     }
 
 
+def estimate_beside(result: dict, variant_name: str, layers: int, dry_run: bool) -> dict:
+    """The estimate of the model ``measure`` ran, next to what it measured."""
+    import torch
+
+    from megatron_bridge_ext.demo import tiny_model, variants
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.estimate.device import compare_peak, saved_per_microbatch, tiny_config
+
+    cuda = torch.cuda.is_available() and not dry_run
+    shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
+    variant = variants.VARIANTS[variant_name]
+    try:
+        cfg = tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
+        est = estimate(cfg, attention="fused", transformer_impl="local", device="cuda" if cuda else "cpu")
+    except Exception as error:  # the measurement stands on its own; say why the estimate is missing
+        return {"error": f"{type(error).__name__}: {error}"}
+    out = {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
+           "components": {c.name: c.bytes for c in est.components}}
+    if result.get("peak_forward_backward"):
+        comparison = compare_peak(est, result["peak_forward_backward"], exclude=["optimizer states"])
+        out.update(compared_bytes=comparison.estimate_bytes, relative_error=comparison.relative_error,
+                   within_target=comparison.within_target, target=comparison.target, excluded=list(comparison.excluded))
+    return out
+
+
 def main(argv=None) -> int:
     from megatron_bridge_ext.demo import variants
 
@@ -94,6 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="timed steps after the measured one (at least 5 on a GPU)")
     p.add_argument("--dry-run", action="store_true", help="tiny float32 shape on the CPU: the path, not the figures")
+    p.add_argument("--estimate", action="store_true", help="also the memory estimate of the same model beside it")
     p.add_argument("--json", action="store_true", help="one line of JSON")
     args = p.parse_args(argv)
     if args.steps < (1 if args.dry_run else 5):
@@ -102,6 +133,8 @@ def main(argv=None) -> int:
 
     logs.configure()
     result = measure(args.variant, args.layers, args.steps, args.dry_run)
+    if args.estimate:
+        result["estimate"] = estimate_beside(result, args.variant, args.layers, args.dry_run)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

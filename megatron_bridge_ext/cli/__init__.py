@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from megatron_bridge_ext.cli import env, patches
+from megatron_bridge_ext.cli import env, patches, plan
 
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 """Megatron Core's ``TransformerConfig.cuda_graph_impl`` values (0.17-0.19)."""
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allocator state at the OOM, when the file does not say")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     p.set_defaults(func=_diagnose)
+
+    plan.add_parser(sub, _parse_size)
 
     sub.add_parser("run", help="turn on expandable segments in the environment, then run the command "
                                "(mbx run -- torchrun ...); the exit status is the command's", add_help=False)

@@ -29,8 +29,14 @@ def default_category(name: str) -> str:
 
 
 def _storage_key(storage: torch.UntypedStorage) -> tuple[int, str]:
-    """Identity of the memory a saved tensor keeps alive: its storage's address and device."""
-    return storage.data_ptr(), str(storage.device)
+    """Identity of the memory a saved tensor keeps alive: its storage object (StorageImpl) and device.
+
+    The storage object, not its data pointer: under ``FakeTensorMode`` (the estimate traces real
+    layers on fake tensors) storages hold no data and every one reports data pointer 0, while each
+    is still its own StorageImpl. For real tensors one allocation is one StorageImpl, so the count
+    is the same either way.
+    """
+    return storage._cdata, str(storage.device)
 
 
 @dataclasses.dataclass

@@ -74,6 +74,32 @@ def test_layer_norm_without_model_counts_weight_and_bias_as_activations():
     assert meter.result().parameter_bytes == 0
 
 
+def test_fake_tensors_count_each_storage_by_its_own_size():
+    # Under FakeTensorMode no storage has data (every data pointer is 0); each is still its own
+    # storage. exp saves its output e; mul saves its inputs, a view of b (b's whole storage) and e.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a_rows, b_rows, d = 5, 7, 3
+    with FakeTensorMode():
+        a = torch.empty(a_rows, d, requires_grad=True)
+        b = torch.empty(b_rows, d, requires_grad=True)
+        with SavedActivationMeter() as meter:
+            e = a.exp()
+            b[:a_rows].mul(e)
+    assert meter.result().total_bytes == (a_rows * d + b_rows * d) * FP32
+
+
+def test_fake_views_of_one_storage_count_once():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = nn.ModuleDict({"product": TwoViewsProduct()})
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        base = torch.empty(10, requires_grad=True)
+        with SavedActivationMeter(model) as meter:
+            model["product"](base)
+    assert meter.result().total_bytes == 10 * FP32
+
+
 class TwoViewsProduct(nn.Module):
     """Multiplies two disjoint views of one leaf: mul saves both views, one storage."""
 

@@ -1,0 +1,426 @@
+"""``estimate(cfg)``: the PEFT-aware memory of the most loaded rank of a Bridge training config.
+
+For the first and the last pipeline stage (the others hold neither embedding nor loss, and fewer
+microbatches than the first), the rank's real model is built from the config on fake tensors
+(:mod:`.build`), its parameters are counted (:mod:`.static`), and one microbatch runs through it
+under the saved-activation meter (:mod:`.trace`). Activations are multiplied by the microbatches
+the pipeline schedule keeps in flight; buffers the forward left allocated are measured; the
+transients at the backward peak are formulas. Nothing runs on a device and the model's weights are
+never allocated (only a PEFT's adapters, small, while it creates them).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_bridge_ext.estimate import static, te
+from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
+from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
+from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, trace_microbatch
+from megatron_bridge_ext.findings import ERROR, Finding, Refused
+
+WHAT = "memory estimate"
+DEVICES = ("cuda", "cpu")
+TE = "transformer_engine"
+IMPLS = (TE, LOCAL)
+
+NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin for it), NCCL buffers and the CUDA "
+                "context (outside PyTorch's allocator), CUDA graphs, kernel workspaces (cuBLAS, attention)")
+
+
+def _refuse(code: str, setting: str, message: str, fix: str) -> Refused:
+    return Refused(WHAT, [Finding(code, ERROR, setting, message, fix)])
+
+
+def microbatches_in_flight(*, pp: int, vpp: Optional[int], num_microbatches: int, stage: int,
+                           group_size: Optional[int] = None) -> float:
+    """Microbatches whose activations pipeline stage ``stage`` holds at once, in whole-stage units.
+
+    Megatron Core's schedules (``pipeline_parallel/schedules.py``) run ``warmup`` forwards before the
+    first backward and then alternate, so ``warmup + 1`` forwards are alive: 1F1B has
+    ``warmup = pp - stage - 1``; the interleaved schedule counts model chunks,
+    ``warmup = 2 (pp - stage - 1) + (vpp - 1) * group_size`` (group size defaults to pp), each chunk
+    a ``1 / vpp`` share of the stage. Both are capped by the microbatches of the step. For stage 0
+    this is Korthikanti et al.'s ``pp (1 + (pp - 1) / (pp vpp))``.
+    """
+    if pp == 1:
+        return 1.0
+    if not vpp or vpp == 1:
+        return float(min(pp - stage, num_microbatches))
+    group = group_size or pp
+    warmup = 2 * (pp - stage - 1) + (vpp - 1) * group
+    return min(warmup + 1, num_microbatches * vpp) / vpp
+
+
+@dataclass
+class Prepared:
+    """A config made ready for building: copies of its parts with Bridge's mixed precision applied."""
+
+    provider: Any
+    peft: Any
+    optimizer: Any
+    ddp: Any
+    dtype: torch.dtype
+    seq: int
+    micro_batch: int
+    data_parallel: int
+    num_microbatches: int
+    notes: list[str]
+
+
+def _training_dtype(model) -> torch.dtype:
+    """The dtype ``Float16Module`` casts the model to (fp32 when neither bf16 nor fp16)."""
+    if getattr(model, "bf16", False):
+        return torch.bfloat16
+    if getattr(model, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
+    """What the parallel layout cannot do with this model, each naming the setting and the fix."""
+    out = []
+
+    def refuse(code, setting, message, fix):
+        out.append(Finding(code, ERROR, setting, message, fix))
+
+    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("context_parallel_size", model.context_parallel_size), ("seq_length", model.seq_length)):
+        if not value or value < 1:
+            refuse("size_below_one", f"model.{name}", f"is {value}", "set it to 1 or more")
+    if micro_batch < 1:
+        refuse("size_below_one", "train.micro_batch_size", f"is {micro_batch}", "set it to 1 or more")
+    if out:
+        return out
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    checks = [
+        (heads % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {heads} attention heads"),
+        (groups % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {groups} query groups"),
+        (model.ffn_hidden_size and model.ffn_hidden_size % tp, "model.tensor_model_parallel_size",
+         f"TP={tp} does not divide the FFN size {model.ffn_hidden_size}"),
+        (model.vocab_size and not getattr(model, "should_pad_vocab", False) and model.vocab_size % tp,
+         "model.tensor_model_parallel_size", f"TP={tp} does not divide the vocabulary {model.vocab_size}"),
+        (model.sequence_parallel and tp > 1 and model.seq_length % tp, "model.seq_length",
+         f"sequence {model.seq_length} is not divisible by TP={tp} (sequence parallelism splits it)"),
+        (model.num_layers % pp and not (model.num_layers_in_first_pipeline_stage
+                                        or model.num_layers_in_last_pipeline_stage),
+         "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {model.num_layers} layers"),
+    ]
+    vpp = model.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1:
+        checks.append(((model.num_layers // pp) % vpp, "model.virtual_pipeline_model_parallel_size",
+                       f"VPP={vpp} does not divide the {model.num_layers // pp} layers of a stage"))
+    dim = getattr(peft, "dim", None)
+    if dim and tp > 1:
+        checks.append((dim % tp, "peft.dim", f"LoRA rank {dim} is not divisible by TP={tp} (Bridge shards LoRA-A on it)"))
+    for failed, setting, message in checks:
+        if failed:
+            refuse("parallel_layout", setting, message, "choose sizes that divide it")
+    return out
+
+
+def _unsupported(model) -> list[Finding]:
+    out = []
+    for field, what in (("num_moe_experts", "mixture-of-experts models"), ("multi_latent_attention", "multi-latent "
+                        "attention"), ("mtp_num_layers", "multi-token prediction")):
+        if getattr(model, field, None):
+            out.append(Finding("unsupported_model", ERROR, f"model.{field}", f"{what} are not modelled by the estimate",
+                               "estimate a dense GPT config, or use Bridge's estimate_training_memory"))
+    if getattr(model, "fp8", None) or getattr(model, "fp4", None):
+        out.append(Finding("unsupported_model", ERROR, "model.fp8", "FP8/FP4 training is not modelled by the estimate",
+                           "estimate the bf16 config (FP8 keeps smaller copies of some activations)"))
+    if (model.context_parallel_size or 1) > 1:
+        out.append(Finding("unsupported_model", ERROR, "model.context_parallel_size",
+                           "context parallelism is not modelled by the estimate", "estimate with context_parallel_size=1"))
+    return out
+
+
+def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int]) -> Prepared:
+    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+
+    provider, optimizer, ddp = copy.deepcopy(cfg.model), copy.deepcopy(cfg.optimizer), copy.deepcopy(cfg.ddp)
+    notes = []
+    if cfg.mixed_precision is not None:
+        precision = copy.deepcopy(get_mixed_precision_config(cfg.mixed_precision))
+        precision.finalize()
+        precision.setup(provider, optimizer, ddp)
+    micro_batch = cfg.train.micro_batch_size
+    problems = _unsupported(provider) + parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
+    if problems:
+        raise Refused(WHAT, problems)
+    notes += _local_spec_kernels(provider)
+    try:
+        provider.finalize()
+    except (AssertionError, ValueError, TypeError) as error:
+        raise _refuse("model_config", "model", f"Megatron Core refuses the model config: {error}",
+                      "fix the model fields it names") from None
+    dp = data_parallel_size or getattr(cfg, "data_parallel_size", None)
+    if not dp:
+        dp = 1
+        notes.append("data-parallel size unknown (the config was not validated for a world size): DP=1 assumed; "
+                     "it only divides the distributed optimizer's states")
+    if num_microbatches is None:
+        global_batch = cfg.train.global_batch_size or micro_batch * dp
+        num_microbatches = max(1, global_batch // (micro_batch * dp))
+    return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
+                     dp, num_microbatches, notes)
+
+
+# Kernel choices of Transformer Engine or Apex that the local layer spec refuses, and what tracing
+# without them means for the saved bytes.
+_TE_KERNEL_FLAGS = (
+    ("apply_rope_fusion", "RoPE fusion needs Transformer Engine: traced unfused, which keeps cos and sin per layer "
+                          "where TE's fused RoPE keeps only the frequencies"),
+    ("persist_layer_norm", "persistent LayerNorm (an Apex/TE kernel) traced with torch's norm: same saved tensors"),
+    ("layernorm_zero_centered_gamma", "zero-centred norm weights (TE) traced with torch's norm: same saved tensors"),
+)
+
+
+def _local_spec_kernels(provider) -> list[str]:
+    """Turn off, on the copy that is traced, kernel flags the local spec refuses; say what that changes."""
+    notes = []
+    for flag, note in _TE_KERNEL_FLAGS:
+        if getattr(provider, flag, False) and (flag != "apply_rope_fusion" or not _have_te()):
+            setattr(provider, flag, False)
+            notes.append(f"{flag}: {note}")
+    return notes
+
+
+def _have_te() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+def _choice(value, choices, setting):
+    if value not in choices:
+        raise _refuse("unknown_choice", setting, f"{value!r} is not one of {list(choices)}", f"use one of {list(choices)}")
+    return value
+
+
+def _attention_from(model) -> str:
+    backend = str(getattr(model, "attention_backend", "auto")).rsplit(".", 1)[-1].lower()
+    return LOCAL if backend in ("local", "unfused") else FUSED
+
+
+def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches: Optional[int] = None,
+             attention: Optional[str] = None, transformer_impl: Optional[str] = None,
+             device: str = "cuda") -> MemoryEstimate:
+    """Per-rank memory of the most loaded pipeline stage of a Bridge ``ConfigContainer`` at its backward peak.
+
+    ``attention``: ``"fused"`` traces a stand-in that keeps what fused (flash/cuDNN) attention keeps,
+    ``"local"`` Megatron Core's unfused attention; default from ``model.attention_backend``.
+    ``transformer_impl``: ``"transformer_engine"`` adds what TE's fused norm-linear keeps beyond the
+    traced local spec; default ``model.transformer_impl``. ``device``: the dispatch path traced,
+    ``"cuda"`` (fake CUDA tensors, no GPU needed) for GPU estimates, ``"cpu"`` to compare with CPU runs.
+    ``data_parallel_size`` defaults to ``cfg.data_parallel_size`` (set when Bridge validates the
+    config), ``num_microbatches`` to global batch / (micro-batch x DP).
+    Raises :class:`megatron_bridge_ext.findings.Refused` (one line per problem) for configs it cannot model.
+    """
+    start = time.perf_counter()
+    prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+    attention = _choice(attention or _attention_from(prepared.provider), ATTENTIONS, "attention")
+    impl = _choice(transformer_impl or getattr(prepared.provider, "transformer_impl", TE), IMPLS, "transformer_impl")
+    device = _choice(device, DEVICES, "device")
+    problems = _te_problems(prepared, impl)
+    if problems:
+        raise Refused(WHAT, problems)
+    pp = prepared.provider.pipeline_model_parallel_size
+    stages = [0] if pp == 1 else [0, pp - 1]
+    results = [_estimate_stage(prepared, stage, attention=attention, impl=impl, device=device) for stage in stages]
+    best = max(results, key=lambda r: r.peak_bytes)
+    best.stage_peaks = {r.stage: r.peak_bytes for r in results}
+    best.seconds = time.perf_counter() - start
+    return best
+
+
+def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
+    """Configs that fail in training on Transformer Engine, so that no estimate of them means anything."""
+    from megatron_bridge_ext.peft import kinds
+
+    peft, p = prepared.peft, prepared.provider
+    if impl != TE or peft is None or not (p.sequence_parallel and p.tensor_model_parallel_size > 1):
+        return []
+    targets = kinds.targeted_layers(getattr(peft, "target_modules", None) or [])
+    if kinds.kind_of(peft) == "dora" and (getattr(peft, "dropout", 0) or 0) > 0 and targets & set(te.COLUMN_TARGETS):
+        return [Finding("unsupported_model", ERROR, "peft.dropout",
+                        f"DoRA with dropout={peft.dropout} fails on Transformer Engine's LayerNorm-linear under sequence "
+                        "parallelism (Bridge's dropout correction runs that layer again on its gathered norm output)",
+                        "set peft.dropout=0.0, or leave linear_qkv and linear_fc1 out of peft.target_modules")]
+    return []
+
+
+def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str) -> MemoryEstimate:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from megatron_bridge_ext.estimate.fake import fake_parallel_world
+
+    provider = prepared.provider
+    tp, pp, cp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size, provider.context_parallel_size
+    sp = bool(provider.sequence_parallel) and tp > 1
+    with fake_parallel_world(tp=tp, pp=pp, cp=cp, rank=stage * tp * cp, device=device):
+        # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        stage_provider = copy.deepcopy(provider)
+        stage_provider.virtual_pipeline_model_parallel_size = None  # a stage's chunks traced as one model
+        model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
+                                 dtype=prepared.dtype)
+        counts = static.count_parameters(model)
+        traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
+                                  hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
+                                  sequence_parallel_tp=tp if sp else 1)
+        layers = len(model.decoder.layers)
+        vocab_local = model.output_layer.weight.shape[0] if model.post_process else 0
+        recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
+            if provider.recompute_granularity == "full" else 0
+    in_flight = microbatches_in_flight(pp=pp, vpp=provider.virtual_pipeline_model_parallel_size,
+                                       num_microbatches=prepared.num_microbatches, stage=stage,
+                                       group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
+    element = static.dtype_bytes(prepared.dtype)
+    components = _static(prepared, counts)
+    contract = te.TeContract(0, 0, 0, 0)
+    if impl == TE and prepared.peft is not None:
+        contract = te.norm_output_contract(traced.lora_a_saved, seq=prepared.seq, micro_batch=prepared.micro_batch,
+                                           hidden=provider.hidden_size, tp=tp, sequence_parallel=sp,
+                                           element_size=element)
+    components += _activations(traced, in_flight, contract)
+    if contract.layers:
+        components.append(te.te_component(contract, in_flight, shard_shape=f"[{prepared.seq // tp}, "
+                                                                           f"{prepared.micro_batch}, "
+                                                                           f"{provider.hidden_size}]"))
+    if traced.persistent_buffer_bytes:
+        components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
+                                    "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
+                                    "allocated by the forward and kept"))
+    components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
+                              recomputed_layer=recomputed_layer)
+    settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
+    return MemoryEstimate(stage=stage, components=components, settings=settings,
+                          assumptions=_assumptions(prepared, attention, impl, device, contract),
+                          activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
+                          activations_per_layer=dict(traced.by_layer))
+
+
+def _static(prepared: Prepared, counts: static.ParameterCounts) -> list[Component]:
+    grad_bytes = 4 if getattr(prepared.ddp, "grad_reduce_in_fp32", False) else counts.element_size
+    rule = static.optimizer_rule(prepared.optimizer, param_bytes=counts.element_size,
+                                 data_parallel=prepared.data_parallel,
+                                 context_parallel=prepared.provider.context_parallel_size)
+    return static.static_components(counts, grad_bytes=grad_bytes, rule=rule)
+
+
+def _activations(traced, in_flight: float, contract: te.TeContract) -> list[Component]:
+    out = []
+    for category in CATEGORIES:
+        per = traced.by_category[category]
+        shared = contract.shared_bytes if category == LORA_INPUTS else 0
+        if per:
+            basis = f"measured: {per:,} B saved for backward by one microbatch"
+            if shared:
+                basis += (f", less {shared:,} B: {contract.shared_copies} gathered copies that CanonicalLoRA's adapters "
+                          "share under Transformer Engine (contract)")
+            out.append(Component(ACTIVATIONS, category, round((per - shared) * in_flight),
+                                 f"{basis} x {in_flight:g} in flight"))
+    return out
+
+
+def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int, sp: bool,
+                recomputed_layer: int) -> list[Component]:
+    s, b, h = prepared.seq, prepared.micro_batch, provider.hidden_size
+    tp = provider.tensor_model_parallel_size
+    out = []
+    if vocab_local:
+        out.append(Component(TRANSIENT, "logits at the loss", s * b * vocab_local * element,
+                             f"formula: the [{s}, {b}, {vocab_local}] logits (or their gradient) in the training "
+                             "dtype, next to the fp32 copy the loss keeps"))
+    ffn = provider.ffn_hidden_size // tp
+    glu = 2 if provider.gated_linear_unit else 1
+    mlp_grads = s * b * (glu * ffn + ffn + h) * element
+    basis = (f"formula: MLP activation gradients in backward, [{s}, {b}, {glu * ffn}] + [{s}, {b}, {ffn}] + "
+             f"[{s}, {b}, {h}]{' (gathered before the reduce-scatter)' if sp else ''}")
+    if recomputed_layer:
+        out.append(Component(TRANSIENT, "recomputed layer in backward", recomputed_layer + mlp_grads,
+                             f"measured: {recomputed_layer:,} B one layer saves when recomputed (full recompute); "
+                             f"+ {basis}"))
+    else:
+        out.append(Component(TRANSIENT, "layer backward", mlp_grads, basis))
+    return out
+
+
+def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str) -> int:
+    """What one layer saves when full recompute runs it again in backward: layer 0 of a one-layer-per-stage
+    build without recompute (the first layer of a frozen-embedding PEFT model saves a little less than later
+    ones; the difference is its LoRA-A input gradient path, not its saved inputs)."""
+    one_layer = copy.deepcopy(provider)
+    one_layer.num_layers = provider.pipeline_model_parallel_size
+    one_layer.num_layers_in_first_pipeline_stage = one_layer.num_layers_in_last_pipeline_stage = None
+    one_layer.virtual_pipeline_model_parallel_size = None
+    one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None
+    model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
+                             dtype=prepared.dtype)
+    sp_tp = provider.tensor_model_parallel_size if provider.sequence_parallel else 1
+    traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
+                              hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
+                              sequence_parallel_tp=sp_tp)
+    return traced.by_layer[0]
+
+
+def _peft_settings(peft) -> dict[str, Any]:
+    if peft is None:
+        return {"peft": None, "peft_kind": None}
+    from megatron_bridge_ext.peft import kinds, sp_lora
+
+    return {"peft": f"{type(peft).__module__}.{type(peft).__name__}", "peft_kind": kinds.kind_of(peft),
+            "lora_dim": getattr(peft, "dim", None),
+            "lora_targets": list(getattr(peft, "target_modules", []) or []),
+            "lora_sp_input": getattr(peft, "strategy", None)
+            or ("regather" if getattr(peft, "sequence_parallel_input_regather", False) else sp_lora.OFF)}
+
+
+def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, stage: int, layers: int) -> dict:
+    p = prepared.provider
+    return {
+        "tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+        "vpp": p.virtual_pipeline_model_parallel_size, "cp": p.context_parallel_size, "dp": prepared.data_parallel,
+        "sequence_parallel": bool(p.sequence_parallel) and p.tensor_model_parallel_size > 1,
+        "seq_length": prepared.seq, "micro_batch": prepared.micro_batch, "num_microbatches": prepared.num_microbatches,
+        "dtype": str(prepared.dtype).replace("torch.", ""), "stage": stage, "layers_on_stage": layers,
+        "hidden": p.hidden_size, "ffn": p.ffn_hidden_size, "heads": p.num_attention_heads,
+        "query_groups": p.num_query_groups or p.num_attention_heads, "kv_channels": p.kv_channels,
+        "num_layers": p.num_layers, "gated_linear_unit": bool(p.gated_linear_unit), "vocab_size": p.vocab_size,
+        "recompute_granularity": p.recompute_granularity, "recompute_modules": list(p.recompute_modules or []),
+        "attention": attention, "transformer_impl": impl, "device": device,
+        "distributed_optimizer": bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
+        **_peft_settings(prepared.peft),
+    }
+
+
+def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, contract: te.TeContract) -> list[str]:
+    out = [
+        "rank: TP rank 0 of the most loaded pipeline stage (first or last; TP ranks hold the same shapes)",
+        "activations traced on Megatron Core's local layer spec on fake "
+        f"{'CUDA' if device == 'cuda' else 'CPU'} tensors (the {device} ops' saved tensors)",
+        ("attention: a stand-in that keeps what fused (flash/cuDNN) attention keeps: q, k, v, output, fp32 "
+         "log-sum-exp" if attention == FUSED else "attention: Megatron Core's unfused DotProductAttention "
+                                                   "(keeps the [b, heads/t, s, s] probabilities)"),
+        ("Transformer Engine: not traced; its fused norm-linear is modelled by its contract"
+         + (f" ({contract.layers} norm-output shards added per microbatch)" if contract.layers else " (nothing to add here)")
+         + (f" ({contract.shared_copies} gathered copies shared by CanonicalLoRA's adapters taken off)"
+            if contract.shared_copies else "")
+         if impl == TE else "Transformer Engine: not used (local spec)"),
+        "jit-fused regions (torch.compile) traced eagerly",
+        "optimizer states as after the first step (Megatron allocates them then)",
+        "transients: the largest of the listed formulas; not alive together",
+        f"not modelled: {NOT_MODELLED}",
+    ]
+    if (prepared.provider.virtual_pipeline_model_parallel_size or 1) > 1:
+        out.append("interleaved pipeline: a stage's model chunks traced as one model; a chunk is 1/VPP of it")
+    return out + prepared.notes

@@ -1,0 +1,97 @@
+"""What the estimate returns: a table of components, each with its bytes and what they rest on."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_bridge_ext.table import text_table
+
+STATIC = "static"
+ACTIVATIONS = "activations"
+BUFFERS = "buffers"
+TRANSIENT = "transient"
+KINDS = (STATIC, ACTIVATIONS, BUFFERS, TRANSIENT)
+
+GB = 10**9
+GIB = 2**30
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.2f} GiB"
+
+
+@dataclass(frozen=True)
+class Component:
+    """One line of the estimate: ``kind`` is static, activations, buffers or transient.
+
+    ``basis`` says where the bytes come from: the formula with its inputs, or the measurement.
+    """
+
+    kind: str
+    name: str
+    bytes: int
+    basis: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Component.kind={self.kind!r} is not one of {KINDS}")
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank memory of one pipeline stage's TP rank 0 at its backward peak.
+
+    The peak is every static, activation and buffer component plus the largest transient: the
+    transients are alive at different moments of the step (the loss, one layer's backward), not
+    together.
+    """
+
+    stage: int
+    components: list[Component]
+    settings: dict[str, Any]
+    assumptions: list[str]
+    activations_per_microbatch: dict[str, int]
+    in_flight_microbatches: float
+    activations_per_layer: dict[int, int] = field(default_factory=dict)
+    stage_peaks: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def total(self, kind: str) -> int:
+        return sum(c.bytes for c in self.components if c.kind == kind)
+
+    @property
+    def largest_transient(self) -> Component | None:
+        transients = [c for c in self.components if c.kind == TRANSIENT]
+        return max(transients, key=lambda c: c.bytes) if transients else None
+
+    @property
+    def peak_bytes(self) -> int:
+        transient = self.largest_transient
+        return self.total(STATIC) + self.total(ACTIVATIONS) + self.total(BUFFERS) + (transient.bytes if transient else 0)
+
+    def component(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def table(self, *, basis: bool = True) -> str:
+        """The components as a text table, with subtotals and the peak."""
+        largest = self.largest_transient
+        rows = []
+        for kind in KINDS:
+            for c in (c for c in self.components if c.kind == kind):
+                mark = " (largest)" if c is largest else ""
+                rows.append([kind, c.name + mark, gib(c.bytes)] + ([c.basis] if basis else []))
+        rows.append(["peak", "static + activations + buffers + largest transient", gib(self.peak_bytes)]
+                    + ([f"{self.peak_bytes / GB:.3f} GB"] if basis else []))
+        columns = ["kind", "component", "bytes"] + (["basis"] if basis else [])
+        return text_table(columns, rows)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["peak_bytes"] = self.peak_bytes
+        out["totals"] = {kind: self.total(kind) for kind in KINDS}
+        return out

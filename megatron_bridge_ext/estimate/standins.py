@@ -1,0 +1,56 @@
+"""A core-attention stand-in that keeps, for backward, what a fused attention kernel keeps.
+
+Production runs use Transformer Engine's fused attention (FlashAttention-2 or cuDNN): it keeps no
+[s, s] matrix, only its inputs q, k, v, its output and the fp32 softmax log-sum-exp per query
+[b, heads, s] (FlashAttention's ``softmax_lse``; cuDNN's softmax statistics). Transformer Engine
+cannot run here, and Megatron Core's local ``DotProductAttention`` materialises the [b, heads, s, s]
+probabilities, which no such user keeps. The estimate therefore traces the local layer spec with
+this module in place of ``core_attention`` (``attention="fused"``, the default) and says so in its
+assumptions; ``attention="local"`` traces Core's own unfused attention instead.
+
+It is a model of the kernels' saved set, for tracing on fake tensors only: no numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from megatron.core.transformer.module import MegatronModule
+
+
+class _FusedAttentionSaves(torch.autograd.Function):
+    """Causal attention that saves q, k, v (contiguous), out [sq, b, np*hn] and fp32 lse [b, np, sq]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        if not isinstance(query, FakeTensor):
+            raise RuntimeError("FusedAttentionStandIn models a fused kernel's saved tensors on fake tensors only; "
+                               "it computes no attention")
+        sq, b, heads, head_dim = query.shape
+        value = value.contiguous()  # the kernels take a contiguous V; Q and K arrive contiguous from RoPE
+        out = query.new_empty(sq, b, heads * head_dim)
+        lse = torch.empty(b, heads, sq, dtype=torch.float32, device=query.device)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+class FusedAttentionStandIn(MegatronModule):
+    """Takes the place of ``DotProductAttention`` in the local layer spec (causal self-attention); it takes
+    the same constructor arguments and ignores them: the saved set depends on the shapes only."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        return _FusedAttentionSaves.apply(query, key, value)

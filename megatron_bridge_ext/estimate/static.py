@@ -1,0 +1,132 @@
+"""Weights, gradients and optimizer states of one rank: counted parameters, Megatron's storage rules.
+
+Parameters are counted on the model the rank builds (:mod:`.build`), so TP shards, vocabulary
+padding, this pipeline stage's layers, its embedding or output layer, and the adapters a PEFT adds
+are exact. What each parameter costs follows Megatron Core's rules:
+
+* weights: every parameter in the model's training dtype (``Float16Module`` casts adapters too);
+* gradients: Megatron's DDP allocates its contiguous grad buffer (``main_grad``) for parameters
+  with ``requires_grad`` only (``DistributedDataParallel`` skips frozen ones), in fp32 with
+  ``grad_reduce_in_fp32`` and in the parameter dtype otherwise;
+* optimizer: for trainable parameters only, Adam's two moments plus, for 16-bit parameters, the
+  fp32 main copy (4 + 4 + 4 bytes; a precision-aware optimizer uses its configured dtypes),
+  divided over DP x CP ranks by the distributed optimizer. With the distributed optimizer the
+  16-bit parameters live in its parameter buffer, so they are not counted twice.
+
+This is where a PEFT run differs most from Bridge's ``estimate_training_memory``, which charges
+every parameter 18 bytes (6 + 12 / DP with the distributed optimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_bridge_ext.estimate.report import STATIC, Component
+
+EMBEDDING = "embedding"
+LAYERS = "transformer layers"
+OUTPUT_LAYER = "output layer"
+ADAPTERS = "adapters"
+PARTS = (EMBEDDING, LAYERS, OUTPUT_LAYER, ADAPTERS)
+
+_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
+
+
+def dtype_bytes(dtype) -> int:
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} is not supported by the estimate; use float32, bfloat16 or float16") from None
+
+
+def part_of(name: str) -> str:
+    """Where a parameter of a GPTModel belongs, by name."""
+    if ".adapter." in name:
+        return ADAPTERS
+    if name.startswith("embedding."):
+        return EMBEDDING
+    if name.startswith("output_layer."):
+        return OUTPUT_LAYER
+    return LAYERS
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of one rank per part, split into frozen and trainable, and their bytes per element."""
+
+    frozen: dict[str, int]
+    trainable: dict[str, int]
+    element_size: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.frozen.values()) + sum(self.trainable.values())
+
+    @property
+    def trainable_total(self) -> int:
+        return sum(self.trainable.values())
+
+
+def count_parameters(model: torch.nn.Module) -> ParameterCounts:
+    frozen = dict.fromkeys(PARTS, 0)
+    trainable = dict.fromkeys(PARTS, 0)
+    sizes = set()
+    for name, param in model.named_parameters():
+        (trainable if param.requires_grad else frozen)[part_of(name)] += param.numel()
+        sizes.add(param.element_size())
+    if len(sizes) != 1:
+        raise ValueError(f"parameters of {len(sizes)} element sizes {sorted(sizes)}: the model is not cast to one dtype")
+    return ParameterCounts(frozen, trainable, sizes.pop())
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    """Bytes of optimizer state per trainable parameter, and the ranks the state is divided over."""
+
+    bytes_per_parameter: int
+    shards: int
+    description: str
+
+
+def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, context_parallel: int) -> OptimizerRule:
+    """Megatron's optimizer state for one trainable parameter (``OptimizerConfig`` fields)."""
+    name = getattr(optimizer_config, "optimizer", "adam")
+    if name not in ("adam", "sgd"):
+        raise ValueError(f"optimizer.optimizer={name!r}: the estimate knows Adam and SGD; use one of them")
+    moments = ["exp_avg", "exp_avg_sq"] if name == "adam" else ["momentum"]
+    if getattr(optimizer_config, "use_precision_aware_optimizer", False):
+        main = dtype_bytes(optimizer_config.main_params_dtype)
+        moment_bytes = [dtype_bytes(getattr(optimizer_config, f"{m}_dtype", torch.float32)) for m in moments]
+        source = "precision-aware optimizer dtypes"
+    else:
+        main = 4 if param_bytes < 4 else 0  # fp32 parameters are their own main copy
+        moment_bytes = [4] * len(moments)
+        source = "fp32 main copy + fp32 moments" if main else "fp32 moments (fp32 parameters are the main copy)"
+    distributed = bool(getattr(optimizer_config, "use_distributed_optimizer", False))
+    shards = data_parallel * context_parallel if distributed else 1
+    per = main + sum(moment_bytes)
+    terms = " + ".join(str(b) for b in ([main] if main else []) + moment_bytes)
+    description = (f"{name}: {terms} = {per} B ({source})"
+                   + (f", distributed over DP x CP = {shards}" if distributed else ", not distributed"))
+    return OptimizerRule(per, shards, description)
+
+
+def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: OptimizerRule) -> list[Component]:
+    """Weights per part, the grad buffer and the optimizer state of one rank."""
+    out = []
+    size = counts.element_size
+    for part in PARTS:
+        frozen, trainable = counts.frozen[part], counts.trainable[part]
+        if frozen + trainable == 0:
+            continue
+        split = ", ".join(f"{n:,} {label}" for n, label in ((frozen, "frozen"), (trainable, "trainable")) if n)
+        out.append(Component(STATIC, f"weights: {part}", (frozen + trainable) * size,
+                             f"{split} parameters x {size} B"))
+    trainable = counts.trainable_total
+    out.append(Component(STATIC, "gradients (main_grad buffer)", trainable * grad_bytes,
+                         f"{trainable:,} trainable parameters x {grad_bytes} B; frozen parameters have none"))
+    out.append(Component(STATIC, "optimizer states", -(-trainable * rule.bytes_per_parameter // rule.shards),
+                         f"{trainable:,} trainable parameters x {rule.description}"))
+    return out

@@ -1,0 +1,79 @@
+"""What Transformer Engine's fused norm-linear keeps beyond the local layer spec that is traced.
+
+Transformer Engine does not run here, so the estimate traces Megatron Core's local spec (separate
+norm, then ``ColumnParallelLinear``) and adds what TE's contract keeps on top of it. TE's
+``LayerNormLinear`` (``transformer_engine/pytorch/module/layernorm_linear.py``, autograd function
+``_LayerNormLinear``; v2.4 L356-358 and L437-447, main L427-435 and L526-536) saves the norm's
+input and statistics, as the local norm does, and its local norm-output shard ``ln_out``
+[s/t, b, h], which it drops only when its weight is frozen *and* it does not return the norm
+output. Bridge's LoRA makes it return the norm output (``return_layernorm_output=True``), so:
+
+* Bridge's LoRA-A on the gathered path keeps the gathered [s, b, h] norm output, which the local
+  spec's trace measures, and TE keeps its shard next to it: **one shard per such layer is added**;
+* CanonicalLoRA gives ``linear_qkv`` three adapters and ``linear_fc1`` two. On the local spec each
+  gathers the layer's input for itself (one gathered copy per adapter, as traced); TE gathers once
+  and hands the same tensor to all of them: **the copies beyond the first are taken off** the
+  traced LoRA inputs;
+* our ``regather`` / ``shard_local`` take the non-gathered return, the shard itself: LoRA-A and TE
+  keep the same storage, which the trace already counts once: nothing is added;
+* a trainable base (full fine-tuning) keeps the norm output either way: nothing is added.
+
+The same contract is implemented, line by line, by the CPU fake the tests use for TE's LoRA path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
+
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+
+
+@dataclass(frozen=True)
+class TeContract:
+    """What TE's LayerNormLinear changes per microbatch against the traced local spec.
+
+    ``layers``: LayerNormLinears whose LoRA-A keep the gathered norm output, each adding its own
+    shard (``shard_bytes`` in all); ``shared_copies``: gathered copies the local spec made for
+    CanonicalLoRA's second and later adapters of such a layer, which TE shares (``shared_bytes``).
+    """
+
+    layers: int
+    shard_bytes: int
+    shared_copies: int
+    shared_bytes: int
+
+
+def base_layer_of(module: str) -> str:
+    """The adapted layer of a LoRA-A module: ``...linear_qkv`` for ``...linear_qkv.adapter[.adapter_q].linear_in``."""
+    return module.split(".adapter.", 1)[0]
+
+
+def is_te_lora_input(module: str) -> bool:
+    """LoRA-A of a column-parallel target that TE would fuse with its norm."""
+    return base_layer_of(module).rsplit(".", 1)[-1] in COLUMN_TARGETS
+
+
+def norm_output_contract(lora_a_saved: dict[str, int], *, seq: int, micro_batch: int, hidden: int, tp: int,
+                         sequence_parallel: bool, element_size: int) -> TeContract:
+    """TE's contract against the trace, from what each LoRA-A saved (per module).
+
+    A LoRA-A that saved at least the gathered [s, b, h] input is on Bridge's gathered path.
+    """
+    if not sequence_parallel or tp == 1:
+        return TeContract(0, 0, 0, 0)
+    gathered = seq * micro_batch * hidden * element_size
+    per_layer: dict[str, int] = {}
+    for module, nbytes in lora_a_saved.items():
+        if is_te_lora_input(module) and nbytes >= gathered:
+            per_layer[base_layer_of(module)] = per_layer.get(base_layer_of(module), 0) + 1
+    layers, copies = len(per_layer), sum(n - 1 for n in per_layer.values())
+    return TeContract(layers, layers * gathered // tp, copies, copies * gathered)
+
+
+def te_component(contract: TeContract, in_flight: float, *, shard_shape: str) -> Component:
+    return Component(
+        ACTIVATIONS, "TE norm-output shards (contract)", round(contract.shard_bytes * in_flight),
+        f"Transformer Engine contract: {contract.layers} LayerNormLinear(s) whose LoRA-A keep the gathered norm output "
+        f"also keep their own {shard_shape} shard (layernorm_linear.py v2.4 L356-358) x {in_flight:g} microbatch(es)")

@@ -1,0 +1,123 @@
+"""One microbatch through a rank's model on fake tensors, counting what autograd keeps for backward.
+
+The count is :class:`megatron_bridge_ext.measure.SavedActivationMeter`'s, the same meter the tests
+and ``mbx bench memory`` read on real runs, with a classifier that sorts the modules into the
+estimate's categories. Each storage counts once, in the category of the first module that saved it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
+
+NORMS = "norms"
+ATTENTION = "attention"
+MLP = "mlp"
+LORA_INPUTS = "lora inputs"
+EMBEDDING = "embedding"
+LOGITS_LOSS = "logits and loss"
+CHECKPOINT_INPUTS = "recompute checkpoints"
+CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MLP, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
+
+
+def category_of(module: str) -> str:
+    """The estimate's category of a module of a Megatron Core GPTModel, by its qualified name.
+
+    Adapters (``...adapter...``) are LoRA inputs wherever they sit; norms (``*layernorm``) before
+    attention and MLP so that q/k norms count as norms; the rotary embedding's cos/sin count with
+    attention. Saves made by the decoder itself (outside every layer) are the inputs that full
+    recompute checkpoints keep; the model's own forward (``<root>``: the logits cast and the loss)
+    and the output layer are logits and loss.
+    """
+    parts = module.split(".")
+    if "adapter" in parts:
+        return LORA_INPUTS
+    if any(part.endswith("layernorm") for part in parts):
+        return NORMS
+    if "self_attention" in parts or "rotary_pos_emb" in parts:
+        return ATTENTION
+    if "mlp" in parts:
+        return MLP
+    if parts[0] == "embedding":
+        return EMBEDDING
+    if parts[0] == "decoder":
+        return CHECKPOINT_INPUTS
+    if module == ROOT or parts[0] == "output_layer":
+        return LOGITS_LOSS
+    raise ValueError(f"module {module!r} has no estimate category")
+
+
+def layer_of(module: str) -> Optional[int]:
+    """The index of the transformer layer (``decoder.layers.N``) a module belongs to, if any."""
+    parts = module.split(".")
+    if parts[:2] == ["decoder", "layers"] and len(parts) > 2 and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def category_and_layer(module: str) -> str:
+    """A classifier for the meter: ``category|layer`` (layer empty outside the layers); see :func:`split`."""
+    layer = layer_of(module)
+    return f"{category_of(module)}|{'' if layer is None else layer}"
+
+
+def split(result) -> tuple[dict[str, int], dict[int, int]]:
+    """Bytes per category and per layer from a meter result classified by :func:`category_and_layer`."""
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    by_layer: dict[int, int] = {}
+    for key, nbytes in result.by_category.items():
+        category, layer = key.split("|")
+        by_category[category] += nbytes
+        if layer:
+            by_layer[int(layer)] = by_layer.get(int(layer), 0) + nbytes
+    return by_category, by_layer
+
+
+@dataclass(frozen=True)
+class TracedMicrobatch:
+    """What one microbatch saved on this rank, and the buffers the forward left allocated.
+
+    Each storage counts once, for the first module that saved it: ``by_category`` and ``by_layer``
+    (the bytes first saved inside each transformer layer) split the same ``saved_bytes``.
+    """
+
+    saved_bytes: int
+    by_category: dict[str, int]
+    by_layer: dict[int, int]
+    persistent_buffer_bytes: int
+    lora_a_saved: dict[str, int]
+    """What each LoRA-A saved, per module (for the TE contract): ``...adapter.linear_in``, and CanonicalLoRA's
+    ``...adapter.adapter_q.linear_in`` (one per split adapter)."""
+
+
+def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
+                     device: str, sequence_parallel_tp: int) -> TracedMicrobatch:
+    """Run one forward of ``model`` (a GPTModel of one pipeline stage) on fake tensors under the meter.
+
+    The first stage takes token ids; later stages take the previous stage's output [s/t, b, h]
+    (sequence shard under SP), as the pipeline schedule hands it over, requiring grad. The last
+    stage computes the loss from labels.
+    """
+    from megatron.core import parallel_state
+
+    with mode:
+        ids = torch.zeros(micro_batch, seq, dtype=torch.long, device=device)
+        positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch, -1)
+        labels = ids if model.post_process else None
+        if not model.pre_process:
+            received = torch.empty(seq // sequence_parallel_tp, micro_batch, hidden, dtype=dtype, device=device,
+                                   requires_grad=True)
+            model.set_input_tensor(received)
+        with SavedActivationMeter(model, classifier=category_and_layer) as meter:
+            model(ids, positions, None, labels=labels)
+    result = meter.result()
+    by_category, by_layer = split(result)
+    buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    persistent = sum(t.numel() * t.element_size() for t in getattr(buffer, "buffer", {}).values())
+    lora_a = {name: nbytes for name, nbytes in result.by_module.items()
+              if ".adapter." in name and name.endswith(".linear_in")}
+    return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a)

@@ -1,0 +1,530 @@
+"""The OOM decision procedure, before launch: does a config fit, and which lever is enough if not.
+
+``plan(cfg, gpu_memory=...)`` estimates the config's per-rank peak (:mod:`.estimate`), puts
+Bridge's own estimate beside it, and, when the peak does not fit the device with a margin for
+what the estimate does not model, walks the levers of :data:`megatron_bridge_ext.evidence.LEVERS`
+in their order, each applied on top of the ones before:
+
+1. allocator: expandable segments shrink the fragmentation margin (no memory saved, no cost);
+2. LoRA-A input under sequence parallelism: ``shard_local`` (re-estimated);
+3. selective recompute: the modules that save memory here, cheapest (recomputed FLOPs per byte
+   saved) first, added one at a time (each re-estimated);
+4. parallelism: PP x 2, then TP x 2, at the cost of DP (re-estimated);
+5. CPU offloading of layer activations (a formula on the measured per-layer bytes).
+
+Each option carries its predicted peak, its cost (collective bytes per step, recomputed FLOPs per
+step, the published throughput figure where one exists) and its constraints, which come from
+``MemoryConfig.validate`` (the checks a user gets when applying the flags). The first option that
+fits is the answer, as a :class:`MemoryConfig` and as override strings.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_bridge_ext import evidence
+from megatron_bridge_ext.config import MemoryConfig
+from megatron_bridge_ext.estimate.bridge import BridgeEstimate
+from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, MemoryEstimate, gib
+from megatron_bridge_ext.findings import ERROR, NO_EFFECT, Finding, Refused
+from megatron_bridge_ext.peft import kinds
+
+MARGIN = 0.10
+"""Share of device memory kept free without expandable segments: a caching allocator that fragments
+can hold this much reserved but unusable (``mbx diagnose`` calls an OOM fragmentation from 10% of
+reserved memory), and the estimate leaves out NCCL buffers, the CUDA context and kernel workspaces."""
+EXPANDABLE_MARGIN = 0.03
+"""Share kept free with expandable segments: no split segments, only block rounding and what the
+estimate leaves out."""
+MAX_TP = 8
+"""Largest TP the planner proposes: one NVLink node (8 GPUs); beyond it TP traffic leaves NVLink."""
+
+RECOMPUTE_CANDIDATES = ("core_attn", "layernorm", "mlp")
+LAYER_CATEGORIES = ("norms", "attention", "mlp", "lora inputs", "TE norm-output shards (contract)")
+"""Activation categories that live in the transformer layers (what layer offloading moves)."""
+
+
+def _lever(name: str) -> dict:
+    for lever in evidence.LEVERS:
+        if lever["name"] == name:
+            return lever
+    raise KeyError(name)
+
+
+@dataclass
+class Cost:
+    """What an option costs per training step on one rank."""
+
+    collective_bytes: Optional[int] = None
+    """Change in bytes this rank moves per step (negative: fewer), with the formula in ``basis``."""
+    recomputed_flops: Optional[int] = None
+    published: str = ""
+    source: str = ""
+    basis: str = ""
+
+    def measured(self) -> str:
+        """The computed costs in a few words (the published figure is listed apart, with its source)."""
+        parts = []
+        if self.collective_bytes is not None:
+            sign = "+" if self.collective_bytes >= 0 else "-"
+            parts.append(f"collectives {sign}{gib(abs(self.collective_bytes))}/step")
+        if self.recomputed_flops:
+            parts.append(f"recompute +{self.recomputed_flops / 1e12:,.2f} TFLOP/step")
+        return "; ".join(parts) or ("see published figure" if self.published else "none")
+
+
+@dataclass
+class Option:
+    """One step of the procedure: what it sets, the predicted peak after it, its cost and constraints."""
+
+    step: int
+    lever: str
+    label: str
+    applicable: bool
+    peak_bytes: Optional[int] = None
+    usable_bytes: Optional[int] = None
+    breakdown: dict[str, int] = field(default_factory=dict)
+    cost: Cost = field(default_factory=Cost)
+    constraints: list[Finding] = field(default_factory=list)
+    flags: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.applicable and self.peak_bytes is not None and self.peak_bytes <= self.usable_bytes
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "lever": self.lever, "label": self.label, "applicable": self.applicable,
+                "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
+                "breakdown": self.breakdown, "cost": vars(self.cost), "constraints": [c.to_dict() for c in self.constraints],
+                "memory_config": self.flags, "overrides": self.overrides}
+
+
+@dataclass
+class Plan:
+    """The estimate as the config stands, Bridge's beside it, and the options tried in order."""
+
+    gpu_memory: int
+    margin: float
+    expandable_margin: float
+    expandable_segments: bool
+    baseline: MemoryEstimate
+    bridge: Optional[BridgeEstimate]
+    options: list[Option]
+
+    @property
+    def usable_now(self) -> int:
+        return _usable(self.gpu_memory, self.expandable_margin if self.expandable_segments else self.margin)
+
+    @property
+    def fits_as_is(self) -> bool:
+        return self.baseline.peak_bytes <= self.usable_now
+
+    @property
+    def chosen(self) -> Optional[Option]:
+        return next((o for o in self.options if o.fits), None)
+
+    def memory_config(self) -> Optional[MemoryConfig]:
+        chosen = self.chosen
+        return MemoryConfig(**chosen.flags) if chosen else None
+
+    def overrides(self) -> list[str]:
+        chosen = self.chosen
+        return list(chosen.overrides) if chosen else []
+
+    def as_dict(self) -> dict:
+        chosen = self.chosen
+        return {"gpu_memory": self.gpu_memory, "margin": self.margin, "expandable_margin": self.expandable_margin,
+                "expandable_segments": self.expandable_segments, "usable_now": self.usable_now,
+                "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict(),
+                "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
+                "options": [o.as_dict() for o in self.options],
+                "chosen": None if chosen is None else {"step": chosen.step, "label": chosen.label,
+                                                       "memory_config": chosen.flags, "overrides": chosen.overrides}}
+
+
+def _usable(gpu_memory: int, margin: float) -> int:
+    return int(gpu_memory * (1 - margin))
+
+
+def breakdown(est: MemoryEstimate) -> dict[str, int]:
+    """Where the peak goes, for tables and plots: weights, gradients and optimizer, each activation
+    category, buffers and the largest transient. The values sum to ``est.peak_bytes``."""
+    static = [c for c in est.components if c.kind == STATIC]
+    parts = {"weights": sum(c.bytes for c in static if c.name.startswith("weights")),
+             "gradients and optimizer": sum(c.bytes for c in static if not c.name.startswith("weights"))}
+    parts.update({f"activations: {c.name}": c.bytes for c in est.components if c.kind == ACTIVATIONS})
+    largest = est.largest_transient
+    parts.update({"buffers": est.total(BUFFERS), "transient": largest.bytes if largest else 0})
+    return parts
+
+
+# ----------------------------------------------------------------------------------------------- costs
+
+def _element(est: MemoryEstimate) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[est.settings["dtype"]]
+
+
+def lora_input_collective_elements(strategy: str, *, seq: int, micro_batch: int, hidden: int, rank: int,
+                                   input_needs_grad: bool = True) -> int:
+    """Collective elements one eligible LoRA-A adapter moves per microbatch under sequence parallelism.
+
+    Counted as each collective's full (gathered) size. Bridge's path (``off``): all-gather x (s b h)
+    and, when x needs a gradient, reduce-scatter its gradient (s b h); ``regather`` all-gathers x
+    again in backward for the weight gradient; ``shard_local`` all-gathers A (r h) forward and, with
+    an input gradient, backward, and reduce-scatters A's weight gradient (r h). All three gather the
+    [s, b, r] LoRA-A output (over the rank dimension, or along the sequence for ``shard_local``).
+    The first layer's input under a frozen embedding needs no gradient.
+    """
+    sbh, sbr, rh = seq * micro_batch * hidden, seq * micro_batch * rank, rank * hidden
+    grad = 1 if input_needs_grad else 0
+    if strategy == "shard_local":
+        return sbr + rh + grad * rh + rh
+    if strategy == "regather":
+        return sbr + 2 * sbh + grad * sbh
+    return sbr + sbh + grad * sbh
+
+
+def _lora_collective_change(est: MemoryEstimate, strategy: str) -> tuple[int, str]:
+    s = est.settings
+    # One term per LoRA-A of a column-parallel layer (CanonicalLoRA: three on linear_qkv, two on linear_fc1).
+    targets = [layer for t in (s.get("lora_targets") or []) for layer in kinds.targeted_layers([t])
+               if layer in ("linear_qkv", "linear_fc1")]
+    old = s.get("lora_sp_input") or "off"
+    layers, nmb, e = s["layers_on_stage"], s["num_microbatches"], _element(est)
+    kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])
+    total = 0
+    for layer in range(layers):
+        for target in targets:
+            needs_grad = not (layer == 0 and est.stage == 0 and target == "linear_qkv")
+            total += (lora_input_collective_elements(strategy, **kwargs, input_needs_grad=needs_grad)
+                      - lora_input_collective_elements(old, **kwargs, input_needs_grad=needs_grad))
+    basis = (f"formula: per eligible adapter and microbatch, {old}: s*b*r + s*b*h (+ s*b*h with an input gradient); "
+             f"{strategy}: {'s*b*r + 3*r*h' if strategy == 'shard_local' else 's*b*r + 3*s*b*h'}; "
+             f"x {len(targets)} adapters x {layers} layers x {nmb} microbatches x {e} B")
+    return total * nmb * e, basis
+
+
+def recompute_flops_per_layer(module: str, s: dict) -> int:
+    """Forward FLOPs one layer repeats per microbatch when ``module`` is recomputed (GEMMs, 2 per MAC)."""
+    seq, b, h, tp = s["seq_length"], s["micro_batch"], s["hidden"], s["tp"]
+    if module == "core_attn":
+        heads, d = s["heads"] // tp, s["kv_channels"]
+        return 4 * b * seq * seq * heads * d  # QK^T and attention x V, full s x s (causal kernels skip about half)
+    if module == "mlp":
+        ffn = s["ffn"] // tp
+        return 2 * b * seq * h * ffn * ((2 if s["gated_linear_unit"] else 1) + 1)
+    return 0  # layernorm: no GEMM
+
+
+def _recompute_flops(est: MemoryEstimate, modules: list[str]) -> int:
+    s = est.settings
+    return sum(recompute_flops_per_layer(m, s) for m in modules) * s["layers_on_stage"] * s["num_microbatches"]
+
+
+def tp_collective_bytes(s: dict, *, tp: int, layers: int, num_microbatches: int, element: int) -> int:
+    """Bytes one rank moves per step for tensor parallelism's activations: per layer and microbatch,
+    2 all-gathers and 2 reduce-scatters of [s, b, h] forward and as many backward (all-reduces
+    without SP: the same volume), each moving (t - 1) / t of the tensor from a rank."""
+    if tp == 1:
+        return 0
+    sbh = s["seq_length"] * s["micro_batch"] * s["hidden"]
+    return 8 * sbh * element * (tp - 1) * layers * num_microbatches // tp
+
+
+def p2p_bytes(s: dict, *, pp: int, tp: int, num_microbatches: int, element: int) -> int:
+    """Bytes a pipeline stage sends per step: its output activation forward and its input's gradient
+    backward, [s/t, b, h] under SP, per microbatch (none with PP = 1)."""
+    if pp == 1:
+        return 0
+    seq = s["seq_length"] // tp if s["sequence_parallel"] else s["seq_length"]
+    return 2 * seq * s["micro_batch"] * s["hidden"] * element * num_microbatches
+
+
+# --------------------------------------------------------------------------------------------- planner
+
+@dataclass
+class _State:
+    """The config with the levers applied so far, its estimate, and the flags that got it there."""
+
+    cfg: Any
+    est: MemoryEstimate
+    flags: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+
+    def copy(self) -> "_State":
+        return _State(self.cfg, self.est, dict(self.flags), list(self.overrides))
+
+
+class _Planner:
+    def __init__(self, *, gpu_memory: int, margin: float, expandable_margin: float, expandable_segments: bool,
+                 estimate_options: dict):
+        self.gpu_memory, self.margin, self.expandable_margin = gpu_memory, margin, expandable_margin
+        self.expandable = expandable_segments
+        self.estimate_options = estimate_options
+        self.options: list[Option] = []
+
+    def estimate(self, cfg, **overrides) -> MemoryEstimate:
+        from megatron_bridge_ext.estimate import estimate
+
+        return estimate(cfg, **{**self.estimate_options, **overrides})
+
+    def usable(self) -> int:
+        return _usable(self.gpu_memory, self.expandable_margin if self.expandable else self.margin)
+
+    def add(self, option: Option, state: _State, *, peak: Optional[int] = None,
+            parts: Optional[dict[str, int]] = None) -> Option:
+        """Record ``option`` as reached from ``state`` (its flags, overrides and, when applicable, its estimate)."""
+        option.usable_bytes = self.usable()
+        option.flags = dict(state.flags)
+        option.overrides = (MemoryConfig(**state.flags).overrides() if state.flags else []) + list(state.overrides)
+        if option.applicable:
+            option.peak_bytes = state.est.peak_bytes if peak is None else peak
+            option.breakdown = breakdown(state.est) if parts is None else parts
+        self.options.append(option)
+        return option
+
+    def done(self) -> bool:
+        return any(o.fits for o in self.options)
+
+
+def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: float = EXPANDABLE_MARGIN,
+         expandable_segments: Optional[bool] = None, estimate_options: Optional[dict] = None,
+         with_bridge: bool = True) -> Plan:
+    """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits.
+
+    ``expandable_segments``: whether the run already has them (default: from ``cfg.env_vars``).
+    ``estimate_options`` are passed to :func:`megatron_bridge_ext.estimate.estimate`.
+    """
+    from megatron_bridge_ext.estimate.bridge import bridge_estimate
+
+    if gpu_memory <= 0:
+        raise Refused("plan", [Finding("bad_input", ERROR, "--gpu-memory", f"is {gpu_memory}", "give e.g. 80GB")])
+    if expandable_segments is None:
+        expandable_segments = _expandable_in(cfg)
+    planner = _Planner(gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
+                       expandable_segments=expandable_segments, estimate_options=dict(estimate_options or {}))
+    baseline = planner.estimate(cfg)
+    # Every later estimate keeps the baseline's DP and microbatches unless a lever changes them.
+    planner.estimate_options.update(data_parallel_size=baseline.settings["dp"],
+                                    num_microbatches=baseline.settings["num_microbatches"])
+    bridge = bridge_estimate(cfg, data_parallel_size=baseline.settings["dp"],
+                             num_microbatches=baseline.settings["num_microbatches"]) if with_bridge else None
+    result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options)
+    if result.fits_as_is:
+        return result
+    state = _State(copy.deepcopy(cfg), baseline)
+    before_recompute = None
+    for step in (_allocator, _lora_input, _recompute, _parallelism, _offloading):
+        if step is _recompute:
+            before_recompute = state.copy()
+        if step is _offloading:
+            state = before_recompute  # offloading excludes recompute: it replaces step 3, on top of steps 1-2
+        state = step(planner, state)
+        if planner.done():
+            break
+    return result
+
+
+def _expandable_in(cfg) -> bool:
+    from megatron_bridge_ext.allocator.options import effective, parse_version
+    from megatron_bridge_ext.allocator.plan import installed_torch_version
+
+    env = {k: str(v) for k, v in (getattr(cfg, "env_vars", None) or {}).items()}
+    _, conf = effective(env, parse_version(installed_torch_version()))
+    return bool(conf.flag("expandable_segments"))
+
+
+def _validate(flags: MemoryConfig, cfg) -> list[Finding]:
+    try:
+        return flags.validate(cfg)
+    except Refused as refused:
+        return refused.findings
+
+
+def _blocking(findings: list[Finding]) -> Optional[str]:
+    for f in findings:
+        if f.level in (ERROR, NO_EFFECT):
+            return f.text()
+    return None
+
+
+def _allocator(planner: _Planner, state: _State) -> _State:
+    lever = _lever("allocator")
+    constraints = _validate(MemoryConfig(expandable_segments=True), state.cfg)
+    cost = Cost(published=lever["cost"], source=lever["source"])
+    if planner.expandable:
+        state.flags["expandable_segments"] = True
+        planner.add(Option(1, lever["name"], "expandable segments: already on", False, cost=cost,
+                           constraints=constraints), state)
+        return state
+    blocked = _blocking(constraints)
+    planner.expandable = blocked is None
+    state.flags["expandable_segments"] = blocked is None
+    planner.add(Option(1, lever["name"], "expandable segments" + (f": {blocked}" if blocked else ""), blocked is None,
+                       cost=cost, constraints=constraints), state)
+    return state
+
+
+def _lora_input(planner: _Planner, state: _State) -> _State:
+    lever = _lever("LoRA input under sequence parallelism")
+    flags = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False)
+    constraints = _validate(flags, state.cfg)
+    current = state.est.settings.get("lora_sp_input")
+    published = f"no published figure; upstream's regather for comparison: {evidence.QWEN3_8B_REGATHER}"
+    blocked = "already shard_local" if current == "shard_local" else _blocking(constraints)
+    if blocked:
+        planner.add(Option(2, lever["name"], f"lora_sp_input=shard_local: {blocked}", False,
+                           cost=Cost(published=published), constraints=constraints), state)
+        return state
+    cfg = copy.deepcopy(state.cfg)
+    flags.apply(cfg)
+    change, basis = _lora_collective_change(state.est, "shard_local")
+    new = _State(cfg, planner.estimate(cfg), {**state.flags, "lora_sp_input": "shard_local"}, list(state.overrides))
+    planner.add(Option(2, lever["name"], "lora_sp_input=shard_local", True, constraints=constraints,
+                       cost=Cost(collective_bytes=change, published=published, basis=basis)), new)
+    return new
+
+
+def _recompute(planner: _Planner, state: _State) -> _State:
+    lever = _lever("selective recompute")
+    s = state.est.settings
+    if s["recompute_granularity"] == "full":
+        planner.add(Option(3, lever["name"], "selective recompute: the config already recomputes full layers", False,
+                           cost=Cost(published=lever["cost"], source=lever["source"])), state)
+        return state
+    base = list(s["recompute_modules"]) if s["recompute_granularity"] == "selective" else []
+    tried: dict[tuple[str, ...], tuple[Any, MemoryEstimate]] = {}
+    start_cfg = state.cfg
+
+    def estimate_with(modules: list[str]) -> tuple[Any, MemoryEstimate]:
+        if tuple(modules) not in tried:
+            cfg = _with_recompute(start_cfg, modules)
+            tried[tuple(modules)] = cfg, planner.estimate(cfg)
+        return tried[tuple(modules)]
+
+    candidates = []
+    for module in RECOMPUTE_CANDIDATES:
+        if module in base or (module == "layernorm" and s["transformer_impl"] == "transformer_engine"):
+            continue  # TE fuses the norms into the linears: nothing for layernorm recompute to drop
+        saved = state.est.peak_bytes - estimate_with(base + [module])[1].peak_bytes
+        candidates.append((module, saved, _recompute_flops(state.est, [module])))
+    for module, saved, _ in candidates:
+        if saved <= 0:
+            planner.add(Option(3, lever["name"], f"recompute {module}: saves nothing here (measured)", False,
+                               cost=Cost(published=lever["cost"], source=lever["source"])), state)
+    useful = sorted((c for c in candidates if c[1] > 0), key=lambda c: c[2] / c[1])  # FLOPs per byte, cheapest first
+    modules = list(base)
+    for module, _, _ in useful:
+        trial = modules + [module]
+        constraints = [f for f in _validate(MemoryConfig(recompute_modules=trial, expandable_segments=False), state.cfg)
+                       if f.code != "core_attn_effect"]  # the estimate measures the effect instead
+        blocked = _blocking(constraints)
+        if blocked:
+            planner.add(Option(3, lever["name"], f"recompute_modules={trial}: {blocked}", False,
+                               constraints=constraints), state)
+            continue
+        modules = trial
+        cfg, est = estimate_with(modules)
+        state = _State(cfg, est, {**state.flags, "recompute_modules": list(modules)}, list(state.overrides))
+        published = [lever["cost"]] if "mlp" in modules else []
+        if "core_attn" in modules and s["attention"] == "fused":
+            published.append(str(evidence.CORE_ATTN_FUSED))
+        cost = Cost(recomputed_flops=_recompute_flops(state.est, modules[len(base):]), published="; ".join(published),
+                    source=lever["source"] if published else "",
+                    basis="formula: forward GEMM FLOPs of the recomputed modules x layers x microbatches")
+        planner.add(Option(3, lever["name"], f"recompute_modules={modules}", True, cost=cost,
+                           constraints=constraints), state)
+        if planner.done():
+            break
+    return state
+
+
+def _with_recompute(cfg, modules: list[str]):
+    out = copy.deepcopy(cfg)
+    MemoryConfig(recompute_modules=list(modules), expandable_segments=False).apply(out)
+    return out
+
+
+def _parallelism(planner: _Planner, state: _State) -> _State:
+    from megatron_bridge_ext.estimate.memory import parallel_problems
+
+    lever = _lever("parallelism")
+    s = state.est.settings
+    for name, field_name, figure in (("PP", "pipeline_model_parallel_size", evidence.PP_DOUBLING),
+                                     ("TP", "tensor_model_parallel_size", evidence.TP_DOUBLING)):
+        old = s[name.lower()]
+        label = f"{name} {old} -> {2 * old}, DP {s['dp']} -> {max(s['dp'] // 2, 1)}"
+        cfg = copy.deepcopy(state.cfg)
+        setattr(cfg.model, field_name, 2 * old)
+        problems = []
+        if s["dp"] % 2:
+            problems.append(Finding("needs_gpus", ERROR, "data parallel size", f"DP={s['dp']} cannot be halved: "
+                                    f"{name} x 2 needs twice the GPUs", "add GPUs, or choose another lever"))
+        if name == "TP" and 2 * old > MAX_TP:
+            problems.append(Finding("tp_beyond_node", ERROR, "model.tensor_model_parallel_size",
+                                    f"TP={2 * old} spans more than one {MAX_TP}-GPU NVLink node",
+                                    f"keep TP <= {MAX_TP}"))
+        problems += parallel_problems(cfg.model, micro_batch=cfg.train.micro_batch_size, peft=cfg.peft)
+        problems += _model_errors(cfg)
+        cost = Cost(published=str(figure), source=lever["source"])
+        if problems:
+            planner.add(Option(4, lever["name"], f"{label}: {problems[0].text()}", False, cost=cost,
+                               constraints=problems), state)
+            continue
+        dp, nmb = s["dp"] // 2, s["num_microbatches"] * 2  # the same global batch on half the replicas
+        cfg.data_parallel_size = dp
+        resized = _State(cfg, planner.estimate(cfg, data_parallel_size=dp, num_microbatches=nmb), dict(state.flags),
+                         state.overrides + [f"model.{field_name}={2 * old}"])
+        cost.collective_bytes, cost.basis = _parallel_traffic_change(state.est, resized.est)
+        if planner.add(Option(4, lever["name"], label, True, cost=cost), resized).fits:
+            return resized
+    return state
+
+
+def _parallel_traffic_change(before: MemoryEstimate, after: MemoryEstimate) -> tuple[int, str]:
+    e = _element(before)
+
+    def volume(s):
+        return (tp_collective_bytes(s, tp=s["tp"], layers=s["layers_on_stage"], num_microbatches=s["num_microbatches"],
+                                    element=e)
+                + p2p_bytes(s, pp=s["pp"], tp=s["tp"], num_microbatches=s["num_microbatches"], element=e))
+
+    return volume(after.settings) - volume(before.settings), (
+        "formula: TP 8*s*b*h*e*(t-1)/t per layer and microbatch, PP 2*(s/t)*b*h*e per microbatch, on this rank's "
+        "layers, with twice the microbatches per step as DP halves")
+
+
+def _model_errors(cfg) -> list[Finding]:
+    """The model-level refusals ``MemoryConfig.validate`` makes (offloading, recompute, CUDA graphs)."""
+    return [f for f in _validate(MemoryConfig(expandable_segments=False), cfg) if f.level == ERROR]
+
+
+def _offloading(planner: _Planner, state: _State) -> _State:
+    lever = _lever("CPU offloading")
+    s = state.est.settings
+    layers = s["num_layers"]
+    cfg = copy.deepcopy(state.cfg)
+    cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = True, layers - 1
+    constraints = _model_errors(cfg)
+    label = f"cpu_offloading of {layers - 1} of {layers} layers' activations (instead of recompute)"
+    if constraints:
+        planner.add(Option(5, lever["name"], f"{label}: {constraints[0].text()}", False,
+                           cost=Cost(published=lever["cost"]), constraints=constraints), state)
+        return state
+    keep = 2 / s["layers_on_stage"]  # the layer computing and the one being copied stay on the GPU
+    parts = breakdown(state.est)
+    on_layers = [k for k in parts if k.removeprefix("activations: ") in LAYER_CATEGORIES]
+    offloaded_bytes = sum(int(parts[k] * (1 - keep)) for k in on_layers)
+    for k in on_layers:
+        parts[k] -= int(parts[k] * (1 - keep))
+    transfer = 2 * offloaded_bytes * s["num_microbatches"] // max(1, round(state.est.in_flight_microbatches))
+    cost = Cost(published=lever["cost"], basis=f"formula: {gib(transfer)} to the host and back over PCIe per step; "
+                                                "2 layers' activations stay on the GPU")
+    offloaded = _State(cfg, state.est, dict(state.flags), state.overrides + [
+        "model.cpu_offloading=true", f"model.cpu_offloading_num_layers={layers - 1}",
+        "model.cpu_offloading_activations=true", "model.cpu_offloading_weights=false"])
+    planner.add(Option(5, lever["name"], label, True, cost=cost), offloaded, peak=sum(parts.values()), parts=parts)
+    return offloaded

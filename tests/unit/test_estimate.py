@@ -1,0 +1,296 @@
+"""The memory estimate on public model shapes (tests/data/*/config.json), against hand computation.
+
+Every static component is recomputed here from the config.json fields with Megatron's sharding
+rules (TP shards of each linear, vocabulary split, replicated norms, LoRA adapter shapes), and the
+LoRA inputs and Transformer Engine shards from the shapes of the tensors each adapter keeps. The
+activations as a whole are checked against real runs by the validation grid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_bridge_ext.estimate import configs
+from megatron_bridge_ext.estimate.memory import microbatches_in_flight, parallel_problems
+from megatron_bridge_ext.estimate.static import optimizer_rule
+from megatron_bridge_ext.estimate.trace import (
+    ATTENTION, CHECKPOINT_INPUTS, EMBEDDING, LOGITS_LOSS, LORA_INPUTS, MLP, NORMS, category_of,
+)
+from megatron_bridge_ext.findings import Refused
+
+pytestmark = [pytest.mark.unit]
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+QWEN3_8B = os.path.join(DATA, "qwen3-8b", "config.json")
+LLAMA3_8B = os.path.join(DATA, "llama-3-8b", "config.json")
+BF16 = 2
+TP, SEQ, DP, RANK = 2, 8192, 4, 16
+
+
+def _hf(path):
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def _layer_params(hf: dict, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank: column/row-parallel linears split by TP,
+    norms (and Qwen3's q/k norms) replicated."""
+    h, n, g, ffn = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"]
+    d = hf.get("head_dim", h // n)
+    qkv = (n + 2 * g) * d * h // tp
+    proj = n * d * h // tp
+    fc1 = 2 * ffn * h // tp  # gate and up (SwiGLU)
+    fc2 = ffn * h // tp
+    norms = 2 * h + (2 * d if hf["model_type"] == "qwen3" else 0)
+    return qkv + proj + fc1 + fc2 + norms
+
+
+def _adapter_params(hf: dict, tp: int, rank: int) -> int:
+    """Bridge LoRA on qkv, proj, fc1, fc2: rank x (in + out) per target, split by TP (A on the rank
+    dimension for column targets, on the input for row targets; B on the output)."""
+    h, n, g, ffn = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"]
+    d = hf.get("head_dim", h // n)
+    in_out = (h + (n + 2 * g) * d) + (n * d + h) + (h + 2 * ffn) + (ffn + h)
+    return rank * in_out // tp
+
+
+@pytest.fixture(scope="module")
+def qwen_lora():
+    layout = configs.Layout(tp=TP, seq=SEQ, dp=DP, peft="lora", lora_dim=RANK, lora_alpha=32)
+    cfg = configs.from_hf_config(QWEN3_8B, layout)
+    from megatron_bridge_ext.estimate import estimate
+
+    return cfg, estimate(cfg)
+
+
+def test_static_components_of_qwen3_8b_lora_match_hand_computation(qwen_lora):
+    _, est = qwen_lora
+    hf = _hf(QWEN3_8B)
+    h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    embedding = vocab * h // TP
+    frozen_layers = layers * _layer_params(hf, TP) + h  # + the final norm
+    adapters = layers * _adapter_params(hf, TP, RANK)
+    assert est.component("weights: embedding").bytes == embedding * BF16
+    assert est.component("weights: output layer").bytes == embedding * BF16  # untied, V/t rows on the last stage
+    assert est.component("weights: transformer layers").bytes == frozen_layers * BF16
+    assert est.component("weights: adapters").bytes == adapters * BF16
+    # bf16_mixed reduces gradients in fp32; only the adapters have them.
+    assert est.component("gradients (main_grad buffer)").bytes == adapters * 4
+    # Distributed Adam: fp32 main copy + two fp32 moments, over DP ranks.
+    assert est.component("optimizer states").bytes == -(-adapters * 12 // DP)
+
+
+def test_lora_inputs_and_te_shards_of_qwen3_8b_match_their_shapes(qwen_lora):
+    _, est = qwen_lora
+    hf = _hf(QWEN3_8B)
+    h, ffn, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    s, b = SEQ, 1
+    # Per layer: LoRA-A of qkv and fc1 keep the gathered [s, b, h] norm output (Bridge's path), LoRA-A of
+    # fc2 its [s, b, ffn/t] input, each LoRA-B its [s, b, r] input; proj's LoRA-A input is the attention
+    # output, which the attention keeps first.
+    lora = layers * (2 * s * b * h + s * b * ffn // TP + 4 * s * b * RANK) * BF16
+    assert est.activations_per_microbatch[LORA_INPUTS] == lora
+    # Transformer Engine's LayerNormLinear keeps its [s/t, b, h] shard next to each gathered copy.
+    assert est.component("TE norm-output shards (contract)").bytes == 2 * layers * (s // TP) * b * h * BF16
+    logits = est.component("logits at the loss")
+    assert logits.bytes == s * b * (hf["vocab_size"] // TP) * BF16
+
+
+def test_bridge_estimate_ignores_peft_where_ours_does_not(qwen_lora):
+    from megatron_bridge_ext.estimate.bridge import bridge_estimate
+
+    cfg, est = qwen_lora
+    with_lora = bridge_estimate(cfg, data_parallel_size=DP)
+    peft, cfg.peft = cfg.peft, None
+    try:
+        without = bridge_estimate(cfg, data_parallel_size=DP)
+    finally:
+        cfg.peft = peft
+    assert with_lora.total_bytes == without.total_bytes
+    # Bridge charges every parameter 6 + 12/DP bytes; ours charges frozen ones their bf16 weight only.
+    ours_state = sum(c.bytes for c in est.components if c.kind == "static")
+    assert with_lora.components[0][1] > 3 * ours_state
+
+
+def test_first_and_last_pipeline_stage_hold_the_embedding_and_the_output_layer():
+    from megatron_bridge_ext.estimate import estimate
+
+    hf = _hf(LLAMA3_8B)
+    cfg = configs.from_hf_config(LLAMA3_8B, configs.Layout(tp=2, pp=2, dp=2, seq=512, peft="none"),
+                                 ["model.num_layers=4"])
+    est = estimate(cfg)
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    assert sorted(est.stage_peaks) == [0, 1]
+    parts = {c.name for c in est.components}
+    stage_weights = 2 * _layer_params(hf, 2) * BF16  # 4 layers over 2 stages
+    if est.stage == 0:
+        assert "weights: embedding" in parts and "weights: output layer" not in parts
+        assert est.component("weights: embedding").bytes == vocab * h // 2 * BF16
+        assert est.in_flight_microbatches == 2  # 1F1B: the first of 2 stages holds 2 microbatches
+    else:
+        assert "weights: output layer" in parts and "weights: embedding" not in parts
+        stage_weights += h * BF16  # the final norm sits on the last stage
+        assert est.in_flight_microbatches == 1
+    assert est.component("weights: transformer layers").bytes == stage_weights
+    total = sum(c.bytes for c in est.components if c.name.startswith("weights")) // BF16
+    assert est.component("gradients (main_grad buffer)").bytes == total * 4  # full fine-tuning
+    assert est.component("optimizer states").bytes == -(-total * 12 // 2)
+
+
+def test_microbatches_in_flight_follow_the_schedules():
+    # 1F1B: stage k runs pp - k - 1 warm-up forwards, then one more before its first backward.
+    assert microbatches_in_flight(pp=4, vpp=None, num_microbatches=8, stage=0) == 4
+    assert microbatches_in_flight(pp=4, vpp=None, num_microbatches=8, stage=3) == 1
+    assert microbatches_in_flight(pp=4, vpp=None, num_microbatches=2, stage=0) == 2
+    assert microbatches_in_flight(pp=1, vpp=None, num_microbatches=16, stage=0) == 1
+    # Interleaved, stage 0: Korthikanti et al.'s pp * (1 + (pp - 1) / (pp * vpp)).
+    for pp, vpp in ((4, 2), (4, 5), (8, 3)):
+        expected = pp * (1 + (pp - 1) / (pp * vpp))
+        assert microbatches_in_flight(pp=pp, vpp=vpp, num_microbatches=64, stage=0) == pytest.approx(expected)
+
+
+def test_optimizer_rules():
+    class Adam:
+        optimizer, use_precision_aware_optimizer, use_distributed_optimizer = "adam", False, True
+
+    assert optimizer_rule(Adam, param_bytes=2, data_parallel=8, context_parallel=1).bytes_per_parameter == 12
+    assert optimizer_rule(Adam, param_bytes=2, data_parallel=8, context_parallel=2).shards == 16
+    assert optimizer_rule(Adam, param_bytes=4, data_parallel=1, context_parallel=1).bytes_per_parameter == 8
+
+    import torch
+
+    class PrecisionAware(Adam):
+        use_precision_aware_optimizer = True
+        main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype = torch.float32, torch.bfloat16, torch.bfloat16
+
+    assert optimizer_rule(PrecisionAware, param_bytes=2, data_parallel=1, context_parallel=1).bytes_per_parameter == 8
+
+    class SGD(Adam):
+        optimizer, use_distributed_optimizer = "sgd", False
+
+    rule = optimizer_rule(SGD, param_bytes=2, data_parallel=4, context_parallel=1)
+    assert (rule.bytes_per_parameter, rule.shards) == (8, 1)
+
+
+def test_impossible_parallel_sizes_name_the_setting():
+    cfg = configs.from_hf_config(QWEN3_8B, configs.Layout(tp=3, seq=8192))
+    problems = parallel_problems(cfg.model, micro_batch=1)
+    assert problems and problems[0].setting == "model.tensor_model_parallel_size"
+    assert "32 attention heads" in problems[0].message
+    from megatron_bridge_ext.estimate import estimate
+
+    with pytest.raises(Refused, match="TP=3 does not divide"):
+        estimate(cfg)
+
+
+@pytest.mark.parametrize("name, category", [
+    ("decoder.layers.3.self_attention.linear_qkv.adapter.linear_in", LORA_INPUTS),
+    ("decoder.layers.3.mlp.linear_fc2.adapter.linear_out", LORA_INPUTS),
+    ("decoder.layers.3.self_attention.q_layernorm", NORMS),
+    ("decoder.layers.3.input_layernorm", NORMS),
+    ("decoder.final_layernorm", NORMS),
+    ("decoder.layers.3.self_attention.core_attention", ATTENTION),
+    ("rotary_pos_emb", ATTENTION),
+    ("decoder.layers.3.mlp.linear_fc1", MLP),
+    ("embedding.word_embeddings", EMBEDDING),
+    ("decoder", CHECKPOINT_INPUTS),
+    ("output_layer", LOGITS_LOSS),
+    ("<root>", LOGITS_LOSS),
+])
+def test_categories_of_module_names(name, category):
+    assert category_of(name) == category
+
+
+def test_fused_attention_stand_in_keeps_what_the_fused_kernels_keep():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_bridge_ext.estimate.standins import _FusedAttentionSaves
+    from megatron_bridge_ext.measure import SavedActivationMeter
+
+    s, b, heads, groups, d = 64, 2, 8, 2, 16
+    with FakeTensorMode():
+        q = torch.empty(s, b, heads, d, dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.empty(s, b, 2 * groups, d, dtype=torch.bfloat16, requires_grad=True)
+        k, v = kv[:, :, :groups], kv[:, :, groups:]  # v a view, made contiguous by the kernel
+        with SavedActivationMeter() as meter:
+            out = _FusedAttentionSaves.apply(q, k, v)
+    assert tuple(out.shape) == (s, b, heads * d)
+    expected = (s * b * heads * d * 2  # q
+                + s * b * 2 * groups * d * 2  # k: a view of kv keeps kv's storage
+                + s * b * groups * d * 2  # contiguous v
+                + s * b * heads * d * 2  # output
+                + b * heads * s * 4)  # fp32 log-sum-exp
+    assert meter.result().total_bytes == expected
+
+
+def test_fused_attention_stand_in_refuses_real_tensors():
+    import torch
+
+    from megatron_bridge_ext.estimate.standins import _FusedAttentionSaves
+
+    x = torch.zeros(4, 1, 2, 8)
+    with pytest.raises(RuntimeError, match="fake tensors only"):
+        _FusedAttentionSaves.apply(x, x, x)
+
+
+def test_identical_layers_save_the_same_and_split_the_layer_categories(qwen_lora):
+    _, est = qwen_lora
+    layers = est.activations_per_layer
+    assert sorted(layers) == list(range(36))
+    assert len({layers[i] for i in range(1, 36)}) == 1  # 35 identical layers after the first
+    # The first layer's input comes from the frozen embedding: Bridge's LoRA-A there has no input gradient path.
+    assert layers[0] <= layers[1]
+    in_layers = sum(est.activations_per_microbatch[c] for c in (NORMS, ATTENTION, MLP, LORA_INPUTS))
+    hf = _hf(QWEN3_8B)
+    final_norm = (SEQ // TP) * hf["hidden_size"] * BF16 + (SEQ // TP) * 4  # its input and fp32 rstd
+    assert sum(layers.values()) == in_layers - final_norm
+
+
+def _tiny_kind(kind: str, **fields):
+    """The demo's tiny GPT (bf16, SwiGLU, TP 2 with SP) under Bridge's PEFT of ``kind`` (its gathered path)."""
+    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, peft_fields
+    from megatron_bridge_ext.estimate.device import tiny_config
+    from megatron_bridge_ext.peft import kinds
+
+    shape = TinyGPTShape(tp=2, sequence_parallel=True, swiglu=True, dtype="bfloat16", peft=kind)
+    return shape, tiny_config(shape, kinds.bridge_class(kind)(**peft_fields(shape), **fields))
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_canonical_lora_inputs_against_lora_from_the_shapes(impl):
+    """CanonicalLoRA adapts linear_qkv with three adapters and linear_fc1 with two, each with its [s, b, r]
+    LoRA-B input: three more than LoRA per layer. On the local spec each of them gathers the layer's
+    [s, b, h] input for itself (three more gathered copies per layer); Transformer Engine gathers once
+    and shares it, so under its contract only the LoRA-B inputs differ, and both kinds add the same
+    norm-output shard per LayerNormLinear."""
+    from megatron_bridge_ext.estimate import estimate
+
+    ests = {}
+    for kind in ("lora", "canonical_lora"):
+        shape, cfg = _tiny_kind(kind)
+        ests[kind] = estimate(cfg, attention="local", transformer_impl=impl, device="cpu")
+    s, b, h, r, layers = shape.seq, shape.micro_batch, shape.hidden, shape.lora_rank, shape.layers
+    extra_b_inputs = layers * 3 * s * b * r * BF16
+    extra_copies = layers * 3 * s * b * h * BF16 if impl == "local" else 0
+    lora_inputs = {kind: est.component(LORA_INPUTS).bytes for kind, est in ests.items()}
+    assert lora_inputs["canonical_lora"] - lora_inputs["lora"] == extra_b_inputs + extra_copies
+    if impl == "transformer_engine":
+        shard = layers * 2 * (s // shape.tp) * b * h * BF16  # linear_qkv's and linear_fc1's own norm output
+        for est in ests.values():
+            assert est.component("TE norm-output shards (contract)").bytes == shard
+
+
+def test_dora_with_dropout_on_transformer_engine_under_sp_is_refused():
+    from megatron_bridge_ext.estimate import estimate
+
+    _, cfg = _tiny_kind("dora", dropout=0.1)
+    with pytest.raises(Refused) as refused:
+        estimate(cfg, attention="local", transformer_impl="transformer_engine", device="cpu")
+    line = refused.value.one_line()
+    assert "peft.dropout" in line and "set peft.dropout=0.0" in line and "\n" not in line
+    # The local spec runs it (its base linears take the dropout correction's shard).
+    assert estimate(cfg, attention="local", transformer_impl="local", device="cpu").peak_bytes > 0

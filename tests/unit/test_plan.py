@@ -1,0 +1,163 @@
+"""The decision procedure on crafted configs: each device size is placed between two estimates so
+that exactly one lever is the first to fit.
+
+The configs are the demo's tiny GPT (bf16, SwiGLU, GQA) through ``tiny_config``, with Bridge's LoRA
+path (``off``), sequence parallelism and a long enough sequence that activations dominate. Device
+sizes come from estimates of the configs each lever leads to; what is tested is the order and the
+answer (MemoryConfig, overrides, constraints), not the estimate's numbers (the grid tests those).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bridge_ext import plan as planner
+from megatron_bridge_ext.config import MemoryConfig
+
+pytestmark = [pytest.mark.unit]
+
+
+def _cfg(*, tp=2, pp=1, dp=1, layers=4):
+    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape
+    from megatron_bridge_ext.estimate.device import tiny_config
+    from megatron_bridge_ext.peft import LoRA
+
+    shape = TinyGPTShape(layers=layers, hidden=64, ffn=256, heads=8, kv_heads=4, seq=1024, micro_batch=2, vocab=128,
+                         tp=tp, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=16,
+                                  sequence_parallel_input_strategy="off"),
+                      pipeline_model_parallel_size=pp)
+    cfg.data_parallel_size = dp
+    cfg.train.global_batch_size = shape.micro_batch * dp * pp
+    return cfg
+
+
+def _peak(cfg, **flags) -> int:
+    from megatron_bridge_ext.estimate import estimate
+
+    if flags:
+        MemoryConfig(expandable_segments=False, **flags).apply(cfg)
+    return estimate(cfg).peak_bytes
+
+
+def _device_for(usable: float, margin: float) -> int:
+    """The device size whose usable share (after ``margin``) is ``usable``."""
+    return int(usable / (1 - margin))
+
+
+def _plan(cfg, gpu):
+    return planner.plan(cfg, gpu_memory=gpu, expandable_segments=False)
+
+
+def test_fits_as_is():
+    cfg = _cfg()
+    result = _plan(cfg, 10 * _peak(_cfg()))
+    assert result.fits_as_is and result.options == [] and result.chosen is None
+    assert result.bridge is not None and result.bridge.total_bytes > 0
+
+
+def test_fragmentation_only_is_fixed_by_expandable_segments():
+    peak = _peak(_cfg())
+    # Fits under the expandable-segments margin, not under the fragmentation margin.
+    gpu = _device_for(peak * 1.01, planner.EXPANDABLE_MARGIN)
+    assert gpu * (1 - planner.MARGIN) < peak
+    result = _plan(_cfg(), gpu)
+    assert not result.fits_as_is
+    assert [o.step for o in result.options] == [1]
+    assert result.chosen.lever == "allocator" and result.chosen.peak_bytes == peak
+    assert result.memory_config() == MemoryConfig(expandable_segments=True)
+    assert result.overrides() == []
+
+
+def test_needs_the_lora_input_under_sequence_parallelism():
+    peak, shard_local = _peak(_cfg()), _peak(_cfg(), lora_sp_input="shard_local")
+    assert shard_local < peak
+    result = _plan(_cfg(), _device_for((peak + shard_local) / 2, planner.EXPANDABLE_MARGIN))
+    assert [o.step for o in result.options] == [1, 2]
+    chosen = result.chosen
+    assert chosen.step == 2 and chosen.peak_bytes == shard_local
+    assert chosen.flags == {"expandable_segments": True, "lora_sp_input": "shard_local"}
+    assert "+peft.sequence_parallel_input_strategy=shard_local" in chosen.overrides
+    assert chosen.cost.collective_bytes < 0  # shard_local moves r*h-sized tensors instead of s*b*h ones
+
+
+def test_needs_selective_recompute():
+    shard_local = _peak(_cfg(), lora_sp_input="shard_local")
+    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(planner.RECOMPUTE_CANDIDATES))
+    assert everything < shard_local
+    result = _plan(_cfg(), _device_for((shard_local + everything) / 2, planner.EXPANDABLE_MARGIN))
+    chosen = result.chosen
+    assert chosen.step == 3 and chosen.flags["recompute_modules"]
+    assert [o.step for o in result.options if o.applicable][:2] == [1, 2]
+    assert chosen.cost.recomputed_flops > 0 or chosen.flags["recompute_modules"] == ["layernorm"]
+    assert "model.recompute_granularity=selective" in chosen.overrides
+
+
+def test_needs_tp_times_two_when_pp_does_not_help():
+    everything_fails = _plan(_cfg(dp=2), 1)
+    by_label = {o.label.split(",")[0]: o for o in everything_fails.options if o.step == 4}
+    pp, tp = by_label["PP 1 -> 2"], by_label["TP 2 -> 4"]
+    best_before = min(o.peak_bytes for o in everything_fails.options if o.applicable and o.step < 4)
+    # Under 1F1B the first stage holds twice the microbatches on half the layers: PP x 2 saves little here.
+    assert tp.peak_bytes < min(pp.peak_bytes, best_before)
+    result = _plan(_cfg(dp=2), _device_for((tp.peak_bytes + min(pp.peak_bytes, best_before)) / 2,
+                                           planner.EXPANDABLE_MARGIN))
+    chosen = result.chosen
+    assert chosen.step == 4 and chosen.label.startswith("TP 2 -> 4")
+    assert "model.tensor_model_parallel_size=4" in chosen.overrides
+    assert "TP 4->8: -28.4%" in chosen.cost.published
+
+
+def test_pipeline_parallelism_blocks_cpu_offloading():
+    result = _plan(_cfg(pp=2), 1)
+    assert result.chosen is None
+    offload = [o for o in result.options if o.step == 5]
+    assert len(offload) == 1 and not offload[0].applicable
+    assert [c.code for c in offload[0].constraints] == ["offload_with_pp"]
+    parallel = [o for o in result.options if o.step == 4]
+    assert parallel and all(not o.applicable and o.constraints[0].code == "needs_gpus" for o in parallel)
+
+
+def test_lora_input_collective_elements_per_adapter():
+    s, b, h, r = 1024, 2, 64, 8
+    # Bridge's path gathers x and reduce-scatters its gradient; shard_local gathers A twice and
+    # reduce-scatters A's gradient; all three gather the [s, b, r] LoRA-A output.
+    assert planner.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r) == s * b * r + 2 * s * b * h
+    assert planner.lora_input_collective_elements("regather", seq=s, micro_batch=b, hidden=h, rank=r) \
+        == s * b * r + 3 * s * b * h
+    assert planner.lora_input_collective_elements("shard_local", seq=s, micro_batch=b, hidden=h, rank=r) \
+        == s * b * r + 3 * r * h
+    assert planner.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r,
+                                                  input_needs_grad=False) == s * b * r + s * b * h
+
+
+def test_recompute_flops_and_tp_traffic_formulas():
+    s = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "tp": 2, "heads": 8, "kv_channels": 8, "ffn": 256,
+         "gated_linear_unit": True, "sequence_parallel": True}
+    # Attention: Q K^T and probabilities x V, 2 FLOPs per multiply-add, 4 heads per rank.
+    assert planner.recompute_flops_per_layer("core_attn", s) == 2 * (2 * 2 * 1024 * 1024 * 4 * 8)
+    # MLP: fc1 (2 x 128 outputs per rank with SwiGLU) and fc2 (128 inputs per rank).
+    assert planner.recompute_flops_per_layer("mlp", s) == 2 * 2 * 1024 * 64 * 256 + 2 * 2 * 1024 * 128 * 64
+    assert planner.tp_collective_bytes(s, tp=1, layers=4, num_microbatches=2, element=2) == 0
+    assert planner.tp_collective_bytes(s, tp=2, layers=4, num_microbatches=2, element=2) \
+        == 8 * 1024 * 2 * 64 * 2 // 2 * 4 * 2
+
+
+def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
+    from megatron_bridge_ext.estimate.report import MemoryEstimate
+
+    settings = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "lora_dim": 8, "layers_on_stage": 3,
+                "num_microbatches": 2, "dtype": "bfloat16", "lora_sp_input": "off",
+                "lora_targets": ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
+                                 "linear_fc2"]}
+    est = MemoryEstimate(stage=0, components=[], settings=settings, assumptions=[], activations_per_microbatch={},
+                         in_flight_microbatches=1)
+    change, _ = planner._lora_collective_change(est, "shard_local")
+    s, b, h, r = 1024, 2, 64, 8
+    # Five LoRA-A on column-parallel layers per layer; each trades Bridge's s*b*h gather and gradient
+    # reduce-scatter for r*h-sized ones, except layer 0's three q/k/v adapters, whose input (the frozen
+    # embedding's output) needs no gradient.
+    with_grad = (s * b * r + 3 * r * h) - (s * b * r + 2 * s * b * h)
+    without_grad = (s * b * r + 2 * r * h) - (s * b * r + s * b * h)
+    adapters_with_grad = 3 * 5 - 3
+    assert change == (adapters_with_grad * with_grad + 3 * without_grad) * 2 * 2  # x microbatches x bf16
