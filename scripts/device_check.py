@@ -14,7 +14,8 @@ Parts, each in its own process under its own timeout, in this order (fast first)
    verdicts: the after-forward drop against the baseline equals 2L eligible adapters x
    s*b*h*2*(1-1/t) bytes (regather's persistent gather buffer counted apart), and the peak drop lies
    between (2L-1) and 2L adapters' worth; step-time ratios are compute only (collectives are free on
-   a fake group), reported with the collective bytes per step;
+   a fake group), reported with the collective bytes per step; the memory estimate of each variant
+   (``megatron_bridge_ext.estimate``) against its measured peak, within the estimate's target;
 4. with two or more GPUs: the functional tests under NCCL (needs pytest).
 
 ``$OUT/device_check.json`` is rewritten after every part, so a kill leaves what finished. One verdict
@@ -35,6 +36,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local")
+DEFAULT_LAYERS = 4
+ESTIMATES = "scripts/device_estimates.json"
+"""The estimates of the measured configs, written where Bridge is fully installed (peak_memory.py
+--write-estimates; a unit test recomputes them): tracing needs Bridge's training config, whose imports
+(Hugging Face datasets, pyarrow) the carried wheel set leaves out."""
 MiB = 1 << 20
 TOLERANCE = 1 * MiB
 """Allocator slack allowed on the byte verdicts: the measured tensors are whole multiples of 512 bytes,
@@ -183,7 +189,8 @@ def _adapter_bytes(shape: dict) -> int:
 def peak_memory(check: Check, layers: int, dry_run: bool, cuda: bool) -> None:
     rows = {}
     for variant in VARIANTS:
-        command = [sys.executable, "scripts/peak_memory.py", "--variant", variant, "--layers", str(layers), "--json"]
+        command = [sys.executable, "scripts/peak_memory.py", "--variant", variant, "--layers", str(layers), "--json",
+                   "--estimates", ESTIMATES]
         if dry_run or not cuda:
             command.append("--dry-run")
         started = time.time()
@@ -204,6 +211,36 @@ def peak_memory(check: Check, layers: int, dry_run: bool, cuda: bool) -> None:
         status, detail = judge(base, row, layers, cuda)
         check.verdict(f"peak memory: {variant}", status, detail)
         check.part("peak_memory", rows)
+    ran = {name: row for name, row in rows.items() if "error" not in row}
+    status, detail = judge_estimate(ran, cuda)
+    check.verdict("memory estimate vs measured peak", status, detail)
+
+
+def judge_estimate(rows: dict, cuda: bool) -> tuple[str, str]:
+    """The estimate (``megatron_bridge_ext.estimate``) of each variant that ran, against its measured peak.
+
+    With CUDA: every variant's estimate, less what a bare step never allocates (optimizer states), is
+    within the estimate's target of ``max_memory_allocated``. Dry run: the estimate ran for every
+    variant (the CPU's attention is PyTorch's math fallback, not the fused kernel the estimate assumes,
+    so the bytes are not compared).
+    """
+    problems, lines = [], []
+    for name, row in rows.items():
+        est = row.get("estimate")
+        if not est or "error" in est:
+            problems.append(f"{name}: {(est or {}).get('error', 'no estimate in the output')[-200:]}")
+        elif cuda:
+            lines.append(f"{name} {est['compared_bytes'] / 2**30:.2f} vs {row['peak_forward_backward'] / 2**30:.2f} GiB "
+                         f"({est['relative_error']:+.1%})")
+            if not est["within_target"]:
+                problems.append(f"{name}: {est['relative_error']:+.1%} is outside {est['target']:.0%}")
+        else:
+            lines.append(f"{name} peak {est['peak_bytes']:,} B")
+    if problems:
+        return FAIL, "; ".join(problems)
+    if not cuda:
+        return DRY, "the carried estimate of every variant read (bytes not compared on the CPU's attention): " + ", ".join(lines)
+    return PASS, "estimate, less optimizer states, vs max_memory_allocated: " + "; ".join(lines)
 
 
 def judge(base: dict, row: dict, layers: int, cuda: bool) -> tuple[str, str]:
@@ -255,7 +292,7 @@ def functional(check: Check, gpus: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "build/device"), help="where device_check.json goes")
-    p.add_argument("--layers", type=int, default=4, help="transformer layers of the Qwen3-8B-shaped stack")
+    p.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="transformer layers of the Qwen3-8B-shaped stack")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the path, not the figures")
     p.add_argument("--budget", type=int, default=BUDGET_S, help="wall-clock seconds for the whole check")
     args = p.parse_args(argv)

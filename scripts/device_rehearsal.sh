@@ -13,6 +13,6 @@ mkdir -p "$work"
 bash scripts/device_wheels.sh "$work/whl"
 status=0
 MBX_WHEELS="$work/whl" PYTHON="$work/venv/bin/python" MBX_DEVICE_SITE="$PWD/$work/site" OUT="$work/out" \
-  bash scripts/device_check.sh --dry-run --layers 2 || status=$?
+  bash scripts/device_check.sh --dry-run || status=$?
 echo "device_rehearsal: device_check.sh --dry-run exited $status; report in $work/out/device_check.json"
 exit "$status"

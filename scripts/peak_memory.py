@@ -18,15 +18,19 @@ bytes of the step (counted on the fake group), then ``--steps`` timed steps (CUD
 activation bytes instead of allocator figures.
 
 ``--estimate`` adds the memory estimate of the same model (``megatron_bridge_ext.estimate``, traced
-on fake tensors in this process, its fused-attention stand-in for the SDPA core): on CUDA its peak,
-less the optimizer states a bare forward/backward never allocates, against ``max_memory_allocated``
-(target within 5%), and its saved-activation bytes beside the meter's.
+on fake tensors, its fused-attention stand-in for the SDPA core): on CUDA its peak, less the optimizer
+states a bare forward/backward never allocates, against ``max_memory_allocated`` (target within 5%),
+and its saved-activation bytes beside the meter's. Tracing needs Bridge's training config, which
+imports Hugging Face ``datasets`` (and pyarrow), more than a carried wheel set holds; so the estimate
+needs no GPU, ``--estimates FILE`` reads it instead from a file written where Bridge is fully
+installed (``--write-estimates FILE``: every variant, the Qwen3-8B and the dry shape at ``--layers``; the device check carries ``scripts/device_estimates.json``, and a unit test recomputes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -91,28 +95,60 @@ def measure(variant_name: str, layers: int, steps: int, dry_run: bool) -> dict:
     }
 
 
-def estimate_beside(result: dict, variant_name: str, layers: int, dry_run: bool) -> dict:
-    """The estimate of the model ``measure`` ran, next to what it measured."""
-    import torch
+NOT_ALLOCATED = ("optimizer states",)
+"""Estimate components a bare forward/backward (no optimizer step) never allocates."""
 
+
+def estimate_key(variant_name: str, layers: int, dry_run: bool) -> str:
+    return f"{'dry' if dry_run else 'qwen3-8b'}/layers={layers}/{variant_name}"
+
+
+def estimate_of(variant_name: str, layers: int, dry_run: bool) -> dict:
+    """The estimate of the model ``measure`` builds: CUDA's dispatch path for the Qwen3-8B shape (fake
+    CUDA tensors, no GPU needed), the CPU's for the dry shape. Needs Bridge's training config."""
     from megatron_bridge_ext.demo import tiny_model, variants
     from megatron_bridge_ext.estimate import estimate
-    from megatron_bridge_ext.estimate.device import compare_peak, saved_per_microbatch, tiny_config
+    from megatron_bridge_ext.estimate.device import saved_per_microbatch, tiny_config
 
-    cuda = torch.cuda.is_available() and not dry_run
     shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
     variant = variants.VARIANTS[variant_name]
-    try:
-        cfg = tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
-        est = estimate(cfg, attention="fused", transformer_impl="local", device="cuda" if cuda else "cpu")
-    except Exception as error:  # the measurement stands on its own; say why the estimate is missing
-        return {"error": f"{type(error).__name__}: {error}"}
-    out = {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
-           "components": {c.name: c.bytes for c in est.components}}
-    if result.get("peak_forward_backward"):
-        comparison = compare_peak(est, result["peak_forward_backward"], exclude=["optimizer states"])
-        out.update(compared_bytes=comparison.estimate_bytes, relative_error=comparison.relative_error,
-                   within_target=comparison.within_target, target=comparison.target, excluded=list(comparison.excluded))
+    cfg = tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
+    est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu" if dry_run else "cuda")
+    return {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
+            "components": {c.name: c.bytes for c in est.components}}
+
+
+def beside(est: dict, result: dict) -> dict:
+    """``est`` with, on CUDA, its peak less what a bare step never allocates against the measured peak."""
+    from megatron_bridge_ext.estimate.device import PEAK_TARGET, PeakComparison
+
+    out = dict(est)
+    measured = result.get("peak_forward_backward")
+    if measured:
+        compared = est["peak_bytes"] - sum(est["components"][name] for name in NOT_ALLOCATED)
+        comparison = PeakComparison(compared, measured, NOT_ALLOCATED, PEAK_TARGET)
+        out.update(compared_bytes=compared, relative_error=comparison.relative_error,
+                   within_target=comparison.within_target, target=PEAK_TARGET, excluded=list(NOT_ALLOCATED))
+    return out
+
+
+def committed_estimate(path: str, variant_name: str, layers: int, dry_run: bool) -> dict:
+    key = estimate_key(variant_name, layers, dry_run)
+    estimates = json.loads(open(path).read())
+    if key not in estimates:
+        return {"error": f"{path} has no estimate for {key}; write it where Bridge is fully installed: "
+                         f"python scripts/peak_memory.py --write-estimates {path} --layers {layers}"}
+    return estimates[key]
+
+
+def write_estimates(path: str, layers: int) -> dict:
+    names = ("baseline", "upstream_regather", "regather", "shard_local")
+    out = {}
+    for dry_run in (False, True):
+        for name in names:
+            out[estimate_key(name, layers, dry_run)] = estimate_of(name, layers, dry_run)
+    with open(path, "w") as handle:
+        handle.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -120,13 +156,30 @@ def main(argv=None) -> int:
     from megatron_bridge_ext.demo import variants
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", required=True, choices=sorted(variants.VARIANTS))
+    p.add_argument("--variant", choices=sorted(variants.VARIANTS), help="the variant to measure (required to measure)")
+    p.add_argument("--write-estimates", metavar="FILE",
+                   help="write the estimates of every measured variant (Qwen3-8B shape at --layers, dry shape) to FILE")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="timed steps after the measured one (at least 5 on a GPU)")
     p.add_argument("--dry-run", action="store_true", help="tiny float32 shape on the CPU: the path, not the figures")
-    p.add_argument("--estimate", action="store_true", help="also the memory estimate of the same model beside it")
+    p.add_argument("--estimate", action="store_true",
+                   help="also the memory estimate of the same model beside it (needs Bridge's training config)")
+    p.add_argument("--estimates", metavar="FILE", help="the estimate beside it, from FILE (see --write-estimates)")
     p.add_argument("--json", action="store_true", help="one line of JSON")
     args = p.parse_args(argv)
+    if args.write_estimates:
+        from megatron_bridge_ext import logs
+
+        logs.configure()
+        written = write_estimates(args.write_estimates, args.layers)
+        print(f"peak_memory: {len(written)} estimates written to {args.write_estimates}")
+        return 0
+    if not args.variant:
+        p.error("--variant is required to measure (or --write-estimates FILE)")
+    if args.estimates and args.estimate:
+        p.error("--estimate and --estimates FILE: choose one")
+    if args.estimates and not os.path.isfile(args.estimates):
+        p.error(f"--estimates {args.estimates}: no such file")
     if args.steps < (1 if args.dry_run else 5):
         p.error(f"--steps={args.steps}: time at least {1 if args.dry_run else 5} steps")
     from megatron_bridge_ext import logs
@@ -134,7 +187,10 @@ def main(argv=None) -> int:
     logs.configure()
     result = measure(args.variant, args.layers, args.steps, args.dry_run)
     if args.estimate:
-        result["estimate"] = estimate_beside(result, args.variant, args.layers, args.dry_run)
+        result["estimate"] = beside(estimate_of(args.variant, args.layers, args.dry_run), result)
+    elif args.estimates:
+        est = committed_estimate(args.estimates, args.variant, args.layers, args.dry_run)
+        result["estimate"] = est if "error" in est else beside(est, result)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

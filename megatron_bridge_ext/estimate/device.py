@@ -4,14 +4,14 @@
 config whose model is exactly the one ``tiny_model.build_gpt`` builds (same Megatron Core
 TransformerConfig fields, same vocabulary, untied output layer), so that ``estimate(tiny_config(...))``
 can be compared with ``SavedActivationMeter`` on a real run (to the byte on CPU ranks) or with
-``torch.cuda.max_memory_allocated`` on a GPU (:func:`compare_peak`).
+``torch.cuda.max_memory_allocated`` on a GPU (:class:`PeakComparison`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 from megatron_bridge_ext.estimate.report import MemoryEstimate
 
@@ -56,18 +56,6 @@ class PeakComparison:
     @property
     def within_target(self) -> bool:
         return abs(self.relative_error) <= self.target
-
-
-def compare_peak(est: MemoryEstimate, measured_bytes: int, *, exclude: Iterable[str] = (),
-                 target: float = PEAK_TARGET) -> PeakComparison:
-    """The estimate's peak, less the components the measured run does not hold, against a measured peak.
-
-    ``exclude`` names components (``est.component(name)``) absent from the measured run, e.g. the
-    optimizer states and the DDP grad buffer of a bare forward/backward without an optimizer step.
-    """
-    excluded = tuple(exclude)
-    estimate_bytes = est.peak_bytes - sum(est.component(name).bytes for name in excluded)
-    return PeakComparison(estimate_bytes, measured_bytes, excluded, target)
 
 
 def saved_per_microbatch(est: MemoryEstimate) -> int:

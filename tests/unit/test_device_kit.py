@@ -111,3 +111,35 @@ def test_the_fragmentation_geometry_is_diagnosed_as_fragmentation():
     diagnosis = classify(stats, total_memory=workload.BIG + workload.HEADROOM, expandable_segments=False,
                          request_bytes=stats["request_bytes"])
     assert diagnosis.kind == "fragmentation"
+
+
+def test_the_estimate_verdict_fails_an_estimate_off_target_or_missing():
+    check = _device_check()
+    peak = 40 << 30
+
+    def row(error=None, within=True, relative=0.02):
+        estimate = {"error": error} if error else {"compared_bytes": int(peak * (1 + relative)), "relative_error": relative,
+                                                   "within_target": within, "target": 0.05, "peak_bytes": peak,
+                                                   "excluded": ["optimizer states"]}
+        return {"peak_forward_backward": peak, "estimate": estimate}
+
+    assert check.judge_estimate({"baseline": row(), "shard_local": row(relative=-0.04)}, cuda=True)[0] == check.PASS
+    status, detail = check.judge_estimate({"baseline": row(), "shard_local": row(within=False, relative=0.09)}, cuda=True)
+    assert status == check.FAIL and "shard_local: +9.0%" in detail
+    status, detail = check.judge_estimate({"baseline": row(error="ImportError: no module"), "regather": row()},
+                                          cuda=False)
+    assert status == check.FAIL and "ImportError" in detail
+    assert check.judge_estimate({"baseline": {"peak_forward_backward": None}}, cuda=False)[0] == check.FAIL
+    assert check.judge_estimate({"baseline": row()}, cuda=False)[0] == check.DRY
+
+
+def test_the_carried_estimates_are_the_estimates_of_the_measured_configs(tmp_path):
+    spec = importlib.util.spec_from_file_location("peak_memory", ROOT / "scripts" / "peak_memory.py")
+    peak_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peak_memory)
+    committed = json.loads((ROOT / "scripts" / "device_estimates.json").read_text())
+    layers = {int(key.split("/")[1].removeprefix("layers=")) for key in committed}
+    assert layers == {_device_check().DEFAULT_LAYERS}
+    fresh = peak_memory.write_estimates(str(tmp_path / "estimates.json"), layers.pop())
+    assert fresh == committed, "scripts/device_estimates.json is stale: python scripts/peak_memory.py " \
+                               "--write-estimates scripts/device_estimates.json --layers 4"
