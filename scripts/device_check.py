@@ -181,9 +181,13 @@ def _fragmentation_dry(check: Check) -> None:
 
 
 def _adapter_bytes(shape: dict) -> int:
-    """What one eligible adapter's LoRA-A stops keeping: the gathered input minus the shard, s*b*h*bytes*(1-1/t)."""
-    element = {"bfloat16": 2, "float32": 4}[shape["dtype"]]
-    return shape["seq"] * shape["micro_batch"] * shape["hidden"] * element * (shape["tp"] - 1) // shape["tp"]
+    """:func:`megatron_bridge_ext.demo.peak.adapter_bytes` of a reported shape (dtype by name)."""
+    import torch
+
+    from megatron_bridge_ext.demo.peak import adapter_bytes
+
+    return adapter_bytes(shape["seq"], shape["micro_batch"], shape["hidden"], getattr(torch, shape["dtype"]),
+                         shape["tp"])
 
 
 def peak_memory(check: Check, layers: int, dry_run: bool, cuda: bool) -> None:

@@ -30,3 +30,10 @@ def test_the_kind_reaches_the_shape(kind, swiglu):
 def test_default_variants_per_kind():
     assert "upstream_regather" not in [v.name for v in variants.select(None, "canonical_lora")]
     assert {"baseline", "regather", "shard_local"} <= {v.name for v in variants.select(None, "dora")}
+
+
+def test_bench_save_into_a_missing_folder_exits_2_naming_the_option(capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--save", "/nonexistent/folder/bench"])
+    assert exited.value.code == 2
+    assert "--save" in capsys.readouterr().err

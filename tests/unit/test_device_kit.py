@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from megatron_bridge_ext.diagnose import classify
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,3 +145,41 @@ def test_the_carried_estimates_are_the_estimates_of_the_measured_configs(tmp_pat
     fresh = peak_memory.write_estimates(str(tmp_path / "estimates.json"), layers.pop())
     assert fresh == committed, "scripts/device_estimates.json is stale: python scripts/peak_memory.py " \
                                "--write-estimates scripts/device_estimates.json --layers 4"
+
+
+def _peak_memory():
+    spec = importlib.util.spec_from_file_location("peak_memory", ROOT / "scripts" / "peak_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--budget", "10"], "--budget=10"),
+    (["--layers", "0"], "--layers=0"),
+])
+def test_device_check_refuses_bad_options_before_any_part(argv, named, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _device_check().main(argv + ["--out", str(tmp_path)])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "device_check.json").exists()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--variant", "baseline", "--steps", "3"], "--steps=3"),
+    (["--variant", "baseline", "--estimates", "/nonexistent/estimates.json"], "--estimates /nonexistent"),
+    (["--variant", "baseline", "--estimate", "--estimates", "scripts/device_estimates.json"], "choose one"),
+    (["--layers", "2"], "--variant is required"),
+])
+def test_peak_memory_refuses_bad_options_in_one_line(argv, named, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _peak_memory().main(argv)
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_committed_estimate_missing_for_the_layers_says_how_to_write_it():
+    found = _peak_memory().committed_estimate(str(ROOT / "scripts" / "device_estimates.json"), "baseline", 7, False)
+    assert "no estimate for qwen3-8b/layers=7/baseline" in found["error"]
+    assert "--write-estimates" in found["error"]
