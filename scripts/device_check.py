@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local")
+sys.path.insert(0, str(ROOT / "scripts"))
+from peak_memory import MEASURED_VARIANTS as VARIANTS  # noqa: E402  (the variants whose estimates are carried)
 DEFAULT_LAYERS = 4
 ESTIMATES = "scripts/device_estimates.json"
 """The estimates of the measured configs, written where Bridge is fully installed (peak_memory.py

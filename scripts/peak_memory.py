@@ -95,6 +95,8 @@ def measure(variant_name: str, layers: int, steps: int, dry_run: bool) -> dict:
     }
 
 
+MEASURED_VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local")
+"""The variants the device check measures (baseline first), and so the estimates it carries."""
 NOT_ALLOCATED = ("optimizer states",)
 """Estimate components a bare forward/backward (no optimizer step) never allocates."""
 
@@ -134,7 +136,8 @@ def beside(est: dict, result: dict) -> dict:
 
 def committed_estimate(path: str, variant_name: str, layers: int, dry_run: bool) -> dict:
     key = estimate_key(variant_name, layers, dry_run)
-    estimates = json.loads(open(path).read())
+    with open(path) as handle:
+        estimates = json.load(handle)
     if key not in estimates:
         return {"error": f"{path} has no estimate for {key}; write it where Bridge is fully installed: "
                          f"python scripts/peak_memory.py --write-estimates {path} --layers {layers}"}
@@ -142,10 +145,9 @@ def committed_estimate(path: str, variant_name: str, layers: int, dry_run: bool)
 
 
 def write_estimates(path: str, layers: int) -> dict:
-    names = ("baseline", "upstream_regather", "regather", "shard_local")
     out = {}
     for dry_run in (False, True):
-        for name in names:
+        for name in MEASURED_VARIANTS:
             out[estimate_key(name, layers, dry_run)] = estimate_of(name, layers, dry_run)
     with open(path, "w") as handle:
         handle.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
