@@ -48,20 +48,19 @@ def _te_importable() -> bool:
     return True
 
 
-_imported_through_hook = False
-
-
 def _needed() -> tuple[bool, str]:
+    """Needed whenever TE cannot be imported, also after this process imported Bridge's PEFT modules through
+    the hook: a fresh script that imports Bridge (``import megatron.bridge`` reaches ``peft/lora_layers.py``)
+    before ``megatron_bridge_ext.peft`` or ``megatron_bridge_ext.init()`` still fails."""
     if _te_importable():
         return False, "Transformer Engine imports; Bridge's PEFT modules load as they are"
-    if _imported_through_hook:
-        return False, "Bridge's PEFT modules are already imported in this process, through this hook"
-    return True, "Transformer Engine is not importable and Bridge's PEFT modules import it unconditionally"
+    return True, ("Transformer Engine is not importable and Bridge's PEFT modules (reached by `import "
+                  "megatron.bridge`) import it unconditionally: call megatron_bridge_ext.init() or import "
+                  "megatron_bridge_ext.peft before importing Bridge")
 
 
 def import_bridge_peft() -> None:
     """Import Megatron Bridge's PEFT modules; without TE through the hook, installed for this import only."""
-    global _imported_through_hook
     if all(name in sys.modules for name in TARGET_MODULES):
         return
     installed_here = not PATCH.applied and PATCH.apply(quiet=True)[0] == APPLIED
@@ -71,7 +70,6 @@ def import_bridge_peft() -> None:
     finally:
         if installed_here:
             PATCH.revert()
-            _imported_through_hook = True
 
 
 def _apply() -> Callable[[], None]:

@@ -84,6 +84,23 @@ def test_patched_bridge_lora_imports_and_the_placeholder_stays_scoped():
     assert "transformer_engine.Linear" in result["use_error"]
 
 
+@without_te
+def test_status_stays_needed_after_this_process_imported_bridge_peft_through_the_hook():
+    """`mbx patches` imports Bridge's PEFT modules through the hook to inspect them; a script that imports
+    Bridge first still fails, so the report must keep saying the patch is needed, and how to get it."""
+    result = run("""
+        from megatron_bridge_ext.patches import bridge_peft_without_te
+        from megatron_bridge_ext.cli.patches import STATUS_WORDS
+
+        bridge_peft_without_te.import_bridge_peft()
+        status, why = bridge_peft_without_te.PATCH.status()
+        report(status=status, words=STATUS_WORDS[status], why=why)
+    """)
+    assert result["status"] == NOT_APPLIED, result
+    assert result["words"].startswith("needed here")
+    assert "megatron_bridge_ext.init()" in result["why"]
+
+
 # --------------------------------------------------------------------------------------------
 # bridge_truthful_te_detection: LoRA() on Megatron Core's tensor-parallel linears
 # --------------------------------------------------------------------------------------------
