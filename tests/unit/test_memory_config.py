@@ -117,6 +117,9 @@ def test_lora_input_without_sequence_parallelism_says_it_has_no_effect(cfg, tp, 
 
 
 def test_core_attn_on_unfused_attention_states_the_trade(cfg):
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    cfg.model.transformer_layer_spec = local_layer_spec  # Megatron Core's unfused DotProductAttention
     findings = MemoryConfig(recompute_modules=["core_attn"]).validate(cfg)
     (core,) = [f for f in findings if "core_attn" in f.message]
     assert core.level == WARNING and "s x s" in core.message
