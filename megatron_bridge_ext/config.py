@@ -78,7 +78,9 @@ class MemoryConfig:
     # ------------------------------------------------------------------ validation
     def validate(self, cfg) -> list[Finding]:
         """Check the flags against ``cfg`` (a Bridge ConfigContainer); raise :class:`Refused` on errors, return the rest."""
-        findings = self._recompute_findings(cfg.model) + self._lora_findings(cfg) + self._allocator_findings(cfg)
+        _check_container(cfg, "validate")
+        findings = (self._recompute_findings(cfg.model) + self._target_findings(cfg) + self._lora_findings(cfg)
+                    + self._allocator_findings(cfg))
         errors = [f for f in findings if f.level == ERROR]
         if errors:
             raise Refused(WHAT, errors)
@@ -137,6 +139,32 @@ class MemoryConfig:
             out.append(Finding("core_attn_effect", level, "recompute_modules", f"core_attn: {kind.core_attn_effect()}"))
         return out
 
+    def _target_findings(self, cfg) -> list[Finding]:
+        """LoRA targets that name no Megatron Core module: the adapter would be missing there, and Bridge
+        says so only in a warning after the model is built."""
+        peft = getattr(cfg, "peft", None)
+        kind = kinds.kind_of(peft) if peft is not None else None
+        if kind is None:
+            return []
+        targets = list(getattr(peft, "target_modules", None) or [])
+        hf = {t: kinds.hf_target_fix(kind, t) for t in targets if kinds.hf_target_fix(kind, t)}
+        unknown = [t for t in targets if t not in hf and not kinds.is_megatron_target(kind, t)]
+        out = []
+        if hf:
+            suggested = list(dict.fromkeys(hf.values()))
+            out.append(Finding(
+                "lora_targets_hf_names", ERROR, "peft.target_modules",
+                f"{list(hf)} are Hugging Face names and match no Megatron Core module, so no adapter would be added "
+                "there", f"did you mean {suggested}? Write Megatron Core's names: "
+                + ", ".join(f"{t} -> {n}" for t, n in hf.items())))
+        if unknown:
+            out.append(Finding(
+                "lora_targets_unknown", NO_EFFECT, "peft.target_modules",
+                f"{unknown} name no module of Megatron Core's layers, so they adapt nothing unless the model "
+                "has a module of that name", "use Megatron Core's module names, e.g. "
+                + str(kinds.target_names(kind, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]))))
+        return out
+
     def _lora_findings(self, cfg) -> list[Finding]:
         if self.lora_sp_input is None:
             return []
@@ -187,6 +215,7 @@ class MemoryConfig:
     # ------------------------------------------------------------------ application
     def apply(self, cfg) -> Summary:
         """Validate, then set ``cfg`` (model recompute fields, peft, env_vars); return every change made."""
+        _check_container(cfg, "apply")
         summary = Summary(findings=self.validate(cfg))
         self._apply_recompute(cfg.model, summary)
         self._apply_lora(cfg, summary)
@@ -281,6 +310,17 @@ class MemoryConfig:
             out += [f"+peft._target_={kinds.public_target(kind)}",
                     f"+peft.sequence_parallel_input_strategy={self.lora_sp_input}"]
         return out
+
+
+def _check_container(cfg, method: str) -> None:
+    """Refuse anything but a Bridge ConfigContainer, naming the argument: ``apply(cfg.model)`` would otherwise
+    fail deep inside with an AttributeError that names neither the argument nor the fix."""
+    if hasattr(cfg, "model") and hasattr(cfg, "peft"):
+        return
+    raise Refused(WHAT, [Finding(
+        "not_a_config_container", ERROR, "cfg",
+        f"{WHAT}.{method}(cfg) takes Bridge's ConfigContainer (the recipe's whole config), got a {type(cfg).__name__}",
+        f"pass the container itself, {WHAT}(...).{method}(cfg), not cfg.model or cfg.peft")])
 
 
 def _module_list(value) -> list[str]:

@@ -60,21 +60,40 @@ def attention_kind(model: torch.nn.Module) -> AttentionKind:
 def attention_kind_from_config(config) -> AttentionKind:
     """The attention implementation a Bridge model provider/TransformerConfig will build, before building it.
 
-    Megatron Core's local spec builds ``DotProductAttention`` (unfused); the TE spec builds
-    ``TEDotProductAttention`` whose backend follows ``attention_backend`` (auto/flash/fused: fused).
+    The one rule for every place that decides it before a model exists (``MemoryConfig.validate``,
+    the estimate behind ``mbx plan``). The layer spec decides: Megatron Core's local spec builds
+    ``DotProductAttention`` (unfused); the TE spec builds ``TEDotProductAttention``, fused unless
+    ``attention_backend`` is ``local``/``unfused`` (Bridge then swaps in Core's unfused attention) or
+    this machine's environment turns TE's flash and fused backends off. Bridge's ``default_layer_spec``
+    is the TE spec whether or not TE is installed (without TE it cannot be built at all), so a recipe
+    that keeps it is judged as the TE model it describes, on every machine.
     """
     backend = str(getattr(config, "attention_backend", "auto")).rsplit(".", 1)[-1].lower()
-    spec = getattr(config, "transformer_layer_spec", None)
-    spec_name = getattr(spec, "__name__", repr(spec)) if spec is not None else ""
-    if spec is None or spec_name == "default_layer_spec":  # Bridge's default: the TE spec when TE is present
-        from megatron.core.extensions.transformer_engine import HAVE_TE
-
-        uses_te = bool(HAVE_TE)
-    else:
-        uses_te = "te" in spec_name.lower().split("_") or "transformer_engine" in spec_name.lower()
+    spec_name, uses_te = _spec_uses_te(getattr(config, "transformer_layer_spec", None))
+    where = f"(attention_backend={backend}, spec={spec_name})"
     if backend in ("local", UNFUSED) or not uses_te:
-        return AttentionKind(UNFUSED, f"unfused attention (attention_backend={backend}, spec={spec_name or 'default'})")
-    return AttentionKind(FUSED, f"TE attention (attention_backend={backend}, spec={spec_name or 'default'})")
+        return AttentionKind(UNFUSED, f"unfused attention {where}")
+    if _te_unfused_backend():
+        return AttentionKind(UNFUSED, f"TE's unfused attention {where[:-1]}, NVTE_FLASH_ATTN=0, NVTE_FUSED_ATTN=0)")
+    return AttentionKind(FUSED, f"TE attention {where}")
+
+
+def _spec_uses_te(spec) -> tuple[str, bool]:
+    """The spec's name and whether its core attention is Transformer Engine's.
+
+    None or Bridge's ``default_layer_spec``: TE's spec. A built ``ModuleSpec``: its core-attention
+    class (``TE...``). A spec function: its name (``..._transformer_engine_...``, ``te_...``).
+    """
+    if spec is None:
+        return "default", True
+    core = getattr(getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "submodules", None),
+                   "core_attention", None)
+    if core is not None:
+        name = getattr(core, "__name__", type(core).__name__)
+        return f"ModuleSpec with {name}", name.startswith("TE")
+    name = getattr(spec, "__name__", repr(spec))
+    lowered = name.lower()
+    return name, name == "default_layer_spec" or "te" in lowered.split("_") or "transformer_engine" in lowered
 
 
 def _te_unfused_backend() -> bool:

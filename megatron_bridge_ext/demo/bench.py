@@ -33,18 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p = options.parser("mbx bench memory", __doc__.splitlines()[0], DEFAULT_SHAPE, steps=5,
                        variant_names=list(BENCH_VARIANTS),
                        steps_help="timed forward/backward passes per variant (after one warm-up pass)")
-    p.add_argument("--save", type=_save_prefix, default=None, metavar="PREFIX",
-                   help="also write PREFIX.txt (the table) and PREFIX.json (the figures) of this one run")
     return p
-
-
-def _save_prefix(text: str) -> str:
-    import os
-
-    folder = os.path.dirname(text) or "."
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"folder {folder!r} does not exist; create it or choose another PREFIX")
-    return text
 
 
 def _sync() -> None:

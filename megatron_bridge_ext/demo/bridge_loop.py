@@ -33,6 +33,73 @@ LORA_RANK, LORA_ALPHA = 8, 16
 BASE_ITERATIONS = 2  # pretraining steps that make the base checkpoint LoRA fine-tunes from
 SAVE_INTERVAL = 2
 TENSOR_PARALLEL = 2  # = ranks started by mbx demo --bridge
+LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 2, 64, 4, 32, 256
+FFN = 4 * HIDDEN  # Megatron Core's default ffn_hidden_size
+MICRO_BATCH, GLOBAL_BATCH = 2, 4
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def _gamma(terms: int) -> float:
+    """Higham's gamma_n = n*u / (1 - n*u): the relative change of a sum of n fp32 terms of one sign when its
+    order changes (Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1 and section 4.2)."""
+    return terms * FP32_UNIT_ROUNDOFF / (1 - terms * FP32_UNIT_ROUNDOFF)
+
+
+def rounding_bounds() -> dict[str, float]:
+    """Relative bounds on how much the printed loss and grad norm may differ between CPUs (their BLAS and SIMD
+    kernels sum in other orders), to first order: gamma of the terms summed along the longest chain behind the figure.
+
+    Loss: per layer the norm (h), linear_qkv (h), the scores (h / heads), attention x V (s), linear_proj (h/t,
+    then t ranks), linear_fc1 (h), linear_fc2 (ffn/t, then t); then the output layer (h), the log-sum-exp over
+    the vocabulary (V/t, then t) and the mean over the step's tokens. Grad norm: the backward chain (twice the
+    forward one) and its sum of squares over the trainable parameters of both ranks (LoRA A [r, in] and
+    B [out, r] of the four targets, split as Megatron splits them). Earlier iterations enter a figure only
+    through weight updates scaled by the learning rate, which leaves these bounds unchanged to first order.
+    """
+    h, t, r = HIDDEN, TENSOR_PARALLEL, LORA_RANK
+    per_layer = h + h + h // HEADS + SEQ + (h // t + t) + h + (FFN // t + t)
+    forward = LAYERS * per_layer + h + (VOCAB // t + t) + SEQ * GLOBAL_BATCH
+    lora = (r * h + 3 * h // t * r) + (r * h // t + h * r) + (r * h + FFN // t * r) + (r * FFN // t + h * r)
+    return {"loss": _gamma(forward), "grad_norm": _gamma(2 * forward + t * LAYERS * lora)}
+
+
+FLOAT_FIGURES = {"losses": "loss", "grad_norms": "grad_norm"}
+"""The row fields that depend on the CPU's floating-point kernels, and their bound in :func:`rounding_bounds`."""
+
+
+def compare_runs(rows: list[dict], reference: list[dict]) -> list[str]:
+    """How two runs' rows differ beyond rounding: every exact field (variant, bytes, counts, environment) must be
+    equal; losses and grad norms within twice their bound of each other (each is within it of the exact value)."""
+    bounds = rounding_bounds()
+    problems = []
+    if [r["variant"] for r in rows] != [r["variant"] for r in reference]:
+        return [f"variants {[r['variant'] for r in rows]} != {[r['variant'] for r in reference]}"]
+    for row, ref in zip(rows, reference):
+        exact = sorted((set(row) | set(ref)) - set(FLOAT_FIGURES))
+        problems += [f"{row['variant']}: {k} {row.get(k)!r} != {ref.get(k)!r}" for k in exact
+                     if row.get(k) != ref.get(k)]
+        for field, name in FLOAT_FIGURES.items():
+            if len(row[field]) != len(ref[field]):
+                problems.append(f"{row['variant']}: {len(row[field])} {field} != {len(ref[field])}")
+            for i, (a, b) in enumerate(zip(row[field], ref[field]), start=1):
+                if a is None or b is None:  # no grad norm reported that iteration: both runs must agree
+                    if a is not b:
+                        problems.append(f"{row['variant']}: iteration {i} {name} {a!r} vs {b!r}")
+                    continue
+                allowed = 2 * bounds[name] * max(abs(a), abs(b))
+                if abs(a - b) > allowed:
+                    problems.append(f"{row['variant']}: iteration {i} {name} {a!r} vs {b!r} differ by "
+                                    f"{abs(a - b):.3g} > {allowed:.3g}")
+    return problems
+
+
+def decimals(bound: float, values) -> int:
+    """The most decimals whose last digit the bound still supports: 10**-d >= bound * max |value|."""
+    import math
+
+    largest = max((abs(v) for v in values if v is not None), default=1.0)
+    return max(0, math.floor(-math.log10(bound * largest)))
 
 
 def tiny_gpt(cfg, *, train_iters: int, dtype=None):
@@ -53,8 +120,8 @@ def tiny_gpt(cfg, *, train_iters: int, dtype=None):
     core_local_norm_sequence_parallel.PATCH.apply()
     dtype = dtype or torch.float32
     model = cfg.model
-    model.num_layers, model.hidden_size, model.num_attention_heads = 2, 64, 4
-    model.seq_length, model.vocab_size = 32, 256
+    model.num_layers, model.hidden_size, model.num_attention_heads = LAYERS, HIDDEN, HEADS
+    model.seq_length, model.vocab_size = SEQ, VOCAB
     model.transformer_layer_spec = local_layer_spec  # Megatron Core's local spec: runs without TE too
     model.tensor_model_parallel_size, model.sequence_parallel = TENSOR_PARALLEL, True
     model.hidden_dropout = model.attention_dropout = 0.0  # runs that compare LoRA variants stay deterministic
@@ -70,7 +137,7 @@ def tiny_gpt(cfg, *, train_iters: int, dtype=None):
     cfg.scheduler.lr_warmup_iters = 0
     cfg.scheduler.lr_decay_iters = cfg.scheduler.lr_wsd_decay_iters = None
     cfg.train.train_iters = train_iters
-    cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 2
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = GLOBAL_BATCH, MICRO_BATCH
     cfg.validation.eval_iters, cfg.validation.eval_interval = 0, None
     cfg.dataset = MockGPTDatasetConfig(
         seq_length=model.seq_length, random_seed=1234, split="9999,8,2", reset_position_ids=False,
@@ -291,9 +358,12 @@ def format_tables(rows: list[dict]) -> str:
     from megatron_bridge_ext.table import text_table
 
     steps = range(1, len(rows[0]["losses"]) + 1)
+    bounds = rounding_bounds()
+    d_loss = decimals(bounds["loss"], [v for r in rows for v in r["losses"]])
+    d_norm = decimals(bounds["grad_norm"], [v for r in rows for v in r["grad_norms"]])
     losses = text_table(["iteration"] + [r["variant"] for r in rows],
-                        [[str(i)] + [f"{r['losses'][i - 1]:.7f} / {r['grad_norms'][i - 1]:.7f}" for r in rows]
-                         for i in steps])
+                        [[str(i)] + [f"{r['losses'][i - 1]:.{d_loss}f} / {r['grad_norms'][i - 1]:.{d_norm}f}"
+                                     for r in rows] for i in steps])
     memory = text_table(
         ["variant", "saved/micro-batch", "LoRA-A inputs", "attention", "core_attn ckpt/recomputed per step"],
         [[r["variant"], f"{r['saved_bytes']:,} B", f"{r['lora_input_bytes']:,} B", f"{r['attention_bytes']:,} B",

@@ -38,6 +38,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def save_prefix(text: str) -> str:
+    """``--save PREFIX``: its folder must exist (checked before any rank starts)."""
+    import os
+
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder!r} does not exist; create it or choose another PREFIX")
+    return text
+
+
 def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, steps: int,
            variant_names: list[str], steps_help: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description,
@@ -55,6 +65,8 @@ def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, st
                    help=f"variants to run, in this order (default: {' '.join(variant_names)}); "
                         f"choose from {', '.join(variants.VARIANTS)}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--save", type=save_prefix, default=None, metavar="PREFIX",
+                   help="also write PREFIX.txt (the table) and PREFIX.json (the figures) of this one run")
     return p
 
 

@@ -80,17 +80,36 @@ def format_table(shape: tiny_model.TinyGPTShape, rows: list[dict], backend: str)
               f"{shape.kv_heads} kv, seq {shape.seq}, micro-batch {shape.micro_batch}, {shape.dtype}; TP={shape.tp} "
               f"sequence parallel; {shape.peft} r={shape.lora_rank} on {', '.join(shape.lora_targets)}; {backend}; "
               "figures of rank 0")
-    cols = ["variant", "loss first -> last", "saved/step", "LoRA inputs", "attention", "other",
+    cols = ["variant", "loss first -> last", "saved/step", "saving vs baseline", "LoRA inputs", "attention", "other",
             "core_attn ckpt/recomputed", "other ranks"]
     body = []
-    for r in (r for r in rows if r["rank"] == 0):
+    rank0 = [r for r in rows if r["rank"] == 0]
+    for r in rank0:
         differ = [str(o["rank"]) for o in rows
                   if o["variant"] == r["variant"] and o["rank"] != 0 and _figures(o) != _figures(r)]
-        body.append([r["variant"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}", _mib(r["saved_bytes_per_step"][-1])]
+        body.append([r["variant"], f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}", _mib(r["saved_bytes_per_step"][-1]),
+                     _saving(r, rank0[0])]
                     + [_mib(r["split"][c]) for c in CATEGORIES]
                     + ["{checkpointed_forwards}/{recomputed}".format(**r["core_attn_recompute"]),
                        f"DIFFER: rank {', '.join(differ)}" if differ else "same"])
-    return header + "\n" + text_table(cols, body)
+    legend = (f"saving vs baseline: saved/step of the first row ({rank0[0]['variant']}) minus this row's, in bytes "
+              "and % of the first row's; LoRA inputs / attention / other: where saved/step goes; saved/step: bytes "
+              "autograd keeps for backward in the last step")
+    return header + "\n" + text_table(cols, body) + "\n" + legend
+
+
+def _saving(row: dict, reference: dict) -> str:
+    """Bytes ``row`` keeps less than ``reference`` in its last step, and their share of the reference's."""
+    base = reference["saved_bytes_per_step"][-1]
+    saved = base - row["saved_bytes_per_step"][-1]
+    return f"{saved:,} B ({100 * saved / base:.1f}%)" if base else f"{saved:,} B"
+
+
+def format_result(result: dict) -> str:
+    """What ``mbx demo`` prints: the table and the LoRA-A input decisions of the run's JSON."""
+    shape = tiny_model.TinyGPTShape(**result["shape"])
+    return "\n".join(filter(None, [format_table(shape, result["rows"], result["backend"]),
+                                   format_report(result["rows"])]))
 
 
 def format_report(rows: list[dict]) -> str:
@@ -128,11 +147,13 @@ def worker(args: argparse.Namespace) -> None:
         order = {v.name: i for i, v in enumerate(chosen)}
         all_rows = sorted((r for per_rank in gathered for r in per_rank), key=lambda r: (order[r["variant"]], r["rank"]))
         backend = f"{dist.get_world_size()} ranks ({dist.get_backend()}, {distributed.device().type})"
-        if args.json:
-            print(json.dumps({"shape": vars(shape), "backend": backend, "rows": all_rows}, indent=2))
-        else:
-            print(format_table(shape, all_rows, backend))
-            print(format_report(all_rows))
+        result = {"shape": vars(shape), "backend": backend, "rows": all_rows}
+        print(json.dumps(result, indent=2) if args.json else format_result(result))
+        if args.save:
+            with open(args.save + ".txt", "w") as out:
+                out.write(format_result(result) + "\n")
+            with open(args.save + ".json", "w") as out:
+                out.write(json.dumps(result, indent=2) + "\n")
     dist.destroy_process_group()
 
 

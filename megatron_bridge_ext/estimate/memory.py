@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_bridge_ext import recompute
 from megatron_bridge_ext.estimate import static, te
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
@@ -206,8 +207,8 @@ def _choice(value, choices, setting):
 
 
 def _attention_from(model) -> str:
-    backend = str(getattr(model, "attention_backend", "auto")).rsplit(".", 1)[-1].lower()
-    return LOCAL if backend in ("local", "unfused") else FUSED
+    """What the model builds, by the rule ``MemoryConfig.validate`` uses too (one rule, one answer)."""
+    return FUSED if recompute.attention_kind_from_config(model).kind == recompute.FUSED else LOCAL
 
 
 def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches: Optional[int] = None,
@@ -216,7 +217,8 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     """Per-rank memory of the most loaded pipeline stage of a Bridge ``ConfigContainer`` at its backward peak.
 
     ``attention``: ``"fused"`` traces a stand-in that keeps what fused (flash/cuDNN) attention keeps,
-    ``"local"`` Megatron Core's unfused attention; default from ``model.attention_backend``.
+    ``"local"`` Megatron Core's unfused attention; default: what the model's layer spec and
+    ``attention_backend`` build (:func:`megatron_bridge_ext.recompute.attention_kind_from_config`).
     ``transformer_impl``: ``"transformer_engine"`` adds what TE's fused norm-linear keeps beyond the
     traced local spec; default ``model.transformer_impl``. ``device``: the dispatch path traced,
     ``"cuda"`` (fake CUDA tensors, no GPU needed) for GPU estimates, ``"cpu"`` to compare with CPU runs.

@@ -50,6 +50,10 @@ class Decision:
     def eligible(self) -> bool:
         return self.strategy != OFF
 
+    def describe(self) -> str:
+        """``adapter: strategy (reason); retains ...``: the one wording of a verdict, for logs and reports."""
+        return f"{self.adapter}: {self.strategy} ({self.reason}); retains {self.retains}"
+
 
 def _tp_size(adapter) -> int:
     group = getattr(adapter, "tp_group", None)

@@ -77,3 +77,40 @@ def target_names(kind: str, layers: Iterable[str]) -> list[str]:
 def targeted_layers(targets: Iterable[str]) -> set[str]:
     """The layer names that ``target_modules`` adapt (CanonicalLoRA's ``linear_q`` adapts ``linear_qkv``)."""
     return {_FUSED_LAYER.get(target, target) for target in targets}
+
+
+HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+              "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+"""Hugging Face Llama-style projection names and the Megatron Core layer that holds each."""
+
+_CANONICAL_HF_TARGETS = {"q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v", "o_proj": "linear_proj",
+                         "gate_proj": "linear_fc1_gate", "up_proj": "linear_fc1_up", "down_proj": "linear_fc2"}
+
+MEGATRON_TARGETS = frozenset({
+    "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",  # GPT attention and MLP (dense and MoE experts)
+    "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",  # MLA
+    "linear_qkv_down_proj", "linear_q", "linear_kv", "linear_wq_b", "linear_wk", "linear_weights_proj",
+    "in_proj", "out_proj", "router", "output_layer"})
+"""Module names of Megatron Core's layer specs that a LoRA-family ``target_modules`` entry can name."""
+
+
+def hf_target_fix(kind: str, target: str) -> Optional[str]:
+    """The Megatron Core name to write for a Hugging Face-named ``target`` (``q_proj`` -> ``linear_qkv``), else None.
+
+    Bridge matches a target against a module's own name, or its full dotted name with ``*`` wildcards;
+    Megatron Core fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``, so HF names match
+    nothing and Bridge only warns after the model is built. CanonicalLoRA keeps the separate names.
+    """
+    prefix, _, name = target.rpartition(".")
+    mapping = _CANONICAL_HF_TARGETS if kind == "canonical_lora" else HF_TARGETS
+    if name not in mapping:
+        return None
+    return f"{prefix}.{mapping[name]}" if prefix else mapping[name]
+
+
+def is_megatron_target(kind: str, target: str) -> bool:
+    """Whether ``target`` can match a module of a Megatron Core model: a known module name (CanonicalLoRA's
+    split names included), or a pattern whose last dotted part has a wildcard (it cannot be judged unbuilt)."""
+    name = target.rpartition(".")[2]
+    canonical = set(_FUSED_LAYER) if kind == "canonical_lora" else set()
+    return "*" in name or name in MEGATRON_TARGETS or name in canonical

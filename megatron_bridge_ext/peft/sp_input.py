@@ -162,8 +162,8 @@ class SequenceParallelInput:
                             decision.strategy)
         elif self.strategy != sp_lora.OFF and decision.reason not in self._logged_reasons:
             self._logged_reasons.add(decision.reason)
-            self._log.info("LoRA-A input under SP (%s): %s keeps the gathered input: %s (logged once per reason)",
-                           self.strategy, decision.adapter, decision.reason)
+            self._log.info("LoRA-A input under SP (%s) not used: %s (logged once per reason)", self.strategy,
+                           decision.describe())
         return result
 
     def __call__(self, model, training: bool = True):

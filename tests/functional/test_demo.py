@@ -33,11 +33,12 @@ def test_demo_rows_show_the_lora_input_saving(tp2):
     dist.all_gather_object(everyone, [base, local])
     rows = [r for per_rank in everyone for r in per_rank]
     lines = train.format_table(shape, rows, "2 ranks").splitlines()
-    body = lines[3:]
+    body, legend = lines[3:-1], lines[-1]
     assert [line.split()[0] for line in body] == ["baseline", "shard_local"]  # rank 0's rows only
     assert all(line.endswith("same") for line in body)  # TP ranks report the same figures
+    assert f"  {expected_saving:,} B (" in body[1] and legend.startswith("saving vs baseline:")
     edited = [dict(r, saved_bytes_per_step=[1]) if r["rank"] == 1 and r["variant"] == "shard_local" else r for r in rows]
-    body = train.format_table(shape, edited, "2 ranks").splitlines()[3:]
+    body = train.format_table(shape, edited, "2 ranks").splitlines()[3:-1]
     assert body[0].endswith("same") and body[1].endswith("DIFFER: rank 1")
 
 

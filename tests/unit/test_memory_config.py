@@ -117,6 +117,9 @@ def test_lora_input_without_sequence_parallelism_says_it_has_no_effect(cfg, tp, 
 
 
 def test_core_attn_on_unfused_attention_states_the_trade(cfg):
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    cfg.model.transformer_layer_spec = local_layer_spec  # Megatron Core's unfused DotProductAttention
     findings = MemoryConfig(recompute_modules=["core_attn"]).validate(cfg)
     (core,) = [f for f in findings if "core_attn" in f.message]
     assert core.level == WARNING and "s x s" in core.message
@@ -442,3 +445,51 @@ def test_canonical_targets_get_the_recompute_rule_of_their_layers(cfg):
     findings = [f for f in MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
                 if f.code == "lora_sp_input_recompute"]
     assert [("linear_fc1" in f.message, "linear_qkv" in f.message) for f in findings] == [(True, False)]
+
+
+@pytest.mark.parametrize("part", ["model", "peft"])
+@pytest.mark.parametrize("method", ["apply", "validate"])
+def test_a_part_of_the_config_instead_of_the_container_is_one_clear_refusal(cfg, part, method):
+    before = repr(getattr(cfg, part))
+    with pytest.raises(Refused) as info:
+        getattr(MemoryConfig(lora_sp_input="shard_local"), method)(getattr(cfg, part))
+    text = info.value.one_line()
+    assert f"MemoryConfig.{method}(cfg) takes Bridge's ConfigContainer" in text
+    assert type(getattr(cfg, part)).__name__ in text and f"{method}(cfg), not cfg.model" in text
+    assert repr(getattr(cfg, part)) == before  # nothing was set on it
+
+
+@pytest.mark.parametrize("kind", kinds.KINDS)
+def test_hugging_face_target_names_are_refused_with_the_megatron_names(cfg, kind):
+    hf = {"lora": ["linear_qkv", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc1", "linear_fc2"],
+          "dora": ["linear_qkv", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc1", "linear_fc2"],
+          "canonical_lora": ["linear_q", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"]}
+    targets = ["q_proj", "*.layers.0.*.v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg.peft = kinds.bridge_class(kind)(dim=16, target_modules=["linear_proj"])
+    cfg.peft.target_modules = targets  # CanonicalLoRA checks its names at construction; set them afterwards
+    with pytest.raises(Refused) as info:
+        MemoryConfig(lora_sp_input="shard_local").apply(cfg)
+    (error,) = info.value.findings
+    assert error.setting == "peft.target_modules" and str(targets) in error.message
+    expected = [*hf[kind][:1], "*.layers.0.*." + hf[kind][1], *hf[kind][2:]]
+    for target, name in zip(targets, expected):
+        assert f"{target} -> {name}" in error.fix
+    assert kinds.kind_of(cfg.peft) == kind and cfg.peft.target_modules == targets  # nothing applied
+
+
+@pytest.mark.parametrize("kind, targets", [
+    ("lora", ["linear_qkv", "*.layers.0.*.linear_fc2", "decoder.layers.1.self_attention.linear_proj", "*.layers.3.*"]),
+    ("canonical_lora", ["linear_q", "linear_k", "linear_v", "linear_fc1_up", "linear_fc1_gate", "linear_proj",
+                        "*.layers.0.*.linear_q"]),
+])
+def test_megatron_target_names_and_wildcards_pass(cfg, kind, targets):
+    cfg.peft = kinds.bridge_class(kind)(dim=16, target_modules=targets)
+    findings = MemoryConfig(lora_sp_input="shard_local").validate(cfg)
+    assert not [f for f in findings if f.setting == "peft.target_modules"], findings
+
+
+def test_a_target_that_names_no_megatron_module_is_a_no_effect_finding(cfg):
+    cfg.peft.target_modules = ["linear_qkv", "linear_qvk"]
+    findings = MemoryConfig(lora_sp_input="shard_local").validate(cfg)
+    (found,) = [f for f in findings if f.setting == "peft.target_modules"]
+    assert found.level == NO_EFFECT and "['linear_qvk']" in found.message and "linear_fc2" in found.fix

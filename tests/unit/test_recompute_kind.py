@@ -50,3 +50,56 @@ def test_core_attn_bytes_match_korthikanti_in_16_bit(dropout, expected_factor):
     got = recompute.core_attn_bytes_per_layer(seq=s, micro_batch=b, heads=a, tp=t, element_size=2,
                                               attention_dropout=dropout)
     assert got == expected_factor * a * s * s * b // t
+
+
+def default_layer_spec():  # named like Bridge's default, which builds TE's spec whether or not TE is installed
+    return None
+
+
+def _bridge_specs():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec as core_local
+
+    from megatron_bridge_ext.patches import bridge_peft_without_te
+
+    bridge_peft_without_te.import_bridge_peft()
+    from megatron.bridge.models.gpt_provider import local_layer_spec, transformer_engine_layer_spec
+
+    return {"bridge default": None, "bridge local": local_layer_spec, "bridge TE": transformer_engine_layer_spec,
+            "core local ModuleSpec": core_local()}
+
+
+@pytest.mark.parametrize("spec_key, expected", [
+    ("bridge default", recompute.FUSED), ("bridge local", recompute.UNFUSED), ("bridge TE", recompute.FUSED),
+    ("core local ModuleSpec", recompute.UNFUSED)])
+@pytest.mark.parametrize("backend", ["auto", "flash", "local"])
+def test_memory_config_and_the_plan_estimate_judge_attention_alike(spec_key, expected, backend, monkeypatch):
+    """One rule: MemoryConfig's core_attn finding and the estimate behind ``mbx plan`` see the same attention,
+    the one the layer spec builds (Bridge's default is TE's spec on every machine, TE installed or not)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    spec = _bridge_specs()[spec_key]  # first: imports Bridge's PEFT modules where TE is absent
+    from megatron.bridge.recipes.gpt import vanilla_gpt_pretrain_config
+
+    from megatron_bridge_ext.config import MemoryConfig
+    from megatron_bridge_ext.estimate import memory
+    from megatron_bridge_ext.findings import NO_EFFECT, WARNING
+
+    monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)
+    model = vanilla_gpt_pretrain_config().model
+    if spec is not None:
+        model.transformer_layer_spec = spec
+    model.attention_backend = getattr(AttnBackend, backend)
+    if backend == "local":
+        expected = recompute.UNFUSED  # Bridge swaps Core's unfused DotProductAttention into any spec
+    (finding,) = [f for f in MemoryConfig(recompute_modules=["core_attn"])._recompute_findings(model)
+                  if f.code == "core_attn_effect"]
+    assert finding.level == (NO_EFFECT if expected == recompute.FUSED else WARNING)
+    assert memory._attention_from(model) == ("fused" if expected == recompute.FUSED else "local")
+
+
+def test_bridges_default_spec_is_judged_fused_without_transformer_engine_too():
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    found = recompute.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=default_layer_spec,
+                                                                 attention_backend="AttnBackend.auto"))
+    assert found.kind == recompute.FUSED, (HAVE_TE, found)
