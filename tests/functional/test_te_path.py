@@ -12,7 +12,12 @@ gradient (the input and norm-weight grads differ from the reference; LoRA-B is n
 difference is real); with the ``bridge_lora_te_norm_grad`` patch, with our strategies, and with our
 LoRA left off (which applies the patch), everything matches; with ``te<=2.3`` everything matches.
 Saved bytes: under TE the LoRA-A strategies save s*b*h*bytes per adapter against Bridge (TE keeps
-its own norm-output shard, which our LoRA-A shares), not s*b*h*bytes*(1-1/t) as on the local spec.
+its own norm-output shard, which our LoRA-A shares), not s*b*h*bytes*(1-1/t) as on the local spec;
+under FP8 TE keeps a quantised copy instead, which ours cannot share: s*b*h*bytes*(1-1/t) again.
+
+Also: ``megatron_bridge_ext.init()`` fixes Bridge's own LoRA (Bridge imported before init(), and in a
+fresh 2-rank run after it); the run-time check warns once without the fix and not with it; FP8 and
+Userbuffers (``ub_overlap_rs_dgrad`` fixed, ``ub_bulk_wgrad`` with a frozen base refused by name).
 """
 
 from __future__ import annotations
