@@ -64,6 +64,7 @@ USERBUFFERS_DROPPING = ("ub_overlap_rs_dgrad", "ub_bulk_wgrad")
 """TE <= 2.3 skips the gathered-output add in these modes (v2.3 L690-692)."""
 
 _DECISION = "_mbx_gather_norm_output"
+_LAYER_CHECKED = "_mbx_te_layer_checked"
 _CHECKED = "_mbx_te_grad_checked"
 _FIX = ("use megatron_bridge_ext.peft.LoRA (or DoRA, CanonicalLoRA) with sequence_parallel_input_strategy="
         "\"regather\" or \"shard_local\", which take TE's non-gathered norm output, or a megatron-bridge-ext "
@@ -212,8 +213,7 @@ class _Installed:
     def __init__(self) -> None:
         self.fix = self.check = False
         self.cls = self.original = self.wrapper = None
-        self.logged: list[bool] = []
-        self.warned: list[bool] = []
+        self.logged = self.warned = False
 
     def ensure(self, cls) -> None:
         if self.cls is None:
@@ -244,10 +244,10 @@ def _gathered_by_us(original: Callable, wrapper, x, args, kwargs):
 
 
 def _first_forward(wrapper) -> None:
-    """Once per wrapper: refuse a layer no fix can make right."""
-    if _CHECKED not in wrapper.__dict__:
-        wrapper.__dict__[_CHECKED] = False
+    """Until a wrapper passes once: refuse a layer no fix can make right."""
+    if not wrapper.__dict__.get(_LAYER_CHECKED):
         _refuse_layer(wrapper.to_wrap)
+        wrapper.__dict__[_LAYER_CHECKED] = True
 
 
 def _check(wrapper) -> None:
@@ -257,7 +257,7 @@ def _check(wrapper) -> None:
     reason = drops_gathered_grad(base, te_version_in_use()) if _returns_gathered(base) else None
     if reason is None or _INSTALLED.warned:
         return
-    _INSTALLED.warned.append(True)
+    _INSTALLED.warned = True
     status, why = PATCH.status()
     name = getattr(wrapper.adapter, "base_linear_name", None) or type(base).__name__
     log.warning("LoRA on %s (a Transformer Engine LayerNorm-linear under sequence parallelism) gets the gathered norm "
@@ -277,7 +277,7 @@ def _wrap(original: Callable) -> Callable:
             if decision is None:
                 decision = self.__dict__[_DECISION] = _decide(self)
                 if decision and not _INSTALLED.logged:
-                    _INSTALLED.logged.append(True)
+                    _INSTALLED.logged = True
                     log.info("LoRA on a TE LayerNorm-linear under sequence parallelism: the norm output is returned "
                              "as the local shard and all-gathered by megatron_bridge_ext, because Transformer Engine "
                              "drops the gradient of a gathered return here (logged once)")
@@ -351,8 +351,7 @@ def remove_check() -> None:
     """Remove the run-time check (a no-op when it is not installed)."""
     while _CHECK_HOOK:
         _CHECK_HOOK.pop()()
-    _INSTALLED.check = False
-    _INSTALLED.warned.clear()
+    _INSTALLED.check = _INSTALLED.warned = False
     _INSTALLED.release()
 
 
