@@ -36,7 +36,7 @@ weight trains. Module return layout (v2.4 L1570-1581) through Megatron Core 0.19
 
 FP8 (``fp8=True``; the module's ``fp8`` as TE sets it under ``fp8_autocast``): the norm runs in high
 precision whenever the norm output is returned (``with_quantized_norm`` is off, v2.3 L190-195, v2.4
-L203-208) and the *returned* norm output stays unquantised in both modes (v2.3 L211-213 and L225-226,
+L194-200) and the *returned* norm output stays unquantised in both modes (v2.3 L211-213 and L225-226,
 v2.4 L218-221 and L233-234, main@d0067d0da L271-287). What TE saves is the shard after the input
 quantiser (gathered mode v2.3 L228, v2.4 L237, main L290; non-gathered v2.3 L234, v2.4 L245, main
 L299), i.e. a quantised *copy* of its own storage: an adapter that keeps the returned shard does not
