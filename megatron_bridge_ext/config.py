@@ -289,9 +289,9 @@ class MemoryConfig:
         if status == APPLIED:
             summary.findings.append(Finding(
                 "te_norm_grad_patch", ACTION, "peft",
-                f"patch bridge_lora_te_norm_grad applied in this process: {why}; LoRA-A inputs left on Bridge's "
-                "gathered path get the norm output as a shard plus an explicit all-gather, so their input "
-                "gradient is not lost"))
+                f"patch bridge_lora_te_norm_grad applied in this process: {why}; the LoRA-A inputs it takes over "
+                "(left on Bridge's gathered path) get the norm output as a shard plus an explicit all-gather, so "
+                "their input gradient is not lost"))
 
     # ------------------------------------------------------------------ command line
     def overrides(self, kind: str = "lora") -> list[str]:

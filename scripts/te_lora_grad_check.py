@@ -13,7 +13,8 @@ with a dense float64 computation of the same function. Prints the TE version and
 * ``not affected``: Bridge's LoRA as shipped is correct on this TE;
 * ``unexpected``: something else is off the reference (exit status 1).
 
-Also prints the bytes LoRA-A's input costs each way (under TE the saving is s*b*h*bytes per adapter).
+Also prints the bytes LoRA-A's input costs each way (under TE the saving is s*b*h*bytes per adapter;
+s*b*h*bytes*(1-1/t) under FP8, where TE keeps a quantised copy of the shard that LoRA-A cannot share).
 """
 
 from __future__ import annotations

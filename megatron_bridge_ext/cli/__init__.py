@@ -55,8 +55,10 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mbx run", usage="mbx run [--nccl-ub] [--cuda-graph-impl X] [--ipc] -- COMMAND ...",
-                                description="Turn on expandable segments in the environment, then run COMMAND "
-                                            "(e.g. torchrun ...); the exit status is the command's.")
+                                description="Turn on expandable segments in the environment, give every Python "
+                                            "process of COMMAND what megatron_bridge_ext.init() installs (a "
+                                            "sitecustomize put first on PYTHONPATH, MBX_RUN_INIT=1), then run "
+                                            "COMMAND (e.g. torchrun ...); the exit status is the command's.")
     _guard_options(p)
     return p
 
@@ -71,9 +73,10 @@ def _run_main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import logging
     import os
 
-    from megatron_bridge_ext import logs
+    from megatron_bridge_ext import logs, run_site
     from megatron_bridge_ext.allocator import setup_allocator
     from megatron_bridge_ext.findings import Refused
 
@@ -89,6 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     except (Refused, ValueError) as error:
         print(f"mbx run: {error}", file=sys.stderr)
         return 2
+    logging.getLogger("megatron_bridge_ext.cli").info("mbx run: %s", run_site.prepare_environment(env))
     sys.stdout.flush()
     sys.stderr.flush()
     try:  # replace this process: signals, stdin/stdout and the exit status belong to the command
@@ -132,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan.add_parser(sub, _parse_size)
 
-    sub.add_parser("run", help="turn on expandable segments in the environment, then run the command "
-                               "(mbx run -- torchrun ...); the exit status is the command's", add_help=False)
+    sub.add_parser("run", help="turn on expandable segments and megatron_bridge_ext.init()'s import hooks for the "
+                               "command's Python processes, then run it (mbx run -- torchrun ...); the exit status "
+                               "is the command's", add_help=False)
 
     sub.add_parser("demo", help="train the tiny LoRA model on 2 ranks and show activation memory per variant",
                    add_help=False)

@@ -11,6 +11,7 @@ STATUS_WORDS = {
     "not applied": "needed here (applied when its feature runs)",
     "not needed": "not needed here",
     "out of range": "out of range (nothing applied)",
+    "refused": "refused: upstream code changed (--verbose says what)",
 }
 
 

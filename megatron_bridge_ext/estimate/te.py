@@ -19,6 +19,9 @@ output. Bridge's LoRA makes it return the norm output (``return_layernorm_output
 * a trainable base (full fine-tuning) keeps the norm output either way: nothing is added.
 
 The same contract is implemented, line by line, by the CPU fake the tests use for TE's LoRA path.
+FP8 is outside it: there TE keeps a quantised copy of the shard (v2.4 L237 and L245) that our
+LoRA-A cannot share, so ours saves s*b*h*bytes*(1-1/t) per layer, not s*b*h*bytes; the estimate
+refuses FP8 configs (:mod:`.memory`) rather than model them.
 """
 
 from __future__ import annotations

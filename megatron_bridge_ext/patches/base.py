@@ -16,6 +16,8 @@ APPLIED = "applied"
 NOT_NEEDED = "not needed"
 OUT_OF_RANGE = "out of range"
 NOT_APPLIED = "not applied"
+REFUSED = "refused"
+"""Applied, but the upstream code it changes is not shaped as the patch expects: it changed nothing and said so."""
 
 
 @dataclass
@@ -25,7 +27,8 @@ class Patch:
     ``needed`` says whether the installed environment shows the upstream problem;
     ``do_apply`` makes the change and returns an undo callable. ``apply()`` is idempotent.
     ``applied_by`` says which feature applies it, and when: no patch is applied by importing
-    the package.
+    the package. ``refusal`` (optional) says, once the target is imported, why the patch left it
+    alone (its structure is not what the patch relies on); None while nothing was refused.
     """
 
     name: str
@@ -36,6 +39,7 @@ class Patch:
     applied_by: str
     needed: Callable[[], tuple[bool, str]]
     do_apply: Callable[[], Callable[[], None]]
+    refusal: Callable[[], str | None] = field(default=lambda: None, repr=False)
     _undo: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
@@ -56,14 +60,16 @@ class Patch:
         if not ok:
             return OUT_OF_RANGE, why
         if self.applied:
-            return APPLIED, why
+            refused = self.refusal()
+            return (REFUSED, refused) if refused else (APPLIED, why)
         is_needed, why_needed = self.needed()
         return (NOT_APPLIED if is_needed else NOT_NEEDED), why_needed
 
     def apply(self, *, quiet: bool = False) -> tuple[str, str]:
         """Apply when in range and needed; idempotent. Returns (status, why); ``quiet`` logs at DEBUG."""
         if self.applied:
-            return APPLIED, "already applied"
+            refused = self.refusal()
+            return (REFUSED, refused) if refused else (APPLIED, "already applied")
         ok, why = self.in_range()
         if not ok:
             logger.info("patch %s: %s", self.name, why)
@@ -72,6 +78,9 @@ class Patch:
         if not is_needed:
             return NOT_NEEDED, why_needed
         self._undo = self.do_apply()
+        refused = self.refusal()
+        if refused:
+            return REFUSED, refused  # the patch logged it as a warning when it refused
         logger.log(logging.DEBUG if quiet else logging.INFO, "patch %s applied to %s (%s)", self.name, self.target, why)
         return APPLIED, why_needed
 

@@ -31,6 +31,10 @@ PATCHES: tuple[Patch, ...] = (
 TRAINING_ENTRY: tuple[Patch, ...] = (bridge_pretrain_without_nvrx.PATCH, bridge_prebuilt_dataset_helpers.PATCH)
 """What Bridge's ``pretrain``/``finetune`` need to import and start; import hooks, so applying them imports nothing."""
 
+INIT: tuple[Patch, ...] = (*TRAINING_ENTRY, bridge_lora_te_norm_grad.PATCH)
+"""What ``megatron_bridge_ext.init()`` and ``mbx run`` apply: the training entry points, and the TE norm-gradient
+fix, for Bridge's own LoRA, DoRA and CanonicalLoRA as much as ours. All import hooks: applying them imports nothing."""
+
 
 @dataclass(frozen=True)
 class PatchStatus:
@@ -56,6 +60,17 @@ def apply_all() -> list[PatchStatus]:
 def apply_training_entry() -> list[PatchStatus]:
     """Apply :data:`TRAINING_ENTRY` (idempotent), before or after the script imports Bridge; report each one."""
     return [_report(patch, patch.apply(quiet=True)) for patch in TRAINING_ENTRY]
+
+
+def install_init_hooks() -> list[PatchStatus]:
+    """Apply :data:`INIT` (idempotent) and install the TE norm-gradient run-time check; report each patch.
+
+    Everything here is an import hook on a Bridge module, so it works whether the script imports Bridge
+    before or after, and imports nothing now.
+    """
+    statuses = [_report(patch, patch.apply(quiet=True)) for patch in INIT]
+    bridge_lora_te_norm_grad.install_check()
+    return statuses
 
 
 def revert_all() -> None:

@@ -157,6 +157,10 @@ def retained(wrapper, strategy: str, adapter=None, shared_by: int = 1) -> str:
     if _drops_its_input(adapter):
         return ("its own dropped sequence shard [s/t, b, h] (adapter dropout): s*b*h*(1-1/t) elements less than "
                 "Bridge's dropped and gathered copy")
+    if te and getattr(base.config, "fp8", None):
+        shared = f", one storage for the {n} adapters of this layer" if n > 1 else ""
+        return (f"the returned sequence shard [s/t, b, h]{shared}, next to the quantised copy TE keeps under FP8: "
+                "s*b*h*(1-1/t) elements less than Bridge's gathered copy")
     if te:
         shared = f", one storage for the {n} adapters of this layer" if n > 1 else ""
         return (f"the sequence shard [s/t, b, h], the storage TE keeps for its own backward{shared}: "

@@ -62,21 +62,25 @@ def make_peft(run: str, rank: int = 8, alpha: int = 16):
     return LoRA(target_modules=["linear_qkv"], dim=rank, alpha=alpha, sequence_parallel_input_strategy=run)
 
 
-def wrap(base: nn.Module, run: str, seed: int = 4321):
-    """``base`` as ``linear_qkv`` of a container, with ``run``'s LoRA; LoRA-B re-drawn (non-zero), seeded."""
+def wrap(base: nn.Module, run: str, seed: int = 4321, *, as_is: bool = False):
+    """``base`` as ``linear_qkv`` of a container, with ``run``'s LoRA; LoRA-B re-drawn (non-zero), seeded.
+
+    ``as_is``: leave the ``bridge_lora_te_norm_grad`` patch as this process has it (e.g. after
+    ``megatron_bridge_ext.init()``) instead of applying it (``bridge_patched``) or reverting it (``bridge``).
+    """
     from megatron.bridge.peft.lora_layers import LoRALinear
 
     from megatron_bridge_ext.patches import bridge_lora_te_norm_grad, bridge_truthful_te_detection
 
     patch = bridge_lora_te_norm_grad.PATCH
-    if run == "bridge_patched":
+    if run == "bridge_patched" and not as_is:
         patch.apply()
     bridge_truthful_te_detection.PATCH.apply()
     root = nn.Module()
     root.add_module("linear_qkv", base)
     torch.manual_seed(seed)
     root = make_peft(run)(root, training=True)
-    if run == "bridge":  # our LoRA applies the patch when it transforms; this run must stay unpatched
+    if run == "bridge" and not as_is:  # our LoRA applies the patch when it transforms; this run must stay unpatched
         patch.revert()
     lora_linear = root.linear_qkv
     if not isinstance(lora_linear, LoRALinear):
@@ -121,14 +125,15 @@ def _reference(lora_linear, x, g, group, eps: float):
 
 
 def run_one(make_base: Callable[[], nn.Module], run: str, group, *, seq: int, batch: int, hidden: int,
-            out_features: int, eps: float = 1e-5, seed: int = 201) -> RunResult:
-    """One run against the dense reference. ``make_base()`` builds identical weights every call."""
+            out_features: int, eps: float = 1e-5, seed: int = 201, as_is: bool = False) -> RunResult:
+    """One run against the dense reference. ``make_base()`` builds identical weights every call; ``as_is``: see
+    :func:`wrap`."""
     base = make_base()
     dtype, device = base.weight.dtype, base.weight.device
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(seq, batch, hidden, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
     g = torch.randn(seq, batch, out_features, generator=generator, dtype=torch.float64).to(device)
-    lora_linear = wrap(base, run)
+    lora_linear = wrap(base, run, as_is=as_is)
     got, saved = _distributed(lora_linear, x, g, group)
     want = _reference(lora_linear, x, g, group, eps)
     return RunResult(run, {name: _rel_err(got[name], want[name]) for name in want}, saved,

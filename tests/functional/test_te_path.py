@@ -12,7 +12,12 @@ gradient (the input and norm-weight grads differ from the reference; LoRA-B is n
 difference is real); with the ``bridge_lora_te_norm_grad`` patch, with our strategies, and with our
 LoRA left off (which applies the patch), everything matches; with ``te<=2.3`` everything matches.
 Saved bytes: under TE the LoRA-A strategies save s*b*h*bytes per adapter against Bridge (TE keeps
-its own norm-output shard, which our LoRA-A shares), not s*b*h*bytes*(1-1/t) as on the local spec.
+its own norm-output shard, which our LoRA-A shares), not s*b*h*bytes*(1-1/t) as on the local spec;
+under FP8 TE keeps a quantised copy instead, which ours cannot share: s*b*h*bytes*(1-1/t) again.
+
+Also: ``megatron_bridge_ext.init()`` fixes Bridge's own LoRA (Bridge imported before init(), and in a
+fresh 2-rank run after it); the run-time check warns once without the fix and not with it; FP8 and
+Userbuffers (``ub_overlap_rs_dgrad`` fixed, ``ub_bulk_wgrad`` with a frozen base refused by name).
 """
 
 from __future__ import annotations
@@ -20,13 +25,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from packaging.version import Version
 
-from megatron_bridge_ext import versions
-from megatron_bridge_ext.patches import bridge_lora_te_norm_grad, bridge_peft_without_te, bridge_truthful_te_detection
+from megatron_bridge_ext.patches import bridge_lora_te_norm_grad
 from megatron_bridge_ext.peft import te_check
 from tests.support.dist_checks import assert_no_problems, local_rel_err
-from tests.support.fake_te import CONTRACTS, TE_GE_2_4, TE_VERSION, FakeTELayerNormColumnParallelLinear
+from tests.support.fake_te import CONTRACTS, TE_GE_2_4, FakeTELayerNormColumnParallelLinear, see_fake_te
 from tests.support.lora_blocks import B, H, KINDS, OUT, S, TP, _parallel_config, _rank_slice
 
 pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
@@ -38,24 +41,7 @@ _VARIANT = {"bridge": "baseline", "bridge_patched": "baseline", "off": "off", "r
 
 def _see_fake_te(monkeypatch, contract: str) -> None:
     """Bridge sees the fake as TE's LayerNorm-linear, and the contract's TE version as installed."""
-    bridge_peft_without_te.import_bridge_peft()
-    bridge_truthful_te_detection.PATCH.apply()  # before the flags below, which it would reset
-    from megatron.bridge.peft import utils as peft_utils
-
-    te_version = TE_VERSION[contract]
-    real_installed, real_metadata = versions.installed_version, peft_utils.version
-
-    class _NoSuchLayer:
-        pass
-
-    monkeypatch.setattr(versions, "installed_version",
-                        lambda name: Version(te_version) if name == "transformer-engine" else real_installed(name))
-    monkeypatch.setattr(peft_utils, "version", lambda name: te_version if name == "transformer-engine" else real_metadata(name))
-    monkeypatch.setattr(peft_utils, "HAVE_TE", True)
-    monkeypatch.setattr(peft_utils, "TELayerNormColumnParallelLinear", FakeTELayerNormColumnParallelLinear)
-    monkeypatch.setattr(peft_utils, "TECL", (FakeTELayerNormColumnParallelLinear,))
-    monkeypatch.setattr(peft_utils, "TERL", ())
-    monkeypatch.setattr(peft_utils, "TELinear", _NoSuchLayer)
+    see_fake_te(contract, monkeypatch.setattr)
 
 
 @pytest.fixture(params=CONTRACTS)
@@ -74,13 +60,15 @@ def te_2_4(monkeypatch):
     bridge_lora_te_norm_grad.PATCH.revert()
 
 
-def _fake(tp_group, contract: str):
+def _fake(tp_group, contract: str, **modes):
+    """The fake's builder; ``modes``: ``fp8``, ``ub_overlap_rs_dgrad``, ``ub_bulk_wgrad``."""
     return lambda: FakeTELayerNormColumnParallelLinear(H, OUT, config=_parallel_config(torch.float64),
-                                                       tp_group=tp_group, te_contract=contract, seed=9)
+                                                       tp_group=tp_group, te_contract=contract, seed=9, **modes)
 
 
-def _run(tp2, contract: str, run: str) -> te_check.RunResult:
-    return te_check.run_one(_fake(tp2, contract), run, tp2, seq=S, batch=B, hidden=H, out_features=OUT)
+def _run(tp2, contract: str, run: str, *, as_is: bool = False, **modes) -> te_check.RunResult:
+    return te_check.run_one(_fake(tp2, contract, **modes), run, tp2, seq=S, batch=B, hidden=H, out_features=OUT,
+                            as_is=as_is)
 
 
 @pytest.mark.parametrize("run", te_check.RUNS)
@@ -120,13 +108,12 @@ def test_te_saving_is_the_whole_gathered_input_per_adapter(tp2, te_contract, str
 
 
 def test_the_patch_keeps_bridges_memory_and_reports_itself(tp2, te_contract):
-    """The patched path retains what Bridge's own path retains; the patch's status follows the TE version."""
+    """The patched path retains what Bridge's own path retains; the patch is applied under both contracts."""
     bridge, patched = (_run(tp2, te_contract, run).saved_bytes for run in ("bridge", "bridge_patched"))
     status, why = bridge_lora_te_norm_grad.PATCH.status()
     problems = [] if bridge == patched else [f"saved bytes differ: Bridge {bridge}, patched {patched}"]
-    want_status = "applied" if te_contract == TE_GE_2_4 else "not needed"
-    if status != want_status:
-        problems.append(f"patch status {status!r} ({why}), expected {want_status!r} under {te_contract}")
+    if status != "applied":  # TE 1.5 to 2.3 need it for layers with Userbuffers rs_dgrad/bulk_wgrad overlap
+        problems.append(f"patch status {status!r} ({why}), expected 'applied' under {te_contract}")
     assert_no_problems(problems, tp2)
 
 
@@ -140,6 +127,158 @@ def test_the_patch_leaves_our_strategies_alone(tp2, te_2_4):
     if taken is not False or lora_linear.to_wrap.return_layernorm_output_gathered:
         problems.append(f"the patch took over an adapter that uses shard_local (decision {taken})")
     assert_no_problems(problems, tp2)
+
+
+# --------------------------------------------------------------------------------------------
+# megatron_bridge_ext.init() fixes Bridge's own LoRA; the run-time check; FP8 and Userbuffers
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_init_hooks():
+    """Neither the patch nor the run-time check in place, before and after (init() installs both)."""
+    bridge_lora_te_norm_grad.PATCH.revert()
+    bridge_lora_te_norm_grad.remove_check()
+    yield
+    bridge_lora_te_norm_grad.PATCH.revert()
+    bridge_lora_te_norm_grad.remove_check()
+
+
+def _init(monkeypatch) -> None:
+    """megatron_bridge_ext.init(), its allocator step left out (this process's allocator is not the subject)."""
+    import megatron_bridge_ext
+    from megatron_bridge_ext import allocator
+
+    monkeypatch.setattr(allocator, "init", lambda **options: None)
+    megatron_bridge_ext.init()
+
+
+def _reference_problems(result: te_check.RunResult) -> list[str]:
+    """Every run quantity off the float64 reference, and any reference that is all zeros."""
+    return ([f"{name} is all zeros in the reference" for name, nonzero in result.reference_nonzero.items() if not nonzero]
+            + [f"{name}: rel err {err:.3g} > {F64_REL_TOL:g}" for name, err in result.errors.items() if err > F64_REL_TOL])
+
+
+def test_init_fixes_bridges_own_lora_when_bridge_is_already_imported(tp2, te_2_4, no_init_hooks, monkeypatch):
+    """Bridge's PEFT modules are imported in this process; init() then wraps Bridge's AdapterWrapper at once, and
+    Bridge's own LoRA (megatron.bridge.peft.lora.LoRA, not ours) on TE 2.4 gets the reference's input gradient."""
+    _init(monkeypatch)
+    result = _run(tp2, TE_GE_2_4, "bridge", as_is=True)
+    assert_no_problems(_reference_problems(result), tp2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_init_fixes_bridges_own_lora_imported_after_it(tp2, tmp_path_factory):
+    """A fresh 2-rank run (tests/support/te_init_child.py) calls init() first, then imports Bridge: the import hook
+    wraps Bridge's AdapterWrapper as it is imported, and Bridge's own LoRA on TE 2.4 matches the reference."""
+    import subprocess
+    import sys
+
+    port = [_free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    out = _shared_file(tmp_path_factory, "init_child.json", tp2)
+    env = _single_process_env()
+    env.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port[0]))
+    done = subprocess.run([sys.executable, "-m", "tests.support.te_init_child", out], env=env, capture_output=True,
+                          text=True, timeout=600)
+    problems = [] if done.returncode == 0 else [f"the child exited {done.returncode}: {done.stderr[-3000:]}"]
+    if dist.get_rank() == 0 and not problems:
+        import json
+
+        with open(out) as f:
+            child = json.load(f)
+        if child["bridge_before_init"]:
+            problems.append(f"Bridge was imported before init(): {child['bridge_before_init'][:5]}")
+        if child["lora"] != "megatron.bridge.peft.lora.LoRA":
+            problems.append(f"the run used {child['lora']}, not Bridge's own LoRA")
+        problems += [f"{name} is all zeros in the reference" for name, nonzero in child["nonzero"].items() if not nonzero]
+        problems += [f"{name}: rel err {err:.3g} > {F64_REL_TOL:g}" for name, err in child["errors"].items()
+                     if err > F64_REL_TOL]
+    assert_no_problems(problems, tp2)
+
+
+def test_the_run_time_check_warns_once_without_the_fix_and_not_with_it(tp2, te_2_4, no_init_hooks, caplog):
+    """Bridge's own LoRA on TE 2.4, two adapted layers, check installed: one WARNING naming the fix when the patch is
+    not applied, none when it is."""
+    bridge_lora_te_norm_grad.install_check()
+    warnings = {}
+    for fixed in (False, True):
+        if fixed:
+            bridge_lora_te_norm_grad.PATCH.apply()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megatron_bridge_ext.patches"):
+            for _ in range(2):
+                _run(tp2, TE_GE_2_4, "bridge", as_is=True)
+        warnings[fixed] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    problems = []
+    if len(warnings[False]) != 1 or "megatron_bridge_ext.init()" not in warnings[False][0] \
+            or "megatron_bridge_ext.peft.LoRA" not in warnings[False][0]:
+        problems.append(f"without the fix: {warnings[False]}")
+    if warnings[True]:
+        problems.append(f"with the fix: {warnings[True]}")
+    assert_no_problems(problems, tp2)
+
+
+@pytest.mark.parametrize("run", ("bridge", "bridge_patched", "shard_local"))
+def test_fp8_gradients_against_a_dense_reference(tp2, te_contract, run):
+    """Under FP8 TE still returns the norm output unquantised and adds only the non-gathered return's gradient from
+    2.4 on: Bridge as shipped loses the LoRA input gradient on te>=2.4, the patched path and ours match."""
+    result = _run(tp2, te_contract, run, fp8=True)
+    if te_contract == TE_GE_2_4 and run == "bridge":
+        problems = [] if result.errors["input grad"] > te_check.DROPPED else [
+            f"input grad rel err {result.errors['input grad']:.2g}: expected the dropped LoRA gradient"]
+    else:
+        problems = _reference_problems(result)
+    assert_no_problems([f"{te_contract} {run}: {p}" for p in problems], tp2)
+
+
+def test_fp8_saving_is_the_gathered_input_less_the_shard(tp2, te_contract):
+    """Under FP8 TE keeps a quantised copy of the shard, which our LoRA-A cannot share: ours keeps the returned shard
+    on top of it, so the saving is s*b*h*bytes*(1-1/t), not s*b*h*bytes."""
+    saved = {run: _run(tp2, te_contract, run, fp8=True).saved_bytes for run in ("bridge_patched", "shard_local")}
+    expected = S * B * H * 8 - S * B * H * 8 // TP
+    problems = [] if saved["bridge_patched"] - saved["shard_local"] == expected else [
+        f"saved {saved}: difference {saved['bridge_patched'] - saved['shard_local']} != s*b*h*8*(1-1/t) = {expected}"]
+    assert_no_problems(problems, tp2)
+
+
+@pytest.mark.parametrize("run", ("bridge", "bridge_patched", "off", "shard_local"))
+def test_userbuffers_rs_dgrad_on_te_2_3_against_a_dense_reference(tp2, te_contract, run):
+    """ub_overlap_rs_dgrad skips the gathered-output add on TE <= 2.3 too: Bridge as shipped loses the LoRA input
+    gradient under both contracts; the patch (needed from TE 1.5 on, taking over such layers) and ours match."""
+    result = _run(tp2, te_contract, run, ub_overlap_rs_dgrad=True)
+    if run == "bridge":
+        problems = [] if result.errors["input grad"] > te_check.DROPPED else [
+            f"input grad rel err {result.errors['input grad']:.2g}: expected the dropped LoRA gradient"]
+    else:
+        problems = _reference_problems(result)
+    assert_no_problems([f"{te_contract} {run}: {p}" for p in problems], tp2)
+
+
+@pytest.mark.parametrize("installed", ("patch", "check"))
+def test_userbuffers_bulk_wgrad_with_a_frozen_base_is_refused_by_name(tp2, te_contract, installed, no_init_hooks):
+    """With ub_bulk_wgrad TE reduce-scatters the input gradient only inside the wgrad GEMM, which LoRA's frozen base
+    skips: no fix can make it right, so the patch and the check refuse at the first forward, naming the setting."""
+    from megatron_bridge_ext.findings import Refused
+
+    run = "bridge_patched" if installed == "patch" else "bridge"
+    if installed == "check":
+        bridge_lora_te_norm_grad.install_check()
+    try:
+        _run(tp2, te_contract, run, as_is=installed == "check", ub_bulk_wgrad=True)
+        refusal = None
+    except Refused as error:
+        refusal = error.one_line()
+    problems = [] if refusal and "model.tp_comm_bulk_wgrad" in refusal and "Fix: set model.tp_comm_bulk_wgrad=False" in refusal \
+        else [f"{installed}: refusal {refusal!r}"]
+    assert_no_problems([f"{te_contract}: {p}" for p in problems], tp2)
 
 
 def _shared_file(tmp_path_factory, name: str, group) -> str:

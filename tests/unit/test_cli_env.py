@@ -134,6 +134,39 @@ def test_run_without_command_or_unknown_command():
     assert missing.returncode == 127 and "command not found" in missing.stderr
 
 
+_PRINT_HOOKS = ("import json, os, sys; from megatron_bridge_ext.patches import bridge_lora_te_norm_grad as te; "
+                "print(json.dumps({'check': te.check_installed(), 'user': os.environ.get('MBX_TEST_USER_SITE'), "
+                "'path': os.environ.get('PYTHONPATH'), "
+                "'upstream': sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'megatron'))}))")
+
+
+@pytest.fixture
+def user_site(tmp_path):
+    """A folder with the user's own sitecustomize.py, which marks the environment when it runs."""
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['MBX_TEST_USER_SITE'] = 'ran'\n")
+    return os.pathsep.join([str(tmp_path), str(ROOT)])
+
+
+def test_run_gives_the_commands_python_the_init_hooks_and_keeps_the_users_sitecustomize(user_site):
+    from megatron_bridge_ext import run_site
+
+    plain = subprocess.run([sys.executable, "-c", _PRINT_HOOKS], env=dict(os.environ, PYTHONPATH=user_site),
+                           capture_output=True, text=True, cwd=ROOT)
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_HOOKS], {"PYTHONPATH": user_site})
+    assert out.returncode == 0 and plain.returncode == 0, out.stderr + plain.stderr
+    assert json.loads(plain.stdout) == {"check": False, "user": "ran", "path": user_site, "upstream": []}
+    assert json.loads(out.stdout) == {"check": True, "user": "ran", "path": run_site.FOLDER + os.pathsep + user_site,
+                                      "upstream": []}
+    assert f"PYTHONPATH: {run_site.FOLDER} put first (your entries kept after it)" in out.stderr
+
+
+def test_run_leaves_pythonpath_alone_when_the_user_turned_the_hooks_off(user_site):
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_HOOKS], {"PYTHONPATH": user_site, "MBX_RUN_INIT": "0"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"check": False, "user": "ran", "path": user_site, "upstream": []}
+    assert "MBX_RUN_INIT='0': PYTHONPATH left as it is" in out.stderr
+
+
 def test_patches_lists_every_patch_in_a_narrow_table_and_says_this_process_is_unpatched():
     from megatron_bridge_ext.patches import PATCHES
 
@@ -150,6 +183,8 @@ def test_patches_lists_every_patch_in_a_narrow_table_and_says_this_process_is_un
     for patch in PATCHES:
         assert f"\n{patch.name}\n" in verbose.stdout
     assert verbose.stdout.count("applied by:") == len(PATCHES)
+    te_section = verbose.stdout.split("\nbridge_lora_te_norm_grad\n")[1].split("\n\n")[0]
+    assert "megatron_bridge_ext.init() and `mbx run`" in " ".join(te_section.split())
 
 
 def test_env_verify_on_cpu_applies_the_setup_and_says_it_could_not_verify_on_a_device(clean_env, capsys):

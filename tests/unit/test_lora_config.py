@@ -377,3 +377,13 @@ def test_the_stand_in_reads_attributes_that_bridge_and_core_really_have(ours):
     column = _assigned_attributes("megatron.core.tensor_parallel.layers", "ColumnParallelLinear")
     te_only = {"parallel_mode"}  # Transformer Engine's attribute (its modules are not installed here)
     assert set(vars(stand_in.to_wrap)) - te_only <= column, set(vars(stand_in.to_wrap)) - column
+
+
+@pytest.mark.parametrize("fp8, saving", [(None, "s*b*h elements less"), ("e4m3", "s*b*h*(1-1/t) elements less")])
+def test_the_report_states_the_te_saving_with_and_without_fp8(fp8, saving):
+    """Under FP8 TE keeps a quantised copy of the shard that LoRA-A cannot share: the report says (1-1/t)."""
+    from megatron_bridge_ext.peft.eligibility import retained
+
+    wrapper = _stand_in(te=True)
+    wrapper.to_wrap.config.fp8 = fp8
+    assert saving in retained(wrapper, "shard_local")
