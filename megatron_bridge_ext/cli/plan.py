@@ -17,8 +17,9 @@ PLOT_EXTRA = 'pip install "megatron-bridge-ext[plot]"'
 
 PLAN_EXAMPLES = """
 mbx plan --hf-config tests/data/qwen3-8b/config.json --tp 2 --seq 8192 --peft lora --dp 4 --gpu-memory 40GiB
-mbx plan --recipe megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config --gpu-memory 80GiB \\
-    --dp 8 --json model.num_layers=32 model.hidden_size=4096
+mbx plan --recipe megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config --gpu-memory 80GiB --dp 8 \\
+    --json model.num_layers=32 model.hidden_size=4096 model.num_attention_heads=32 model.ffn_hidden_size=14336 \\
+    model.vocab_size=128256 model.share_embeddings_and_output_weights=false
 """
 POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "seq": 4096, "micro_batch": 1, "global_batch": 128, "lora_dim": 32}
 """The whole-number options, each 1 or more (checked before anything is imported), with an example value."""
