@@ -317,6 +317,7 @@ def _levers(options) -> list[str]:
 
 
 def _answer(result) -> list[str]:
+    """The first option that fits, as MemoryConfig and overrides (or what is left when none does)."""
     chosen = result.chosen
     if result.fits_as_is:
         return ["answer: no lever needed"]
