@@ -306,7 +306,8 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     from megatron_bridge_ext.estimate.bridge import bridge_estimate
 
     if gpu_memory <= 0:
-        raise Refused("plan", [Finding("bad_input", ERROR, "--gpu-memory", f"is {gpu_memory}", "give e.g. 80GB")])
+        raise Refused("plan", [Finding("bad_input", ERROR, "gpu_memory", f"is {gpu_memory}",
+                                       "give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB")])
     if expandable_segments is None:
         expandable_segments = _expandable_in(cfg)
     planner = _Planner(gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
