@@ -38,14 +38,24 @@ class Finding:
             raise ValueError(f"Finding.level={self.level!r} is not one of {LEVELS}")
 
     def text(self) -> str:
-        """``setting: message Fix: fix`` (without the level)."""
-        return f"{self.setting}: {self.message}" + (f" Fix: {self.fix}" if self.fix else "")
+        """``setting: message. Fix: fix`` (without the level); the message ends in a full stop before the fix."""
+        return f"{self.setting}: " + (joined(self.message, self.fix) if self.fix else self.message)
 
     def __str__(self) -> str:
         return f"[{self.level}] {self.text()}"
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _stop(message: str) -> str:
+    """The full stop a message needs before ``Fix:`` (none when it already ends a sentence)."""
+    return "" if message.rstrip().endswith((".", "!", "?")) else "."
+
+
+def joined(message: str, fix: str) -> str:
+    """``message. Fix: fix``: every refusal of the package joins its message and fix this way."""
+    return f"{message}{_stop(message)} Fix: {fix}"
 
 
 def errors(findings: Iterable[Finding]) -> list[Finding]:
@@ -61,7 +71,7 @@ class Refused(ValueError):
         super().__init__(f"{what} refused:\n" + "\n".join(f"  - {f.text()}" for f in self.findings))
 
     def one_line(self) -> str:
-        """The first error as one line (``setting: message Fix: fix``), with a count of the others."""
+        """The first error as one line (``setting: message. Fix: fix``), with a count of the others."""
         first = self.findings[0].text() if self.findings else self.what
         more = len(self.findings) - 1
         return first + (f" (and {more} more)" if more > 0 else "")

@@ -77,12 +77,16 @@ class Cost:
 
 @dataclass
 class Option:
-    """One step of the procedure: what it sets, the predicted peak after it, its cost and constraints."""
+    """One step of the procedure: what it sets, the predicted peak after it, its cost and constraints.
+
+    ``label`` names the option in a few words; ``reason`` says why it does not apply (empty when it does).
+    """
 
     step: int
     lever: str
     label: str
     applicable: bool
+    reason: str = ""
     peak_bytes: Optional[int] = None
     usable_bytes: Optional[int] = None
     breakdown: dict[str, int] = field(default_factory=dict)
@@ -97,7 +101,7 @@ class Option:
 
     def as_dict(self) -> dict:
         return {"step": self.step, "lever": self.lever, "label": self.label, "applicable": self.applicable,
-                "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
+                "reason": self.reason, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
                 "breakdown": self.breakdown, "cost": vars(self.cost), "constraints": [c.to_dict() for c in self.constraints],
                 "memory_config": self.flags, "overrides": self.overrides}
 
@@ -124,6 +128,7 @@ class Plan:
 
     @property
     def chosen(self) -> Optional[Option]:
+        """The answer: the first option that fits (``answer`` in the text and the JSON)."""
         return next((o for o in self.options if o.fits), None)
 
     def memory_config(self) -> Optional[MemoryConfig]:
@@ -141,7 +146,7 @@ class Plan:
                 "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict(),
                 "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
                 "options": [o.as_dict() for o in self.options],
-                "chosen": None if chosen is None else {"step": chosen.step, "label": chosen.label,
+                "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
                                                        "memory_config": chosen.flags, "overrides": chosen.overrides}}
 
 
@@ -301,7 +306,8 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     from megatron_bridge_ext.estimate.bridge import bridge_estimate
 
     if gpu_memory <= 0:
-        raise Refused("plan", [Finding("bad_input", ERROR, "--gpu-memory", f"is {gpu_memory}", "give e.g. 80GB")])
+        raise Refused("plan", [Finding("bad_input", ERROR, "gpu_memory", f"is {gpu_memory}",
+                                       "give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB")])
     if expandable_segments is None:
         expandable_segments = _expandable_in(cfg)
     planner = _Planner(gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
@@ -357,14 +363,14 @@ def _allocator(planner: _Planner, state: _State) -> _State:
     cost = Cost(published=lever["cost"], source=lever["source"])
     if planner.expandable:
         state.flags["expandable_segments"] = True
-        planner.add(Option(1, lever["name"], "expandable segments: already on", False, cost=cost,
+        planner.add(Option(1, lever["name"], "expandable segments", False, "already on", cost=cost,
                            constraints=constraints), state)
         return state
     blocked = _blocking(constraints)
     planner.expandable = blocked is None
     state.flags["expandable_segments"] = blocked is None
-    planner.add(Option(1, lever["name"], "expandable segments" + (f": {blocked}" if blocked else ""), blocked is None,
-                       cost=cost, constraints=constraints), state)
+    planner.add(Option(1, lever["name"], "expandable segments", blocked is None, blocked or "", cost=cost,
+                       constraints=constraints), state)
     return state
 
 
@@ -376,7 +382,7 @@ def _lora_input(planner: _Planner, state: _State) -> _State:
     published = f"no published figure; upstream's regather for comparison: {evidence.QWEN3_8B_REGATHER}"
     blocked = "already shard_local" if current == "shard_local" else _blocking(constraints)
     if blocked:
-        planner.add(Option(2, lever["name"], f"lora_sp_input=shard_local: {blocked}", False,
+        planner.add(Option(2, lever["name"], "lora_sp_input=shard_local", False, blocked,
                            cost=Cost(published=published), constraints=constraints), state)
         return state
     cfg = copy.deepcopy(state.cfg)
@@ -392,8 +398,8 @@ def _recompute(planner: _Planner, state: _State) -> _State:
     lever = _lever("selective recompute")
     s = state.est.settings
     if s["recompute_granularity"] == "full":
-        planner.add(Option(3, lever["name"], "selective recompute: the config already recomputes full layers", False,
-                           cost=Cost(published=lever["cost"], source=lever["source"])), state)
+        planner.add(Option(3, lever["name"], "selective recompute", False,
+                           "the config already recomputes full layers", cost=Cost(published=lever["cost"], source=lever["source"])), state)
         return state
     base = list(s["recompute_modules"]) if s["recompute_granularity"] == "selective" else []
     tried: dict[tuple[str, ...], tuple[Any, MemoryEstimate]] = {}
@@ -413,7 +419,7 @@ def _recompute(planner: _Planner, state: _State) -> _State:
         candidates.append((module, saved, _recompute_flops(state.est, [module])))
     for module, saved, _ in candidates:
         if saved <= 0:
-            planner.add(Option(3, lever["name"], f"recompute {module}: saves nothing here (measured)", False,
+            planner.add(Option(3, lever["name"], f"recompute {module}", False, "saves nothing here (measured)",
                                cost=Cost(published=lever["cost"], source=lever["source"])), state)
     useful = sorted((c for c in candidates if c[1] > 0), key=lambda c: c[2] / c[1])  # FLOPs per byte, cheapest first
     modules = list(base)
@@ -423,7 +429,7 @@ def _recompute(planner: _Planner, state: _State) -> _State:
                        if f.code != "core_attn_effect"]  # the estimate measures the effect instead
         blocked = _blocking(constraints)
         if blocked:
-            planner.add(Option(3, lever["name"], f"recompute_modules={trial}: {blocked}", False,
+            planner.add(Option(3, lever["name"], f"recompute_modules={trial}", False, blocked,
                                constraints=constraints), state)
             continue
         modules = trial
@@ -471,7 +477,7 @@ def _parallelism(planner: _Planner, state: _State) -> _State:
         problems += _model_errors(cfg)
         cost = Cost(published=str(figure), source=lever["source"])
         if problems:
-            planner.add(Option(4, lever["name"], f"{label}: {problems[0].text()}", False, cost=cost,
+            planner.add(Option(4, lever["name"], label, False, problems[0].text(), cost=cost,
                                constraints=problems), state)
             continue
         dp, nmb = s["dp"] // 2, s["num_microbatches"] * 2  # the same global batch on half the replicas
@@ -509,9 +515,9 @@ def _offloading(planner: _Planner, state: _State) -> _State:
     cfg = copy.deepcopy(state.cfg)
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = True, layers - 1
     constraints = _model_errors(cfg)
-    label = f"cpu_offloading of {layers - 1} of {layers} layers' activations (instead of recompute)"
+    label = f"offload {layers - 1} of {layers} layers (no recompute)"
     if constraints:
-        planner.add(Option(5, lever["name"], f"{label}: {constraints[0].text()}", False,
+        planner.add(Option(5, lever["name"], label, False, constraints[0].text(),
                            cost=Cost(published=lever["cost"]), constraints=constraints), state)
         return state
     keep = 2 / s["layers_on_stage"]  # the layer computing and the one being copied stay on the GPU

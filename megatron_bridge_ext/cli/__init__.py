@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from megatron_bridge_ext.cli import env, patches, plan
 
@@ -17,35 +18,54 @@ CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 """Megatron Core's ``TransformerConfig.cuda_graph_impl`` values (0.17-0.19)."""
 
 
+PATCHES_EXAMPLES = """
+mbx patches                      # which patches this environment needs
+mbx patches --apply --verbose    # apply them to this process; each target and reason
+"""
+ENV_EXAMPLES = """
+mbx env                          # the allocator settings torch reads now, and what setup would change
+mbx env --nccl-ub --json         # the guard findings for a job with NCCL user buffers, as JSON
+"""
+DIAGNOSE_EXAMPLES = """
+mbx diagnose oom_rank0.json                      # an OOM report written by the OOM handler
+mbx diagnose stats.json --total-memory 80GiB --expandable-segments off
+"""
+RUN_EXAMPLES = """
+mbx run -- torchrun --nproc_per_node=8 pretrain.py
+mbx run --nccl-ub -- torchrun --nproc_per_node=8 finetune.py --config lora.yaml
+"""
+
+
 def _guard_options(p: argparse.ArgumentParser) -> None:
     """The settings the allocator guards depend on (as in the training config)."""
-    p.add_argument("--nccl-ub", action="store_true", help="ddp.nccl_ub is on (NCCL user-buffer registration)")
+    p.add_argument("--nccl-ub", action="store_true",
+                   help="ddp.nccl_ub is on (NCCL user-buffer registration; default: off)")
     p.add_argument("--cuda-graph-impl", default=None, choices=CUDA_GRAPH_IMPLS,
-                   help="model.cuda_graph_impl of the training config")
+                   help="model.cuda_graph_impl of the training config (default: none)")
     p.add_argument("--ipc", action="store_true", default=None,
-                   help="this job shares CUDA memory between processes through IPC (also: MBX_ALLOCATOR_IPC=1)")
+                   help="this job shares CUDA memory between processes through IPC (default: "
+                        "MBX_ALLOCATOR_IPC, else off)")
 
 
-def _parse_size(text: str) -> int:
-    import re
-
-    units = {"": 1, "b": 1, "bytes": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
-    if not match or match.group(2) not in units:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or e.g. 80GiB")
-    size = int(float(match.group(1)) * units[match.group(2)])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size; write e.g. 80GiB")
-    return size
+def _parser(sub, name: str, examples: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with worked examples (kept as written)."""
+    return sub.add_parser(name, epilog="examples:\n" + textwrap.indent(examples.strip("\n"), "  "),
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
 
 def _diagnose(args: argparse.Namespace) -> int:
+    from megatron_bridge_ext.sizes import SizeError, parse_size
+
+    try:  # the size first: a bad one is refused before the file is read
+        total_memory = None if args.total_memory is None else parse_size(args.total_memory, "--total-memory")
+    except SizeError as error:
+        print(f"mbx diagnose: {error}", file=sys.stderr)
+        return 2
     from megatron_bridge_ext.diagnose import diagnose_file
 
     expandable = {"on": True, "off": False, None: None}[args.expandable_segments]
     try:
-        diagnosis = diagnose_file(args.stats, total_memory=args.total_memory, expandable_segments=expandable)
+        diagnosis = diagnose_file(args.stats, total_memory=total_memory, expandable_segments=expandable)
     except (OSError, ValueError) as error:
         print(f"mbx diagnose: {error}", file=sys.stderr)
         return 2
@@ -56,9 +76,12 @@ def _diagnose(args: argparse.Namespace) -> int:
 def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mbx run", usage="mbx run [--nccl-ub] [--cuda-graph-impl X] [--ipc] -- COMMAND ...",
                                 description="Turn on expandable segments in the environment, give every Python "
-                                            "process of COMMAND what megatron_bridge_ext.init() installs (a "
+                                            "process of COMMAND what megatron_bridge_ext.init() installs\n(a "
                                             "sitecustomize put first on PYTHONPATH, MBX_RUN_INIT=1), then run "
-                                            "COMMAND (e.g. torchrun ...); the exit status is the command's.")
+                                            "COMMAND\n(e.g. torchrun ...); the exit status is the command's. Each "
+                                            "option is off unless given.",
+                                epilog="examples:\n" + textwrap.indent(RUN_EXAMPLES.strip("\n"), "  "),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     _guard_options(p)
     return p
 
@@ -112,29 +135,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megatron-bridge-ext {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("patches", help="list every upstream patch: version range, whether this environment needs it")
-    p.add_argument("--apply", action="store_true", help="apply every needed patch to this process, then report")
+    p = _parser(sub, "patches", PATCHES_EXAMPLES,
+                help="list every upstream patch: version range, whether this environment needs it")
+    p.add_argument("--apply", action="store_true", help="apply every needed patch to this process, then report "
+                                                       "(default: report only)")
     p.add_argument("--verbose", action="store_true", help="also each patch's target, reason and when it is applied")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (default: a table)")
     p.set_defaults(func=patches.command)
 
-    p = sub.add_parser("env", help="effective allocator settings, guard findings, and torch/Megatron/TE versions")
+    p = _parser(sub, "env", ENV_EXAMPLES,
+                help="effective allocator settings, guard findings, and torch/Megatron/TE versions")
     _guard_options(p)
     p.add_argument("--verify", action="store_true",
-                   help="also apply the setup to this process and check it on the device (imports torch)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+                   help="also apply the setup to this process and check it on the device (imports torch; "
+                        "default: report only)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (default: text)")
     p.set_defaults(func=env.command)
 
-    p = sub.add_parser("diagnose", help="fragmentation or capacity: diagnose an OOM from a memory_stats() JSON dump "
-                                        "or an OOM report")
+    p = _parser(sub, "diagnose", DIAGNOSE_EXAMPLES,
+                help="fragmentation or capacity: diagnose an OOM from a memory_stats() JSON dump or an OOM report")
     p.add_argument("stats", help="JSON of torch.cuda.memory_stats(), or oom_rank<N>.json written by the OOM handler")
-    p.add_argument("--total-memory", type=_parse_size, default=None, help="device memory, bytes or e.g. 80GiB")
+    p.add_argument("--total-memory", metavar="SIZE", default=None,
+                   help="device memory with its unit: 80GiB (2^30 bytes) or 85.5GB (10^9 bytes); a GPU sold as "
+                        "\"80GB\" holds about 80GiB (default: the OOM report's figure; none for a stats dump)")
     p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
-                   help="allocator state at the OOM, when the file does not say")
-    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+                   help="allocator state at the OOM, when the file does not say (default: the OOM report's, "
+                        "else unknown)")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON (default: text)")
     p.set_defaults(func=_diagnose)
 
-    plan.add_parser(sub, _parse_size)
+    plan.add_parser(sub, _parser)
 
     sub.add_parser("run", help="turn on expandable segments and megatron_bridge_ext.init()'s import hooks for the "
                                "command's Python processes, then run it (mbx run -- torchrun ...); the exit status "

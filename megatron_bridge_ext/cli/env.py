@@ -8,7 +8,7 @@ from typing import Any, MutableMapping, Optional
 
 from megatron_bridge_ext.allocator.options import VARIABLES, AllocatorConfigError, effective, parse_version, precedence_for
 from megatron_bridge_ext.allocator.plan import ipc_flag, plan_allocator
-from megatron_bridge_ext.findings import ERROR
+from megatron_bridge_ext.findings import ERROR, Finding
 from megatron_bridge_ext.versions import package_versions
 
 
@@ -68,7 +68,7 @@ def command(args) -> int:
           + ("; ".join(f"{k}={c['new']!r}" for k, c in changes.items()) if changes else "nothing"))
     print("findings:" if report["findings"] else "findings: none")
     for f in report["findings"]:
-        print(f"  [{f['level']}] {f['setting']}: {f['message']}" + (f" Fix: {f['fix']}" if f["fix"] else ""))
+        print(f"  [{f['level']}] {Finding(**f).text()}")
     if "verify" in report:
         print(f"verify: {report['verify']['message']}")
     return 1 if errors else 0

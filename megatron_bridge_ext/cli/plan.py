@@ -10,47 +10,72 @@ import sys
 import textwrap
 import warnings
 
-from megatron_bridge_ext.estimate.report import GB, gib
+from megatron_bridge_ext.sizes import GIB, gib, sold_as_note
 
 PLOT_EXTRA = 'pip install "megatron-bridge-ext[plot]"'
 
 
-def add_parser(sub, parse_size) -> None:
-    p = sub.add_parser(
-        "plan", help="estimate per-rank memory of a Bridge config (PEFT-aware, measured from the layer code) and walk "
-                     "the OOM levers in order until one fits",
+PLAN_EXAMPLES = """
+mbx plan --hf-config tests/data/qwen3-8b/config.json --tp 2 --seq 8192 --peft lora --dp 4 --gpu-memory 40GiB
+mbx plan --recipe megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config --gpu-memory 80GiB --dp 8 \\
+    --json model.num_layers=32 model.hidden_size=4096 model.num_attention_heads=32 model.ffn_hidden_size=14336 \\
+    model.vocab_size=128256 model.share_embeddings_and_output_weights=false
+"""
+POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "seq": 4096, "micro_batch": 1, "global_batch": 128, "lora_dim": 32}
+"""The whole-number options, each 1 or more (checked before anything is imported), with an example value."""
+
+
+def add_parser(sub, make_parser) -> None:
+    """``mbx plan``'s options; ``make_parser(sub, name, examples, **kwargs)`` adds a subcommand with examples."""
+    p = make_parser(
+        sub, "plan", PLAN_EXAMPLES,
+        help="estimate per-rank memory of a Bridge config (PEFT-aware, measured from the layer code) and walk "
+             "the OOM levers in order until one fits",
         description="Input: a Bridge recipe (--recipe MODULE:FUNCTION) or a Hugging Face config.json (--hf-config), "
-                    "parallel sizes, sequence, micro-batch and --gpu-memory; Hydra-style OVERRIDES apply last.")
+                    "parallel sizes, sequence, micro-batch and --gpu-memory; Hydra-style OVERRIDES apply last. "
+                    "Defaults marked 'recipe' keep the recipe's value with --recipe.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--recipe", help="a Bridge recipe function, MODULE:FUNCTION")
     source.add_argument("--hf-config", help="a Hugging Face config.json (read offline)")
-    p.add_argument("--gpu-memory", type=parse_size, required=True, help="device memory per GPU, e.g. 80GB or 80GiB")
-    p.add_argument("--tp", type=int, help="tensor parallel size")
-    p.add_argument("--pp", type=int, help="pipeline parallel size")
-    p.add_argument("--dp", type=int, help="data parallel size (divides the distributed optimizer's states)")
-    p.add_argument("--seq", type=int, help="sequence length")
-    p.add_argument("--micro-batch", type=int, help="micro-batch size")
-    p.add_argument("--global-batch", type=int, help="global batch size (default with --hf-config: micro-batch x DP x PP)")
+    p.add_argument("--gpu-memory", metavar="SIZE", required=True,
+                   help="device memory per GPU with its unit: 80GiB (2^30 bytes) or 80GB (10^9 bytes); a GPU sold "
+                        "as \"80GB\" holds about 80GiB")
+    p.add_argument("--tp", type=int, help="tensor parallel size (default: recipe; 1 with --hf-config)")
+    p.add_argument("--pp", type=int, help="pipeline parallel size (default: recipe; 1 with --hf-config)")
+    p.add_argument("--dp", type=int, help="data parallel size, divides the distributed optimizer's states "
+                                          "(default: recipe, else 1)")
+    p.add_argument("--seq", type=int, help="sequence length (default: recipe; required with --hf-config, whose "
+                                           "max_position_embeddings is the longest the model takes, not a training "
+                                           "length)")
+    p.add_argument("--micro-batch", type=int, help="micro-batch size (default: recipe; 1 with --hf-config)")
+    p.add_argument("--global-batch", type=int, help="global batch size, a multiple of micro-batch x DP (default: "
+                                                    "recipe; micro-batch x DP x PP with --hf-config)")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                   help="sequence parallelism (default with --hf-config: on when TP > 1)")
+                   help="sequence parallelism (default: recipe; on when TP > 1 with --hf-config)")
     p.add_argument("--peft", choices=("lora", "dora", "canonical_lora", "none"),
-                   help="Bridge's LoRA, DoRA or CanonicalLoRA on the four linear layers, or full fine-tuning")
-    p.add_argument("--lora-dim", type=int, default=32, help="LoRA rank (default 32, Bridge's default)")
+                   help="Bridge's LoRA, DoRA or CanonicalLoRA on the four linear layers, or none: full fine-tuning "
+                        "(default: recipe; full fine-tuning with --hf-config)")
+    p.add_argument("--lora-dim", type=int, default=32, help="LoRA rank (default: 32, Bridge's default)")
     p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
-                   help="the run's allocator setting (default: from the recipe's env_vars; off for --hf-config)")
+                   help="the run's allocator setting (default: from the recipe's env_vars; off with --hf-config)")
     p.add_argument("--margin", type=float, default=None,
-                   help="share of device memory kept free without expandable segments (default 0.10)")
+                   help="share of device memory kept free without expandable segments (default: 0.10; 0.03 with "
+                        "them)")
     p.add_argument("--attention", choices=("fused", "local"), default=None,
-                   help="fused (flash/cuDNN, default) or Megatron Core's unfused local attention")
+                   help="fused (flash/cuDNN) or Megatron Core's unfused local attention (default: fused)")
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                    help="default: the config's model.transformer_impl")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--plot", metavar="FILE", help=f"draw a stacked bar per option to FILE (needs matplotlib: {PLOT_EXTRA})")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
+    p.add_argument("--plot", metavar="FILE",
+                   help=f"draw a stacked bar per option to FILE (default: no plot; needs matplotlib: {PLOT_EXTRA})")
     p.add_argument("overrides", nargs="*", metavar="OVERRIDES", help="Hydra-style overrides, e.g. model.seq_length=8192")
     p.set_defaults(func=command)
 
 
 def command(args) -> int:
+    problem = check_args(args)  # before torch, Megatron or the config file's model are touched
+    if problem:
+        return _fail(problem)
     from megatron_bridge_ext import logs
     from megatron_bridge_ext.findings import Refused
 
@@ -64,10 +89,6 @@ def command(args) -> int:
 
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=r".*MimoModelConfig is experimental.*")
-    if args.plot and not _have_matplotlib():
-        return _fail(f"--plot needs matplotlib. Fix: {PLOT_EXTRA}")
-    if args.margin is not None and not 0 <= args.margin < 1:
-        return _fail(f"--margin: {args.margin} is not a share between 0 and 1. Fix: give e.g. 0.10")
     try:
         with contextlib.redirect_stdout(sys.stderr):  # upstream prints while models are built; stdout is the plan's
             result = _plan(args)
@@ -75,17 +96,111 @@ def command(args) -> int:
         return _fail(refused.one_line())
     if args.plot:
         plot(result, args.plot)
+        print(f"mbx plan: plot written to {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2, default=str))
     else:
         print(format_plan(result, command_line=" ".join(["mbx plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"]
-                          else None))
+                          else None, peft_defaulted=args.peft is None and bool(args.hf_config)))
     return 0
 
 
 def _fail(line: str) -> int:
     print(f"mbx plan: {line}", file=sys.stderr)
     return 2
+
+
+def check_args(args) -> str | None:
+    """The first problem of the arguments as one line, or None; reads --hf-config's JSON, imports nothing heavy.
+
+    Converts ``args.gpu_memory`` to bytes. The parallel layout of a recipe is checked once the recipe is
+    built (its sizes are not known before).
+    """
+    from megatron_bridge_ext.sizes import SizeError, parse_size
+
+    try:
+        args.gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
+    except SizeError as error:
+        return str(error)
+    problem = _number_problem(args) or _global_batch_problem(
+        args.global_batch, args.micro_batch or (1 if args.hf_config else None),
+        args.dp or (1 if args.hf_config else None), setting="--global-batch")
+    if problem is None and args.hf_config:
+        problem = _hf_problem(args)
+    return problem.text() if problem else None
+
+
+def _bad(setting: str, message: str, fix: str):
+    from megatron_bridge_ext.findings import ERROR, Finding
+
+    return Finding("bad_input", ERROR, setting, message, fix)
+
+
+def _number_problem(args):
+    """A whole-number option below 1, a margin outside [0, 1), or --plot without matplotlib."""
+    for name, example in POSITIVE_INTS.items():
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            return _bad(flag, f"{value} is not a whole number of 1 or more", f"give e.g. {flag} {example}")
+    if args.margin is not None and not 0 <= args.margin < 1:
+        return _bad("--margin", f"{args.margin} is not a share between 0 and 1", "give e.g. 0.10")
+    if args.plot and not _have_matplotlib():
+        return _bad("--plot", "needs matplotlib", PLOT_EXTRA)
+    return None
+
+
+def _overridden(overrides, *keys: str) -> bool:
+    """Whether an override sets one of ``keys`` (``model.seq_length=...``, ``+model.seq_length=...``)."""
+    return any(o.lstrip("+~").split("=", 1)[0] in keys for o in overrides or ())
+
+
+def _global_batch_problem(global_batch, micro_batch, dp, *, setting: str):
+    """A global batch that a step cannot split into whole microbatches on every replica, or None."""
+    if not global_batch or not micro_batch or not dp or global_batch % (micro_batch * dp) == 0:
+        return None
+    unit = micro_batch * dp
+    return _bad(setting, f"{global_batch} is not a multiple of micro-batch x DP = {micro_batch} x {dp} = {unit} "
+                         "(each step runs whole microbatches on every data-parallel replica)",
+                f"give a multiple of {unit}, e.g. {setting}{' ' if setting.startswith('--') else '='}"
+                f"{unit * max(1, round(global_batch / unit))}")
+
+
+def _hf_problem(args):
+    """--seq, TP and PP against config.json (heads, query groups, layers) before the model is built.
+
+    The rules and wording are the estimate's ``parallel_problems``, which checks the built model
+    again; fields that overrides set are left to that check.
+    """
+    from megatron_bridge_ext.estimate.configs import read_hf_config
+    from megatron_bridge_ext.findings import Refused
+
+    try:
+        data = read_hf_config(args.hf_config)
+    except Refused as refused:
+        return refused.findings[0]
+    if args.seq is None and not _overridden(args.overrides, "model.seq_length"):
+        return _bad("--seq", "required with --hf-config (config.json's max_position_embeddings is the longest "
+                             "sequence the model takes, not the training length)",
+                    "give the training length, e.g. --seq 4096")
+    tp, pp = args.tp or 1, args.pp or 1
+    heads, layers = data["num_attention_heads"], data["num_hidden_layers"]
+    groups = data.get("num_key_value_heads") or heads
+    sp = args.sp if args.sp is not None else tp > 1
+    checks = [
+        ("model.num_attention_heads", heads % tp, "model.tensor_model_parallel_size",
+         f"TP={tp} does not divide the {heads} attention heads"),
+        ("model.num_query_groups", groups % tp, "model.tensor_model_parallel_size",
+         f"TP={tp} does not divide the {groups} query groups"),
+        ("model.seq_length", sp and tp > 1 and args.seq and args.seq % tp, "model.seq_length",
+         f"sequence {args.seq} is not divisible by TP={tp} (sequence parallelism splits it)"),
+        ("model.num_layers", layers % pp, "model.pipeline_model_parallel_size",
+         f"PP={pp} does not divide the {layers} layers"),
+    ]
+    for field, failed, setting, message in checks:
+        if failed and not _overridden(args.overrides, field, setting):
+            return _bad(setting, message, "choose sizes that divide it")
+    return None
 
 
 def _have_matplotlib() -> bool:
@@ -107,6 +222,7 @@ def _plan(args):
     else:
         cfg = configs.from_hf_config(args.hf_config, layout, args.overrides)
         expandable = False
+    _check_global_batch(cfg)
     if args.expandable_segments is not None:
         expandable = args.expandable_segments == "on"
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl)) if v}
@@ -114,10 +230,23 @@ def _plan(args):
                         **({"margin": args.margin} if args.margin is not None else {}))
 
 
-def _settings_line(s: dict) -> str:
+def _check_global_batch(cfg) -> None:
+    """The built config's global batch against its micro-batch and DP (a recipe's or an override's)."""
+    from megatron_bridge_ext.findings import Refused
+
+    problem = _global_batch_problem(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                    getattr(cfg, "data_parallel_size", None), setting="train.global_batch_size")
+    if problem:
+        raise Refused("mbx plan input", [problem])
+
+
+def _settings_line(s: dict, *, peft_defaulted: bool = False) -> str:
+    """The config in one line; ``peft_defaulted``: no --peft was given, so say that full fine-tuning is the default."""
     kind = {"dora": "DoRA", "canonical_lora": "CanonicalLoRA"}.get(s.get("peft_kind"), "LoRA")
-    peft = "full fine-tuning" if not s.get("peft") else (
-        f"{kind} r={s['lora_dim']} on {','.join(s['lora_targets'])}, LoRA-A input {s['lora_sp_input']}")
+    if s.get("peft"):
+        peft = f"{kind} r={s['lora_dim']} on {','.join(s['lora_targets'])}, LoRA-A input {s['lora_sp_input']}"
+    else:
+        peft = "full fine-tuning" + (" (the default; --peft lora for LoRA)" if peft_defaulted else "")
     recompute = s["recompute_granularity"] or "none"
     if recompute == "selective":
         recompute += f" {s['recompute_modules']}"
@@ -128,13 +257,16 @@ def _settings_line(s: dict) -> str:
             f"{recompute}, attention {s['attention']}, {s['transformer_impl']}")
 
 
-def format_plan(result, command_line: str | None = None) -> str:
-    """The plan as text: the estimate beside Bridge's, the fit, the levers, the answer, the assumptions."""
+def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool = False) -> str:
+    """The plan as text: the estimate beside Bridge's, the fit, the levers, the answer, the assumptions.
+
+    Every size is in GiB; GB appear only beside figures published in GB.
+    """
     from megatron_bridge_ext.table import text_table
 
     est = result.baseline
     lines = [f"$ {command_line}"] if command_line else []
-    lines += [f"config: {_settings_line(est.settings)}",
+    lines += [f"config: {_settings_line(est.settings, peft_defaulted=peft_defaulted)}",
               f"per-rank estimate, pipeline stage {est.stage} (the most loaded), TP rank 0 ({est.seconds:.1f} s):",
               _indent(est.table())]
     if result.bridge is not None:
@@ -145,42 +277,64 @@ def format_plan(result, command_line: str | None = None) -> str:
                   _indent(text_table(["component", "bytes"], rows)),
                   f"  Bridge minus ours: {'+' if diff >= 0 else '-'}{gib(abs(diff))}"]
     margin = result.expandable_margin if result.expandable_segments else result.margin
-    lines.append(f"device: {result.gpu_memory / GB:.1f} GB; usable {gib(result.usable_now)} after a {margin:.0%} margin "
+    lines.append(f"device: {gib(result.gpu_memory)}; usable {gib(result.usable_now)} after a {margin:.0%} margin "
                  f"({'with' if result.expandable_segments else 'without'} expandable segments: allocator "
                  "fragmentation, NCCL buffers, CUDA context, workspaces)")
+    sold_as = sold_as_note(result.gpu_memory, "--gpu-memory")
+    if sold_as:
+        lines.append(_wrap(f"note: {sold_as}", "  "))
     verdict = "fits as is" if result.fits_as_is else "does not fit as is"
     lines.append(f"{verdict}: peak {gib(est.peak_bytes)} of {gib(result.usable_now)} usable")
     if result.options:
-        lines.append("levers, in the decision order (each on top of the ones before):")
-        rows = [[str(o.step), o.lever, o.label, gib(o.peak_bytes) if o.peak_bytes is not None else "-",
-                 gib(o.usable_bytes), ("yes" if o.fits else "no") if o.applicable else "n/a", o.cost.measured()]
-                for o in result.options]
-        lines.append(_indent(text_table(["step", "lever", "option", "peak", "usable", "fits", "cost"], rows)))
-        notes = [f"step {o.step}: {c}" for o in result.options for c in o.constraints]
-        notes += [f"step {o.step} cost: {o.cost.basis}" for o in result.options if o.cost.basis]
-        notes += [f"step {o.step} published: {o.cost.published}"
-                  + (f" [{o.cost.source}]" if o.cost.source and o.cost.source not in o.cost.published else "")
-                  for o in result.options if o.cost.published and o.applicable]
-        notes = list(dict.fromkeys(notes))
-        if notes:
-            lines.append("constraints, cost formulas and published figures:")
-            lines += [textwrap.fill(n, width=120, initial_indent="  - ", subsequent_indent="    ") for n in notes]
+        lines += _levers(result.options)
+    lines += _answer(result)
+    lines.append("assumptions:")
+    lines += [_wrap(a) for a in est.assumptions]
+    return "\n".join(lines)
+
+
+def _levers(options) -> list[str]:
+    """The levers tried as a narrow table (why an option does not apply goes to the notes below it)."""
+    from megatron_bridge_ext.evidence import LEVERS
+    from megatron_bridge_ext.table import text_table
+
+    names = ", ".join(f"{lever['step']} {lever['name']}" for lever in LEVERS)
+    lines = ["levers, in the decision order (each on top of the ones before):", _wrap(f"(steps: {names})", "  ")]
+    rows = [[str(o.step), o.label, gib(o.peak_bytes) if o.peak_bytes is not None else "-", gib(o.usable_bytes),
+             ("yes" if o.fits else "no") if o.applicable else "n/a", o.cost.measured()] for o in options]
+    lines.append(_indent(text_table(["step", "option", "peak", "usable", "fits", "cost"], rows)))
+    notes = [f"step {o.step} {o.label}: n/a: {o.reason}" for o in options if o.reason]
+    notes += [f"step {o.step}: {c}" for o in options for c in o.constraints if c.text() != o.reason]
+    notes += [f"step {o.step} cost: {o.cost.basis}" for o in options if o.cost.basis]
+    notes += [f"step {o.step} published: {o.cost.published}"
+              + (f" [{o.cost.source}]" if o.cost.source and o.cost.source not in o.cost.published else "")
+              for o in options if o.cost.published and o.applicable]
+    notes = list(dict.fromkeys(notes))
+    if notes:
+        lines.append("why not, constraints, cost formulas and published figures:")
+        lines += [_wrap(n) for n in notes]
+    return lines
+
+
+def _answer(result) -> list[str]:
+    """The first option that fits, as MemoryConfig and overrides (or what is left when none does)."""
     chosen = result.chosen
     if result.fits_as_is:
-        lines.append("answer: no lever needed")
-    elif chosen is None:
-        lines.append("answer: no combination of the levers fits; more GPUs, a shorter sequence or a smaller "
-                     "micro-batch are left")
-    else:
-        flags = ", ".join(f"{k}={v!r}" for k, v in chosen.flags.items())
-        lines += [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}",
-                  f"  MemoryConfig({flags})",
-                  f"  overrides: {' '.join(chosen.overrides) or '(none)'}"]
-        if chosen.flags.get("expandable_segments"):
-            lines.append("  allocator: launch with `mbx run -- torchrun ...` or call megatron_bridge_ext.init() first")
-    lines.append("assumptions:")
-    lines += [textwrap.fill(a, width=120, initial_indent="  - ", subsequent_indent="    ") for a in est.assumptions]
-    return "\n".join(lines)
+        return ["answer: no lever needed"]
+    if chosen is None:
+        return ["answer: no combination of the levers fits; more GPUs, a shorter sequence or a smaller micro-batch "
+                "are left"]
+    flags = ", ".join(f"{k}={v!r}" for k, v in chosen.flags.items())
+    lines = [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}",
+             f"  MemoryConfig({flags})",
+             f"  overrides: {' '.join(chosen.overrides) or '(none)'}"]
+    if chosen.flags.get("expandable_segments"):
+        lines.append("  allocator: launch with `mbx run -- torchrun ...` or call megatron_bridge_ext.init() first")
+    return lines
+
+
+def _wrap(text: str, indent: str = "  - ") -> str:
+    return textwrap.fill(text, width=120, initial_indent=indent, subsequent_indent="    ")
 
 
 def _indent(text: str) -> str:
@@ -204,17 +358,22 @@ def plot(result, path: str) -> None:
     fig, ax = plt.subplots(figsize=(3 + 1.5 * len(bars), 5))
     bottoms = [0.0] * len(bars)
     for index, key in enumerate(keys):
-        values = [parts.get(key, 0) / GB for _, parts, _ in bars]
+        values = [parts.get(key, 0) / GIB for _, parts, _ in bars]
         ax.bar(range(len(bars)), values, bottom=bottoms, label=key, color=colours[index % len(colours)])
         bottoms = [b + v for b, v in zip(bottoms, values)]
-    ax.axhline(result.gpu_memory / GB, color="black", linewidth=1, label="device memory")
+    ax.axhline(result.gpu_memory / GIB, color="black", linewidth=1, label="device memory")
     for x, (_, _, usable) in enumerate(bars):
-        ax.hlines(usable / GB, x - 0.45, x + 0.45, colors="black", linestyles="--", linewidth=1,
+        ax.hlines(usable / GIB, x - 0.45, x + 0.45, colors="black", linestyles="--", linewidth=1,
                   label="usable after the margin" if x == 0 else None)
-    ax.set_ylim(0, 1.05 * max(max(bottoms), result.gpu_memory / GB))
-    ax.set_xticks(range(len(bars)), [textwrap.fill(label, 18) for label, _, _ in bars], fontsize=7)
-    ax.set_ylabel("GB per GPU at the peak (10^9 bytes)")
+    ax.set_ylim(0, 1.05 * max(max(bottoms), result.gpu_memory / GIB))
+    ax.set_xticks(range(len(bars)), [tick_label(label) for label, _, _ in bars], fontsize=7)
+    ax.set_ylabel("GiB per GPU at the peak (2^30 bytes)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def tick_label(label: str, width: int = 18) -> str:
+    """An option's name under its bar, wrapped between words only (a long word keeps its own line)."""
+    return textwrap.fill(label, width, break_long_words=False, break_on_hyphens=False)

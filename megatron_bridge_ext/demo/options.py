@@ -24,6 +24,23 @@ SHAPE_OPTIONS = (
 )
 
 
+EXAMPLES = {
+    "mbx demo": """
+mbx demo                                     # every variant, LoRA, 3 steps on 2 ranks
+mbx demo --peft dora --variants baseline shard_local --seq 512
+""",
+    "mbx bench memory": """
+mbx bench memory                             # the LoRA-A input variants side by side
+mbx bench memory --peft canonical_lora --steps 10 --save bench
+""",
+}
+"""Two worked examples per command, shown at the end of its --help."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in each option's help; the examples kept as written."""
+
+
 class OptionError(ValueError):
     """A bad command-line value; the message names the option and the fix."""
 
@@ -50,8 +67,9 @@ def save_prefix(text: str) -> str:
 
 def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, steps: int,
            variant_names: list[str], steps_help: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter,
+                                epilog="examples:\n" + "\n".join("  " + line for line in
+                                                                   EXAMPLES[prog].strip("\n").splitlines()))
     shape = p.add_argument_group("model shape")
     for flag, attr, help_text in SHAPE_OPTIONS:
         shape.add_argument(flag, dest=attr, type=_positive_int, default=getattr(defaults, attr), help=help_text)

@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from megatron_bridge_ext.evidence import LEVERS, sources
+from megatron_bridge_ext.sizes import GIB as GiB
+from megatron_bridge_ext.sizes import MIB as MiB
+from megatron_bridge_ext.sizes import SOLD_AS, sold_as_note, whole_gb
 
-MiB = 1 << 20
-GiB = 1 << 30
 GAP_FRACTION = 0.10
 INACTIVE_SPLIT_FRACTION = 0.05
 MIN_GAP_BYTES = 256 * MiB
@@ -142,8 +143,7 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
     total_memory = _optional_size(total_memory, "total memory")
     request_bytes = _optional_size(request_bytes, "request_bytes")
     if total_memory is not None and total_memory < reserved:
-        raise ValueError(f"total memory {fmt_bytes(total_memory)} is less than the {fmt_bytes(reserved)} reserved: "
-                         "wrong device or units; give the device's total memory (e.g. --total-memory 80GiB)")
+        raise ValueError(_total_below_reserved(total_memory, reserved))
     if expandable_segments is not None and not isinstance(expandable_segments, bool):
         raise ValueError(f"expandable_segments={expandable_segments!r} must be true, false or absent")
     expandable = expandable_segments if expandable_segments is not None else _expandable_from(allocator_settings)
@@ -200,6 +200,9 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
         if total_memory and reserved < 0.9 * total_memory:
             notes.append(f"{fmt_bytes(total_memory - reserved)} of the device is outside PyTorch's allocator "
                          "(CUDA context, NCCL buffers, other processes): check those too")
+    sold_as = sold_as_note(total_memory, "--total-memory") if total_memory else None
+    if sold_as:
+        notes.append(sold_as)
     metrics = {
         "allocated_bytes": allocated, "reserved_bytes": reserved, "reserved_unallocated_bytes": gap,
         "reserved_unallocated_fraction": round(gap_frac, 4), "inactive_split_bytes": inactive,
@@ -213,6 +216,20 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
         row["fix"] = ("expandable segments are on already: reduce the peak in the decision order (LoRA input under "
                       "SP, selective recompute, parallelism, CPU offloading)")
     return Diagnosis(kind, headline, evidence, metrics, row, dict(next_step), notes=notes)
+
+
+def _total_below_reserved(total_memory: int, reserved: int) -> str:
+    """Why a total below the reserved bytes is refused, and the fix. A whole number of GB that would
+    hold the reserved bytes as GiB is most likely a GPU's sales figure ("80GB"), which counts GiB."""
+    gb = whole_gb(total_memory)
+    if gb is not None and gb * GiB >= reserved:
+        return (f"--total-memory {gb}GB is {fmt_bytes(total_memory)} (GB = 10^9 bytes), less than the "
+                f"{fmt_bytes(reserved)} reserved; a GPU sold as \"{gb}GB\" holds about {gb} GiB ({SOLD_AS}). "
+                f"Fix: --total-memory {gb}GiB, or the exact torch.cuda.get_device_properties(0)."
+                "total_memory in bytes, e.g. 85520809984B")
+    return (f"total memory {fmt_bytes(total_memory)} is less than the {fmt_bytes(reserved)} reserved: wrong device "
+            "or units. Fix: give the device's total memory, torch.cuda.get_device_properties(0).total_memory "
+            "(e.g. --total-memory 80GiB)")
 
 
 def _count(stats: Mapping[str, Any], key: str, default: Optional[int] = None) -> int:

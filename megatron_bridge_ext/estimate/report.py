@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_bridge_ext.sizes import GB, GIB, gib  # noqa: F401  (the units of the report, defined once)
 from megatron_bridge_ext.table import text_table
 
 STATIC = "static"
@@ -13,14 +14,6 @@ ACTIVATIONS = "activations"
 BUFFERS = "buffers"
 TRANSIENT = "transient"
 KINDS = (STATIC, ACTIVATIONS, BUFFERS, TRANSIENT)
-
-GB = 10**9
-GIB = 2**30
-
-
-def gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:,.2f} GiB"
-
 
 @dataclass(frozen=True)
 class Component:
@@ -86,7 +79,7 @@ class MemoryEstimate:
                 mark = " (largest)" if c is largest else ""
                 rows.append([kind, c.name + mark, gib(c.bytes)] + ([c.basis] if basis else []))
         rows.append(["peak", "static + activations + buffers + largest transient", gib(self.peak_bytes)]
-                    + ([f"{self.peak_bytes / GB:.3f} GB"] if basis else []))
+                    + ([f"({self.peak_bytes / GB:.3f} GB, the unit of Bridge's published peaks)"] if basis else []))
         columns = ["kind", "component", "bytes"] + (["basis"] if basis else [])
         return text_table(columns, rows)
 

@@ -96,7 +96,7 @@ def test_diagnose_refuses_impossible_numbers(tmp_path):
     _one_clean_line(mbx("diagnose", str(path)), "is larger than " + RESERVED)
     good = str(DATA / "memory_stats_fragmentation.json")
     _one_clean_line(mbx("diagnose", good, "--total-memory", "1GiB"), "less than the", "reserved")
-    _one_clean_line(mbx("diagnose", good, "--total-memory", "0"), "--total-memory", "not a positive size")
+    _one_clean_line(mbx("diagnose", good, "--total-memory", "0GiB"), "--total-memory", "not a positive size")
     _one_clean_line(mbx("diagnose", good, "--total-memory", "1.2.3GiB"), "--total-memory", "not a size")
 
 
@@ -143,3 +143,14 @@ def test_version():
 
     done = mbx("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"megatron-bridge-ext {__version__}"
+
+
+@pytest.mark.parametrize("message, text", [
+    ("TP=3 does not divide the 32 attention heads", "s: TP=3 does not divide the 32 attention heads. Fix: f"),
+    ("ends a sentence.", "s: ends a sentence. Fix: f"),
+])
+def test_a_finding_puts_a_full_stop_before_its_fix(message, text):
+    from megatron_bridge_ext.findings import ERROR, Finding
+
+    assert Finding("c", ERROR, "s", message, "f").text() == text
+    assert Finding("c", ERROR, "s", message).text() == f"s: {message}"

@@ -221,3 +221,21 @@ def test_write_atomic_leaves_nothing_behind_on_failure(tmp_path):
     with pytest.raises(OSError):
         write_atomic(str(target), half)
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_a_gb_total_below_reserved_explains_the_gpu_sales_figure():
+    """A GPU sold as "80GB" whose allocator reserved 77 GiB: 80 GB (74.5 GiB) is refused with the GiB fix."""
+    stats = memory_stats(allocated=76 * GiB, reserved=77 * GiB, inactive_split=300 * MiB)
+    with pytest.raises(ValueError) as error:
+        classify(stats, total_memory=80 * 10**9)
+    message = str(error.value)
+    assert message.startswith("--total-memory 80GB is 74.51 GiB (GB = 10^9 bytes), less than the 77.00 GiB reserved")
+    assert 'holds about 80 GiB' in message and ". Fix: --total-memory 80GiB" in message
+    assert classify(stats, total_memory=80 * GiB).kind == "capacity"
+
+
+def test_a_gb_total_that_holds_the_reserved_bytes_gets_a_note_not_a_new_reading():
+    d = classify(capacity_stats(), total_memory=80 * 10**9 + 40 * 10**9)  # 120GB: no GPU size, still in GB
+    assert d.metrics["total_memory"] == 120 * 10**9  # read as written
+    assert any(n.startswith("--total-memory 120GB is 111.76 GiB") and "--total-memory 120GiB" in n for n in d.notes)
+    assert not any("120GB" in n for n in classify(capacity_stats(), total_memory=120 * GiB).notes)

@@ -161,3 +161,12 @@ def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
     without_grad = (s * b * r + 2 * r * h) - (s * b * r + s * b * h)
     adapters_with_grad = 3 * 5 - 3
     assert change == (adapters_with_grad * with_grad + 3 * without_grad) * 2 * 2  # x microbatches x bf16
+
+
+def test_a_device_size_of_zero_bytes_is_refused_in_bytes():
+    """The Python API takes bytes: its refusal says so (the CLI reads units itself)."""
+    from megatron_bridge_ext.findings import Refused
+
+    with pytest.raises(Refused) as refused:
+        _plan(_cfg(), 0)
+    assert refused.value.one_line() == "gpu_memory: is 0. Fix: give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB"

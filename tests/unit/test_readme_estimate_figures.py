@@ -33,6 +33,14 @@ def test_the_readme_shows_the_committed_plan_output_verbatim(saved):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.name in _readme()
 
 
+@pytest.mark.parametrize("saved", PLANS, ids=[p.stem for p in PLANS])
+def test_the_levers_table_of_the_committed_plan_is_narrow(saved):
+    """The levers table fits 120 columns: why an option does not apply is a note below it, not a cell."""
+    text = saved.read_text()
+    table = text.split("\n  step  option")[1].split("\nwhy not, constraints")[0]
+    assert table.count("\n") >= 2 and all(len(line) <= 120 for line in ("  step  option" + table).splitlines())
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.3f} GB"
 
