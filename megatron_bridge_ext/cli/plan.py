@@ -21,9 +21,9 @@ def add_parser(sub, parse_size) -> None:
                      "the OOM levers in order until one fits",
         description="Input: a Bridge recipe (--recipe MODULE:FUNCTION) or a Hugging Face config.json (--hf-config), "
                     "parallel sizes, sequence, micro-batch and --gpu-memory; Hydra-style OVERRIDES apply last.")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--recipe", help="a Bridge recipe function, MODULE:FUNCTION")
-    source.add_argument("--hf-config", help="a Hugging Face config.json (read offline)")
+    p.add_argument("--recipe", help="a Bridge recipe function, MODULE:FUNCTION")
+    p.add_argument("--hf-config", help="a Hugging Face config.json (read offline); with --recipe, it answers the "
+                                       "recipe's read of the model's config from the hub")
     p.add_argument("--gpu-memory", type=parse_size, required=True, help="device memory per GPU, e.g. 80GB or 80GiB")
     p.add_argument("--tp", type=int, help="tensor parallel size")
     p.add_argument("--pp", type=int, help="pipeline parallel size")
@@ -32,7 +32,8 @@ def add_parser(sub, parse_size) -> None:
     p.add_argument("--micro-batch", type=int, help="micro-batch size")
     p.add_argument("--global-batch", type=int, help="global batch size (default with --hf-config: micro-batch x DP x PP)")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                   help="sequence parallelism (default with --hf-config: on when TP > 1)")
+                   help="sequence parallelism (default: on when TP > 1, for --hf-config and whenever --tp is given; "
+                        "a recipe without --tp keeps its own)")
     p.add_argument("--peft", choices=("lora", "dora", "canonical_lora", "none"),
                    help="Bridge's LoRA, DoRA or CanonicalLoRA on the four linear layers, or full fine-tuning")
     p.add_argument("--lora-dim", type=int, default=32, help="LoRA rank (default 32, Bridge's default)")
@@ -64,6 +65,9 @@ def command(args) -> int:
 
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=r".*MimoModelConfig is experimental.*")
+    if not (args.recipe or args.hf_config):
+        return _fail("give --recipe MODULE:FUNCTION or --hf-config FILE. Fix: add one (both: the recipe, with its "
+                     "Hugging Face config read from the file)")
     if args.plot and not _have_matplotlib():
         return _fail(f"--plot needs matplotlib. Fix: {PLOT_EXTRA}")
     if args.margin is not None and not 0 <= args.margin < 1:
@@ -101,17 +105,16 @@ def _plan(args):
     layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, seq=args.seq, micro_batch=args.micro_batch,
                             global_batch=args.global_batch, sequence_parallel=args.sp, peft=args.peft,
                             lora_dim=args.lora_dim, lora_alpha=args.lora_dim)
-    if args.recipe:
-        cfg = configs.from_recipe(args.recipe, layout, args.overrides)
-        expandable = None
-    else:
-        cfg = configs.from_hf_config(args.hf_config, layout, args.overrides)
-        expandable = False
+    built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
+    expandable = None if args.recipe else False
     if args.expandable_segments is not None:
         expandable = args.expandable_segments == "on"
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl)) if v}
-    return planner.plan(cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable, estimate_options=options,
-                        **({"margin": args.margin} if args.margin is not None else {}))
+    result = planner.plan(built.cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable,
+                          estimate_options=options, peft_overrides=built.peft_overrides,
+                          **({"margin": args.margin} if args.margin is not None else {}))
+    result.notes = built.notes
+    return result
 
 
 def _settings_line(s: dict) -> str:
@@ -134,7 +137,7 @@ def format_plan(result, command_line: str | None = None) -> str:
 
     est = result.baseline
     lines = [f"$ {command_line}"] if command_line else []
-    lines += [f"config: {_settings_line(est.settings)}",
+    lines += [f"config: {_settings_line(est.settings)}" + "".join(f"; {n}" for n in result.notes),
               f"per-rank estimate, pipeline stage {est.stage} (the most loaded), TP rank 0 ({est.seconds:.1f} s):",
               _indent(est.table())]
     if result.bridge is not None:
@@ -176,6 +179,8 @@ def format_plan(result, command_line: str | None = None) -> str:
         lines += [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}",
                   f"  MemoryConfig({flags})",
                   f"  overrides: {' '.join(chosen.overrides) or '(none)'}"]
+        if chosen.peft_note:
+            lines.append(f"  {chosen.peft_note}")
         if chosen.flags.get("expandable_segments"):
             lines.append("  allocator: launch with `mbx run -- torchrun ...` or call megatron_bridge_ext.init() first")
     lines.append("assumptions:")
