@@ -112,11 +112,11 @@ def test_the_answer_pasted_into_a_run_of_a_recipe_that_sets_peft_switches_its_lo
     parser on the recipe, then the MemoryConfig line where the option gives one), gives our LoRA with that
     strategy and the recompute fields MemoryConfig.apply sets."""
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
-    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
-
     from megatron_bridge_ext.config import MemoryConfig
-    from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.peft import LoRA  # first: it imports Bridge's PEFT modules (without TE, by a hook)
     from tests.support import plan_recipes
+
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     run = TINY + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=1024"]
     report = _json_plan(capsys, "--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--gpu-memory", "1MB",
