@@ -39,8 +39,12 @@ def _refuse(setting: str, message: str, fix: str, code: str = "bad_override") ->
 
 def parse(overrides: Iterable[str]) -> list:
     """Hydra's parse of ``overrides`` (key, kind of override, value), or Refused naming the bad string."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+    except ImportError as error:
+        raise _refuse("overrides", f"hydra-core is not importable ({error}); Bridge's override parser needs it.",
+                      "pip install hydra-core, or pass no overrides") from None
 
     try:
         return OverridesParser.create().parse_overrides(overrides=list(overrides))
