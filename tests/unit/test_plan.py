@@ -9,6 +9,8 @@ answer (MemoryConfig, overrides, constraints), not the estimate's numbers (the g
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron_bridge_ext import plan as planner
@@ -174,6 +176,8 @@ WITH_LORA = "tests.support.plan_recipes:vanilla_gpt_with_lora"
 TINY = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=8",
         "model.vocab_size=1024", "model.share_embeddings_and_output_weights=false"]
 OUR_LORA = ["+peft._target_=megatron_bridge_ext.peft.LoRA", "+peft.sequence_parallel_input_strategy=shard_local"]
+QWEN3_RECIPE = "megatron.bridge.recipes.qwen.qwen3:qwen3_8b_peft_config"
+QWEN3_8B = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "qwen3-8b", "config.json")
 
 
 def _layout(**kwargs):
@@ -182,16 +186,16 @@ def _layout(**kwargs):
     return configs.Layout(tp=2, seq=1024, **kwargs)
 
 
-def _walk_every_lever(layout, overrides, recipe):
+def _walk_every_lever(layout, overrides, recipe, hf_config):
     """The plan of the built config on a device too small for anything: every lever is evaluated."""
     from megatron_bridge_ext.estimate import configs
 
-    built = configs.build(layout, overrides, recipe=recipe)
+    built = configs.build(layout, overrides, recipe=recipe, hf_config=hf_config)
     return built, planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
                                peft_overrides=built.peft_overrides)
 
 
-def _pasted(layout, overrides, recipe, built, option):
+def _pasted(layout, overrides, recipe, hf_config, built, option):
     """The user's run: the recipe with the user's and the plan's overrides on one command line (``--peft`` is
     among the plan's when overrides can build it), then the printed MemoryConfig where the option says so."""
     import dataclasses
@@ -201,7 +205,8 @@ def _pasted(layout, overrides, recipe, built, option):
     from megatron_bridge_ext.estimate import configs
 
     by_overrides = built.peft_overrides is not None
-    base = configs.build(dataclasses.replace(layout, peft=None) if by_overrides else layout, [], recipe=recipe).cfg
+    base = configs.build(dataclasses.replace(layout, peft=None) if by_overrides else layout, [], recipe=recipe,
+                         hf_config=hf_config).cfg
     cfg = process_config_with_overrides(base, cli_overrides=[*overrides, *option.overrides])
     if option.peft_note:
         MemoryConfig(**option.flags).apply(cfg)
@@ -226,26 +231,27 @@ def _peft(cfg):
     return type(peft), {f.name: getattr(peft, f.name) for f in dataclasses.fields(peft) if f.init}
 
 
-@pytest.mark.parametrize("recipe, layout, overrides", [
-    (VANILLA, {"peft": "lora"}, TINY),
-    (VANILLA, {}, TINY + ["+peft._target_=megatron.bridge.peft.lora.LoRA", "+peft.dim=8"]),
-    (VANILLA, {"peft": "canonical_lora"}, TINY + ["+peft.dim=16"]),
-    (WITH_LORA, {}, TINY),
-], ids=["peft-flag", "peft-by-overrides", "peft-flag-with-overrides", "recipe-sets-peft"])
-def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides):
+@pytest.mark.parametrize("recipe, layout, overrides, hf_config", [
+    (VANILLA, {"peft": "lora"}, TINY, None),
+    (VANILLA, {}, TINY + ["+peft._target_=megatron.bridge.peft.lora.LoRA", "+peft.dim=8"], None),
+    (VANILLA, {"peft": "canonical_lora"}, TINY + ["+peft.dim=16"], None),
+    (WITH_LORA, {}, TINY, None),
+    (QWEN3_RECIPE, {}, ["model.num_layers=2"], QWEN3_8B),  # Bridge's own recipe, offline from config.json
+], ids=["peft-flag", "peft-by-overrides", "peft-flag-with-overrides", "recipe-sets-peft", "qwen3-recipe-sets-peft"])
+def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides, hf_config):
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
     layout = _layout(**layout)
-    built, result = _walk_every_lever(layout, overrides, recipe)
+    built, result = _walk_every_lever(layout, overrides, recipe, hf_config)
     options = [o for o in result.options if o.applicable]
     assert {o.step for o in options} >= {2, 3}  # the LoRA input and recompute levers were evaluated
     for option in options:
-        pasted = _pasted(layout, overrides, recipe, built, option)
+        pasted = _pasted(layout, overrides, recipe, hf_config, built, option)
         assert _peft(pasted) == _peft(option.config), option.label
         assert _tree(pasted) == _tree(option.config), option.label
     lora = next(o for o in options if o.step == 2)
     assert lora.config.peft.strategy == "shard_local"
     printed_peft = [o for o in lora.overrides if o.startswith(("+peft", "++peft"))]
-    if recipe == WITH_LORA:  # no override reaches the recipe's PEFT object: the note and the Python line say so
+    if built.peft_overrides is None:  # no override reaches the recipe's PEFT object: the note and the Python line say so
         assert printed_peft == [] and "overrides cannot change this cfg.peft" in lora.peft_note
         assert "MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)" in lora.peft_note
     else:
