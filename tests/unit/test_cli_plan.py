@@ -233,3 +233,11 @@ def test_an_unreachable_hub_fails_after_one_cache_lookup(capsys, monkeypatch):
     assert calls == [True]
     assert "reads Qwen/Qwen3-8B's config from the Hugging Face hub, which is not reachable (HF_HUB_OFFLINE is set)" in line
     assert "Fix: add --hf-config with the model's config.json" in line
+
+
+def test_an_override_bridges_parser_skips_with_a_warning_is_refused(capsys):
+    """cfg.ft is None: Bridge cannot build the _target_, logs it, keeps a dict and goes on; the plan stops."""
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB", "+ft._target_=no_such_module.Config"])
+    assert line.startswith("mbx plan: overrides: Bridge's override parser did not apply everything: Failed to "
+                           "instantiate ft from _target_")
+    assert line.endswith("Fix: correct that override")
