@@ -119,7 +119,8 @@ def from_recipe(spec: str, layout: Layout, overrides: list[str] = (), hf_config:
 
 def build(layout: Layout, overrides: list[str] = (), *, recipe: Optional[str] = None,
           hf_config: Optional[str] = None) -> Built:
-    """The config of ``recipe`` (or, without one, of ``hf_config`` in the vanilla GPT recipe), laid out and overridden."""
+    """The config of ``recipe`` (or, without one, of ``hf_config`` in the vanilla GPT recipe), laid out and
+    overridden."""
     if recipe is not None:
         cfg = _call_recipe(recipe, hf_config)
     else:

@@ -125,7 +125,8 @@ def test_the_answer_pasted_into_a_run_of_a_recipe_that_sets_peft_switches_its_lo
     assert switching
     for option in switching:
         flags = MemoryConfig(**option["memory_config"])
-        pasted = process_config_with_overrides(plan_recipes.vanilla_gpt_with_lora(), cli_overrides=run + option["overrides"])
+        pasted = process_config_with_overrides(plan_recipes.vanilla_gpt_with_lora(),
+                                               cli_overrides=run + option["overrides"])
         if option.get("peft_note"):
             assert "MemoryConfig(" in option["peft_note"] and ").apply(cfg)" in option["peft_note"]
             flags.apply(pasted)
@@ -160,7 +161,8 @@ def test_a_misspelt_strategy_in_an_override_stops_the_plan(capsys):
 
 
 def test_a_misspelt_peft_field_names_the_class_and_the_closest_field(capsys):
-    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB", "+peft._target_=megatron_bridge_ext.peft.LoRA",
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB",
+                                    "+peft._target_=megatron_bridge_ext.peft.LoRA",
                                     "+peft.sequence_parallel_input_stategy=shard_local"])
     assert "peft.sequence_parallel_input_stategy: no such field of megatron_bridge_ext.peft.lora.LoRA" in line
     assert line.endswith("Fix: did you mean peft.sequence_parallel_input_strategy?")
@@ -231,7 +233,8 @@ def test_an_unreachable_hub_fails_after_one_cache_lookup(capsys, monkeypatch):
     monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(from_pretrained))
     line = _one_line_error(capsys, ["--recipe", QWEN3_RECIPE, "--gpu-memory", "80GB"])
     assert calls == [True]
-    assert "reads Qwen/Qwen3-8B's config from the Hugging Face hub, which is not reachable (HF_HUB_OFFLINE is set)" in line
+    assert ("reads Qwen/Qwen3-8B's config from the Hugging Face hub, which is not reachable (HF_HUB_OFFLINE is set)"
+            in line)
     assert "Fix: add --hf-config with the model's config.json" in line
 
 

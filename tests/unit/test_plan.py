@@ -251,7 +251,7 @@ def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, over
     lora = next(o for o in options if o.step == 2)
     assert lora.config.peft.strategy == "shard_local"
     printed_peft = [o for o in lora.overrides if o.startswith(("+peft", "++peft"))]
-    if built.peft_overrides is None:  # no override reaches the recipe's PEFT object: the note and the Python line say so
+    if built.peft_overrides is None:  # no override reaches the recipe's PEFT object: the note and Python line say so
         assert printed_peft == [] and "overrides cannot change this cfg.peft" in lora.peft_note
         assert "MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)" in lora.peft_note
     else:
