@@ -149,7 +149,7 @@ class Plan:
                 "expandable_segments": self.expandable_segments, "usable_now": self.usable_now,
                 "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict(),
                 "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
-                "options": [o.as_dict() for o in self.options],
+                "options": [o.as_dict() for o in self.options], "notes": self.notes,
                 "chosen": None if chosen is None else {"step": chosen.step, "label": chosen.label,
                                                        "memory_config": chosen.flags, "overrides": chosen.overrides,
                                                        "peft_note": chosen.peft_note}}

@@ -287,3 +287,18 @@ def test_peft_flag_and_peft_overrides_build_one_peft():
     assert result.baseline.settings["lora_sp_input"] == "shard_local"
     lora = next(o for o in result.options if o.step == 2)
     assert not lora.applicable and "already shard_local" in lora.label
+
+
+@pytest.mark.parametrize("layout, expected, noted", [
+    ({"tp": 2}, True, True),  # --tp given: SP follows it, as for a config.json, and the config line says so
+    ({"tp": 2, "sequence_parallel": False}, False, False),  # --no-sp
+    ({}, False, False),  # no --tp: the recipe's own TP and SP stand
+])
+def test_sequence_parallelism_follows_tp_where_tp_is_given(layout, expected, noted):
+    from megatron_bridge_ext.estimate import configs
+
+    overrides = [] if layout else ["model.tensor_model_parallel_size=2"]  # the recipe's TP 2, its SP off
+    built = configs.build(configs.Layout(**layout), overrides, recipe=WITH_LORA)
+    assert built.cfg.model.tensor_model_parallel_size == 2
+    assert built.cfg.model.sequence_parallel is expected
+    assert bool(built.notes) is noted
