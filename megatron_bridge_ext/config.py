@@ -4,7 +4,9 @@ Flow: ``MemoryConfig(...)`` (the flags) -> :meth:`MemoryConfig.validate` against
 ``ConfigContainer`` it will be applied to (every error names the setting and the fix, before any
 GPU time is spent) -> :meth:`MemoryConfig.apply`, which sets the Bridge config and returns a summary
 of every field it changed, with old and new values. From a command line, :meth:`MemoryConfig.overrides`
-gives the equivalent Bridge override set.
+gives the equivalent Bridge override set where one exists (Bridge's override parser cannot change a
+PEFT object set in Python). ``validate`` also refuses a ``cfg.peft`` that Bridge's override parser
+left a dict (a ``_target_`` it could not build, e.g. a misspelt strategy), with the class's own error.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Optional
 
 from megatron_bridge_ext import recompute
 from megatron_bridge_ext.findings import ACTION, ERROR, NO_EFFECT, WARNING, Finding, Refused
+from megatron_bridge_ext.overrides import unbuilt_peft
 from megatron_bridge_ext.peft import kinds, sp_lora
 from megatron_bridge_ext.peft.eligibility import ELIGIBLE_SURFACES, recompute_reason
 
@@ -79,8 +82,10 @@ class MemoryConfig:
     def validate(self, cfg) -> list[Finding]:
         """Check the flags against ``cfg`` (a Bridge ConfigContainer); raise :class:`Refused` on errors, return the rest."""
         _check_container(cfg, "validate")
-        findings = (self._recompute_findings(cfg.model) + self._target_findings(cfg) + self._lora_findings(cfg)
-                    + self._allocator_findings(cfg))
+        unbuilt = unbuilt_peft(cfg)
+        findings = [unbuilt] if unbuilt else []
+        findings += (self._recompute_findings(cfg.model) + self._target_findings(cfg) + self._lora_findings(cfg)
+                     + self._allocator_findings(cfg))
         errors = [f for f in findings if f.level == ERROR]
         if errors:
             raise Refused(WHAT, errors)
@@ -294,22 +299,43 @@ class MemoryConfig:
                 "their input gradient is not lost"))
 
     # ------------------------------------------------------------------ command line
-    def overrides(self, kind: str = "lora") -> list[str]:
-        """The Bridge command-line overrides for the model and PEFT flags; ``kind`` is the PEFT's
-        (``lora``, ``dora`` or ``canonical_lora``), whose class of ours the ``+peft`` pair names.
+    def overrides(self, cfg, *, peft_overrides: Optional[list[str]] = None) -> list[str]:
+        """Bridge command-line overrides that make ``cfg`` what :meth:`apply` makes it, the allocator aside.
 
-        cfg.peft must be None for the ``+peft`` pair (Bridge 0.6.2 keeps an existing PEFT object out of
-        overrides). The allocator is not an override: launch with ``mbx run -- torchrun ...`` (or call
+        Each model field :meth:`apply` would change becomes ``model.<field>=<value>`` (recompute
+        fields, the full-recompute ones it clears included). ``cfg.peft`` is reachable by overrides
+        only where overrides built it on a ``cfg.peft`` of None: ``peft_overrides`` are the ones that
+        built it beyond the user's own (``mbx plan --peft``'s, or []), repeated first (``++`` sets or
+        adds), then our class as ``_target_`` and the strategy where :meth:`apply` changes them. With
+        ``peft_overrides`` None (a PEFT object set in Python) the PEFT is left out:
+        :meth:`peft_needs_python` says whether it changes.
+        The allocator is not an override: launch with ``mbx run -- torchrun ...`` (or call
         ``megatron_bridge_ext.init()`` first), which sets it before CUDA starts.
         """
-        out = []
-        if self.recompute_modules is not None:
-            out += ["model.recompute_granularity=selective",
-                    "model.recompute_modules=[" + ",".join(self.recompute_modules) + "]"]
-        if self.lora_sp_input is not None:
-            out += [f"+peft._target_={kinds.public_target(kind)}",
-                    f"+peft.sequence_parallel_input_strategy={self.lora_sp_input}"]
-        return out
+        from megatron_bridge_ext.overrides import hydra_value
+
+        changes = self._dry_run(cfg)
+        out = [f"{c.field}={hydra_value(c.new)}" for c in changes if c.field.startswith("model.")]
+        if peft_overrides is None:
+            return out
+        peft = {c.field: c.new for c in changes if c.field.split(".")[0] == "peft"}
+        if "peft" in peft:  # the class changes: ours, named as a public target
+            out.append(f"++peft._target_={kinds.public_target(kinds.kind_of(cfg.peft))}")
+        out += [o for o in peft_overrides if not ("peft" in peft and o.startswith("++peft._target_="))]
+        return out + [f"++{name}={hydra_value(new)}" for name, new in peft.items() if name != "peft"]
+
+    def peft_needs_python(self, cfg, *, peft_overrides: Optional[list[str]] = None) -> bool:
+        """Whether :meth:`apply` changes ``cfg.peft`` in a way :meth:`overrides` cannot express."""
+        return peft_overrides is None and any(c.field.split(".")[0] == "peft" for c in self._dry_run(cfg))
+
+    def _dry_run(self, cfg) -> list[Change]:
+        """The model and PEFT changes :meth:`apply` would make to ``cfg``, made on a copy."""
+        self.validate(cfg)
+        copied = copy.deepcopy(cfg)
+        summary = Summary()
+        self._apply_recompute(copied.model, summary)
+        self._apply_lora(copied, summary)
+        return summary.changes
 
 
 def _check_container(cfg, method: str) -> None:

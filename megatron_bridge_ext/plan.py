@@ -15,7 +15,9 @@ in their order, each applied on top of the ones before:
 Each option carries its predicted peak, its cost (collective bytes per step, recomputed FLOPs per
 step, the published throughput figure where one exists) and its constraints, which come from
 ``MemoryConfig.validate`` (the checks a user gets when applying the flags). The first option that
-fits is the answer, as a :class:`MemoryConfig` and as override strings.
+fits is the answer, as a :class:`MemoryConfig` and as override strings that Bridge's own override
+parser turns into the same config (the PEFT change only where overrides built the PEFT; otherwise a
+note says why not and gives the ``MemoryConfig(...).apply(cfg)`` line).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, MemoryEstimate, gib
 from megatron_bridge_ext.findings import ERROR, NO_EFFECT, Finding, Refused
+from megatron_bridge_ext.overrides import PEFT_OBJECT_REASON
 from megatron_bridge_ext.peft import kinds
 
 MARGIN = 0.10
@@ -94,6 +97,10 @@ class Option:
     constraints: list[Finding] = field(default_factory=list)
     flags: dict[str, Any] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
+    peft_note: str = ""
+    """Set when the PEFT change is not in ``overrides``: why, and the Python line that makes it."""
+    config: Any = field(default=None, repr=False, compare=False)
+    """The config this option leads to, as the estimate saw it (not serialised)."""
 
     @property
     def fits(self) -> bool:
@@ -103,7 +110,7 @@ class Option:
         return {"step": self.step, "lever": self.lever, "label": self.label, "applicable": self.applicable,
                 "reason": self.reason, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
                 "breakdown": self.breakdown, "cost": vars(self.cost), "constraints": [c.to_dict() for c in self.constraints],
-                "memory_config": self.flags, "overrides": self.overrides}
+                "memory_config": self.flags, "overrides": self.overrides, "peft_note": self.peft_note}
 
 
 @dataclass
@@ -117,6 +124,8 @@ class Plan:
     baseline: MemoryEstimate
     bridge: Optional[BridgeEstimate]
     options: list[Option]
+    notes: list[str] = field(default_factory=list)
+    """How the config's builder decided settings the user left to it (printed with the config)."""
 
     @property
     def usable_now(self) -> int:
@@ -145,9 +154,10 @@ class Plan:
                 "expandable_segments": self.expandable_segments, "usable_now": self.usable_now,
                 "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict(),
                 "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
-                "options": [o.as_dict() for o in self.options],
+                "options": [o.as_dict() for o in self.options], "notes": self.notes,
                 "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
-                                                       "memory_config": chosen.flags, "overrides": chosen.overrides}}
+                                                       "memory_config": chosen.flags, "overrides": chosen.overrides,
+                                                       "peft_note": chosen.peft_note}}
 
 
 def _usable(gpu_memory: int, margin: float) -> int:
@@ -265,10 +275,11 @@ class _State:
 
 class _Planner:
     def __init__(self, *, gpu_memory: int, margin: float, expandable_margin: float, expandable_segments: bool,
-                 estimate_options: dict):
+                 estimate_options: dict, cfg, peft_overrides: Optional[list[str]]):
         self.gpu_memory, self.margin, self.expandable_margin = gpu_memory, margin, expandable_margin
         self.expandable = expandable_segments
         self.estimate_options = estimate_options
+        self.cfg, self.peft_overrides = cfg, peft_overrides
         self.options: list[Option] = []
 
     def estimate(self, cfg, **overrides) -> MemoryEstimate:
@@ -284,7 +295,13 @@ class _Planner:
         """Record ``option`` as reached from ``state`` (its flags, overrides and, when applicable, its estimate)."""
         option.usable_bytes = self.usable()
         option.flags = dict(state.flags)
-        option.overrides = (MemoryConfig(**state.flags).overrides() if state.flags else []) + list(state.overrides)
+        option.config = state.cfg
+        flags = MemoryConfig(**state.flags) if state.flags else None
+        option.overrides = (flags.overrides(self.cfg, peft_overrides=self.peft_overrides) if flags else []) \
+            + list(state.overrides)
+        if flags and flags.peft_needs_python(self.cfg, peft_overrides=self.peft_overrides):
+            option.peft_note = (f"peft: overrides cannot change this cfg.peft ({PEFT_OBJECT_REASON}); in the training "
+                                f"script: {_python_line(state.flags)}")
         if option.applicable:
             option.peak_bytes = state.est.peak_bytes if peak is None else peak
             option.breakdown = breakdown(state.est) if parts is None else parts
@@ -297,11 +314,14 @@ class _Planner:
 
 def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: float = EXPANDABLE_MARGIN,
          expandable_segments: Optional[bool] = None, estimate_options: Optional[dict] = None,
-         with_bridge: bool = True) -> Plan:
+         with_bridge: bool = True, peft_overrides: Optional[list[str]] = None) -> Plan:
     """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits.
 
     ``expandable_segments``: whether the run already has them (default: from ``cfg.env_vars``).
     ``estimate_options`` are passed to :func:`megatron_bridge_ext.estimate.estimate`.
+    ``peft_overrides``: how overrides built ``cfg.peft`` on a recipe without one
+    (:attr:`megatron_bridge_ext.estimate.configs.Built.peft_overrides`); None, the default, for a
+    ``cfg.peft`` set in Python, whose changes the answer gives as a Python line instead of overrides.
     """
     from megatron_bridge_ext.estimate.bridge import bridge_estimate
 
@@ -311,7 +331,8 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     if expandable_segments is None:
         expandable_segments = _expandable_in(cfg)
     planner = _Planner(gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
-                       expandable_segments=expandable_segments, estimate_options=dict(estimate_options or {}))
+                       expandable_segments=expandable_segments, estimate_options=dict(estimate_options or {}),
+                       cfg=cfg, peft_overrides=peft_overrides)
     baseline = planner.estimate(cfg)
     # Every later estimate keeps the baseline's DP and microbatches unless a lever changes them.
     planner.estimate_options.update(data_parallel_size=baseline.settings["dp"],
@@ -332,6 +353,10 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
         if planner.done():
             break
     return result
+
+
+def _python_line(flags: dict) -> str:
+    return "MemoryConfig(" + ", ".join(f"{k}={v!r}" for k, v in flags.items()) + ").apply(cfg)"
 
 
 def _expandable_in(cfg) -> bool:

@@ -34,9 +34,9 @@ def add_parser(sub, make_parser) -> None:
         description="Input: a Bridge recipe (--recipe MODULE:FUNCTION) or a Hugging Face config.json (--hf-config), "
                     "parallel sizes, sequence, micro-batch and --gpu-memory; Hydra-style OVERRIDES apply last. "
                     "Defaults marked 'recipe' keep the recipe's value with --recipe.")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--recipe", help="a Bridge recipe function, MODULE:FUNCTION")
-    source.add_argument("--hf-config", help="a Hugging Face config.json (read offline)")
+    p.add_argument("--recipe", help="a Bridge recipe function, MODULE:FUNCTION")
+    p.add_argument("--hf-config", help="a Hugging Face config.json (read offline); with --recipe, it answers the "
+                                       "recipe's read of the model's config from the hub")
     p.add_argument("--gpu-memory", metavar="SIZE", required=True,
                    help="device memory per GPU with its unit: 80GiB (2^30 bytes) or 80GB (10^9 bytes); a GPU sold "
                         "as \"80GB\" holds about 80GiB")
@@ -44,14 +44,15 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--pp", type=int, help="pipeline parallel size (default: recipe; 1 with --hf-config)")
     p.add_argument("--dp", type=int, help="data parallel size, divides the distributed optimizer's states "
                                           "(default: recipe, else 1)")
-    p.add_argument("--seq", type=int, help="sequence length (default: recipe; required with --hf-config, whose "
+    p.add_argument("--seq", type=int, help="sequence length (default: recipe; required with --hf-config alone, whose "
                                            "max_position_embeddings is the longest the model takes, not a training "
                                            "length)")
     p.add_argument("--micro-batch", type=int, help="micro-batch size (default: recipe; 1 with --hf-config)")
     p.add_argument("--global-batch", type=int, help="global batch size, a multiple of micro-batch x DP (default: "
                                                     "recipe; micro-batch x DP x PP with --hf-config)")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                   help="sequence parallelism (default: recipe; on when TP > 1 with --hf-config)")
+                   help="sequence parallelism (default: on when TP > 1, for --hf-config and whenever --tp is given; "
+                        "a recipe without --tp keeps its own)")
     p.add_argument("--peft", choices=("lora", "dora", "canonical_lora", "none"),
                    help="Bridge's LoRA, DoRA or CanonicalLoRA on the four linear layers, or none: full fine-tuning "
                         "(default: recipe; full fine-tuning with --hf-config)")
@@ -101,7 +102,7 @@ def command(args) -> int:
         print(json.dumps(result.as_dict(), indent=2, default=str))
     else:
         print(format_plan(result, command_line=" ".join(["mbx plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"]
-                          else None, peft_defaulted=args.peft is None and bool(args.hf_config)))
+                          else None, peft_defaulted=args.peft is None and bool(args.hf_config) and not args.recipe))
     return 0
 
 
@@ -118,6 +119,9 @@ def check_args(args) -> str | None:
     """
     from megatron_bridge_ext.sizes import SizeError, parse_size
 
+    if not (args.recipe or args.hf_config):
+        return _bad("--recipe/--hf-config", "give --recipe MODULE:FUNCTION or --hf-config FILE",
+                    "add one (both: the recipe, with its Hugging Face config read from the file)").text()
     try:
         args.gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
     except SizeError as error:
@@ -179,7 +183,7 @@ def _hf_problem(args):
         data = read_hf_config(args.hf_config)
     except Refused as refused:
         return refused.findings[0]
-    if args.seq is None and not _overridden(args.overrides, "model.seq_length"):
+    if args.seq is None and not args.recipe and not _overridden(args.overrides, "model.seq_length"):
         return _bad("--seq", "required with --hf-config (config.json's max_position_embeddings is the longest "
                              "sequence the model takes, not the training length)",
                     "give the training length, e.g. --seq 4096")
@@ -216,18 +220,17 @@ def _plan(args):
     layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, seq=args.seq, micro_batch=args.micro_batch,
                             global_batch=args.global_batch, sequence_parallel=args.sp, peft=args.peft,
                             lora_dim=args.lora_dim, lora_alpha=args.lora_dim)
-    if args.recipe:
-        cfg = configs.from_recipe(args.recipe, layout, args.overrides)
-        expandable = None
-    else:
-        cfg = configs.from_hf_config(args.hf_config, layout, args.overrides)
-        expandable = False
-    _check_global_batch(cfg)
+    built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
+    expandable = None if args.recipe else False
+    _check_global_batch(built.cfg)
     if args.expandable_segments is not None:
         expandable = args.expandable_segments == "on"
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl)) if v}
-    return planner.plan(cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable, estimate_options=options,
-                        **({"margin": args.margin} if args.margin is not None else {}))
+    result = planner.plan(built.cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable,
+                          estimate_options=options, peft_overrides=built.peft_overrides,
+                          **({"margin": args.margin} if args.margin is not None else {}))
+    result.notes = built.notes
+    return result
 
 
 def _check_global_batch(cfg) -> None:
@@ -266,7 +269,8 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
 
     est = result.baseline
     lines = [f"$ {command_line}"] if command_line else []
-    lines += [f"config: {_settings_line(est.settings, peft_defaulted=peft_defaulted)}",
+    lines += [f"config: {_settings_line(est.settings, peft_defaulted=peft_defaulted)}"
+              + "".join(f"; {n}" for n in result.notes),
               f"per-rank estimate, pipeline stage {est.stage} (the most loaded), TP rank 0 ({est.seconds:.1f} s):",
               _indent(est.table())]
     if result.bridge is not None:
@@ -328,6 +332,8 @@ def _answer(result) -> list[str]:
     lines = [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}",
              f"  MemoryConfig({flags})",
              f"  overrides: {' '.join(chosen.overrides) or '(none)'}"]
+    if chosen.peft_note:
+        lines.append(f"  {chosen.peft_note}")
     if chosen.flags.get("expandable_segments"):
         lines.append("  allocator: launch with `mbx run -- torchrun ...` or call megatron_bridge_ext.init() first")
     return lines

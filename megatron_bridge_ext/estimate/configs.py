@@ -4,17 +4,23 @@ Bridge's model recipes fetch their Hugging Face config from the hub when called,
 offline. :func:`from_hf_config` builds the same provider from a local ``config.json`` (through
 ``AutoBridge.from_hf_config``, which downloads nothing) inside the container of Bridge's vanilla GPT
 recipe, and sets what the estimate needs: parallel sizes, sequence, batch, optimizer sharding and
-PEFT. :func:`from_recipe` calls any recipe ``module:function``. Both take Hydra-style overrides,
-applied by Bridge's own override parser. Every problem is a :class:`Refused` with one line per
-setting, raised before anything is built.
+PEFT. :func:`from_recipe` calls any recipe ``module:function``; given a ``config.json`` too, the
+recipe's hub read is answered from it (patch ``bridge_recipe_hf_config``), and without one an
+unreachable hub fails in seconds instead of minutes of retries. Both take Hydra-style overrides,
+applied by Bridge's own override parser after :mod:`megatron_bridge_ext.overrides` has refused
+what that parser would silently skip. :func:`build` also says how ``cfg.peft`` was built, which
+decides whether the plan's answer can change it by overrides. Every problem is a :class:`Refused`
+with one line per setting, raised before anything is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 
@@ -36,7 +42,11 @@ class Layout:
     ``peft``: ``lora``, ``dora`` or ``canonical_lora`` (Bridge's class of that kind on the layers of
     ``lora_targets``, named as the kind names them), or ``none`` for full fine-tuning.
 
-    ``None`` keeps the recipe's value (for a ``config.json``: TP/PP/DP 1, SP with TP > 1, micro-batch 1).
+    ``None`` keeps the recipe's value (for a ``config.json``: TP/PP/DP 1, micro-batch 1).
+    ``sequence_parallel`` None: on when TP > 1, for a ``config.json`` and wherever ``tp`` is given (a
+    recipe run without ``tp`` keeps its own setting).
+    ``peft`` is built as the overrides ``++peft._target_=... ++peft.dim=...`` would build it; with
+    peft overrides of the user's it is built by them together, the user's keys winning.
     ``global_batch`` defaults to micro-batch x DP x PP: a full pipeline of microbatches.
     """
 
@@ -79,20 +89,69 @@ def read_hf_config(path: str) -> dict:
     return data
 
 
+@dataclass
+class Built:
+    """A config to plan, and what the plan's answer needs to know of how it was built.
+
+    ``peft_overrides``: the override strings that build ``cfg.peft`` on a config whose ``cfg.peft``
+    is None (``--peft``'s, less the keys the user's own overrides set), or None when ``cfg.peft``
+    is an object the recipe set in Python, which no override can change.
+    ``notes``: how the layout decided a setting the user did not give (sequence parallelism).
+    """
+
+    cfg: Any
+    peft_overrides: Optional[list[str]] = None
+    notes: list[str] = field(default_factory=list)
+
+
 def from_hf_config(path: str, layout: Layout, overrides: list[str] = ()):
     """A ConfigContainer for the model of ``config.json`` at ``path``, laid out by ``layout``."""
+    return build(layout, overrides, hf_config=path).cfg
+
+
+def from_recipe(spec: str, layout: Layout, overrides: list[str] = (), hf_config: Optional[str] = None):
+    """The ConfigContainer a Bridge recipe ``module:function`` returns, with ``layout`` and ``overrides``.
+
+    ``hf_config``: a local ``config.json`` that answers the recipe's read of its Hugging Face config.
+    """
+    return build(layout, overrides, recipe=spec, hf_config=hf_config).cfg
+
+
+def build(layout: Layout, overrides: list[str] = (), *, recipe: Optional[str] = None,
+          hf_config: Optional[str] = None) -> Built:
+    """The config of ``recipe`` (or, without one, of ``hf_config`` in the vanilla GPT recipe), laid out and
+    overridden."""
+    if recipe is not None:
+        cfg = _call_recipe(recipe, hf_config)
+    else:
+        cfg = _hf_config_container(hf_config)
+    recipe_peft = cfg.peft is not None
+    sp_by_default = _set_layout(cfg, layout, default_dp=None if recipe is not None else 1)
+    layout_peft: list[str] = []
+    if layout.peft not in (None, "none"):
+        layout_peft = _layout_peft_overrides(layout, overrides)
+        if _touches_peft(overrides):
+            cfg.peft = None  # --peft and the user's peft overrides build one PEFT together (theirs win)
+            cfg = _with_overrides(cfg, layout_peft + list(overrides))
+        else:
+            cfg.peft = _layout_peft_object(layout)
+            cfg = _with_overrides(cfg, overrides)
+    else:
+        cfg = _with_overrides(cfg, overrides)
+    reachable = cfg.peft is not None and not recipe_peft  # built by --peft or by overrides, on a recipe without one
+    notes = ["SP on: the default with TP > 1 (--no-sp turns it off)"] if sp_by_default and cfg.model.sequence_parallel \
+        else []
+    return Built(cfg, layout_peft if reachable else None, notes)
+
+
+def _hf_config_container(path: str):
     data = read_hf_config(path)
     _bridge()
-    from transformers import AutoConfig
-
     from megatron.bridge import AutoBridge
     from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
 
-    if "torch_dtype" in data and "dtype" not in data:  # the older spelling, which transformers now warns about
-        data["dtype"] = data.pop("torch_dtype")
     try:
-        hf_config = AutoConfig.for_model(**data)
-        provider = AutoBridge.from_hf_config(hf_config).to_megatron_provider(load_weights=False)
+        provider = AutoBridge.from_hf_config(hf_config_object(data)).to_megatron_provider(load_weights=False)
     except (ValueError, KeyError, TypeError) as error:
         raise _refuse("--hf-config", f"{path}: Megatron Bridge cannot build a model from it ({_first_line(error)})",
                       "give the config.json of a causal LM that Megatron Bridge supports") from None
@@ -101,16 +160,25 @@ def from_hf_config(path: str, layout: Layout, overrides: list[str] = ()):
     cfg.model.tensor_model_parallel_size = cfg.model.pipeline_model_parallel_size = 1
     cfg.model.context_parallel_size = 1
     cfg.train.micro_batch_size = 1
-    _set_layout(cfg, layout, default_dp=1)
-    return _with_overrides(cfg, overrides)
+    return cfg
 
 
-def from_recipe(spec: str, layout: Layout, overrides: list[str] = ()):
-    """The ConfigContainer a Bridge recipe ``module:function`` returns, with ``layout`` and ``overrides``."""
+def hf_config_object(data: dict):
+    """The transformers config of a ``config.json``'s JSON, as ``AutoConfig.from_pretrained`` would build it."""
+    from transformers import AutoConfig
+
+    data = dict(data)
+    if "torch_dtype" in data and "dtype" not in data:  # the older spelling, which transformers now warns about
+        data["dtype"] = data.pop("torch_dtype")
+    return AutoConfig.for_model(**data)
+
+
+def _call_recipe(spec: str, hf_config: Optional[str]):
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
         raise _refuse("--recipe", f"{spec!r} is not MODULE:FUNCTION",
                       "write e.g. megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config")
+    local = hf_config_object(read_hf_config(hf_config)) if hf_config is not None else None
     _bridge()
     try:
         module = importlib.import_module(module_name)
@@ -121,31 +189,43 @@ def from_recipe(spec: str, layout: Layout, overrides: list[str] = ()):
     if not callable(recipe):
         raise _refuse("--recipe", f"{module_name} has no function {function_name!r}",
                       "give a recipe function of that module") from None
-    try:
-        cfg = recipe()
-    except Exception as error:  # a recipe may fail in any way (most fetch a Hugging Face config)
-        raise _refuse("--recipe", f"{spec}() failed: {type(error).__name__}: {_first_line(error)}",
-                      "recipes that fetch a Hugging Face config need the hub; offline, use --hf-config with the "
-                      "model's config.json") from None
+    from megatron_bridge_ext.patches import bridge_recipe_hf_config
+
+    with bridge_recipe_hf_config.answering(local) as hub:
+        try:
+            cfg = recipe()
+        except Exception as error:  # a recipe may fail in any way (most fetch a Hugging Face config)
+            if hub.unreachable:
+                raise _refuse("--recipe", f"{spec}() reads {hub.requested}'s config from the Hugging Face hub, which "
+                                          f"is not reachable ({hub.unreachable}), and it is not in the local cache.",
+                              "add --hf-config with the model's config.json (the recipe's read is answered from "
+                              "it), or run where the hub is reachable") from None
+            raise _refuse("--recipe", f"{spec}() failed: {type(error).__name__}: {_first_line(error)}",
+                          "recipes that fetch a Hugging Face config need the hub; offline, add --hf-config with "
+                          "the model's config.json") from None
     from megatron.bridge.training.config import ConfigContainer
 
     if not isinstance(cfg, ConfigContainer):
         raise _refuse("--recipe", f"{spec}() returned {type(cfg).__name__}, not a ConfigContainer",
                       "give a Bridge recipe function")
-    _set_layout(cfg, layout, default_dp=None)
-    return _with_overrides(cfg, overrides)
+    if hf_config is not None and not hub.requested:
+        raise _refuse("--hf-config", f"{spec}() reads no Hugging Face config, so {hf_config} would not be used",
+                      "drop --hf-config, or give a recipe that builds its model from a Hugging Face config")
+    return cfg
 
 
-def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> None:
+def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> bool:
+    """Set what ``layout`` gives; return whether sequence parallelism was left to the default (on with TP > 1)."""
     model = cfg.model
+    sp_by_default = False
     for attr, value in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp),
                         ("seq_length", layout.seq)):
         if value is not None:
             setattr(model, attr, value)
     if layout.sequence_parallel is not None:
         model.sequence_parallel = layout.sequence_parallel
-    elif default_dp is not None:  # a config.json: SP whenever TP > 1
-        model.sequence_parallel = model.tensor_model_parallel_size > 1
+    elif layout.tp is not None or default_dp is not None:  # the user chose TP (or a config.json): SP follows it
+        model.sequence_parallel = sp_by_default = model.tensor_model_parallel_size > 1
     if layout.micro_batch is not None:
         cfg.train.micro_batch_size = layout.micro_batch
     dp = layout.dp or getattr(cfg, "data_parallel_size", None) or default_dp
@@ -165,27 +245,91 @@ def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> None:
         if layout.peft not in kinds.KINDS:
             raise _refuse("--peft", f"{layout.peft!r} is not one of {', '.join(kinds.KINDS)} or none",
                           f"use --peft {' or '.join(kinds.KINDS)}, or --peft none")
-        cfg.peft = kinds.bridge_class(layout.peft)(target_modules=kinds.target_names(layout.peft, layout.lora_targets),
-                                                   dim=layout.lora_dim, alpha=layout.lora_alpha)
+    return sp_by_default
+
+
+def _layout_peft_object(layout: Layout):
+    from megatron_bridge_ext.peft import kinds
+
+    return kinds.bridge_class(layout.peft)(target_modules=kinds.target_names(layout.peft, layout.lora_targets),
+                                           dim=layout.lora_dim, alpha=layout.lora_alpha)
+
+
+def _peft_keys(overrides) -> set[str]:
+    from megatron_bridge_ext import overrides as checks
+
+    return {o.key_or_group.partition(".")[2] for o in checks.parse(overrides)
+            if o.key_or_group.startswith("peft.")}
+
+
+def _touches_peft(overrides) -> bool:
+    return bool(overrides) and bool(_peft_keys(overrides))
+
+
+def _layout_peft_overrides(layout: Layout, overrides) -> list[str]:
+    """``--peft``'s PEFT as overrides (``++``: they set or add), less the keys the user's overrides set.
+
+    The user naming one of our fields (``sequence_parallel_input_strategy``) asks for our class.
+    """
+    from megatron_bridge_ext import overrides as checks
+    from megatron_bridge_ext.peft import kinds
+
+    theirs = _peft_keys(overrides) if overrides else set()
+    ours = bool(theirs & {"sequence_parallel_input_strategy", "sequence_parallel_input_regather"})
+    cls = kinds.our_class(layout.peft) if ours else kinds.bridge_class(layout.peft)
+    values = {"_target_": kinds.public_target(layout.peft) if ours else f"{cls.__module__}.{cls.__name__}",
+              "target_modules": kinds.target_names(layout.peft, layout.lora_targets),
+              "dim": layout.lora_dim, "alpha": layout.lora_alpha}
+    return [f"++peft.{k}={checks.hydra_value(v)}" for k, v in values.items() if k not in theirs]
 
 
 def _with_overrides(cfg, overrides):
     if not overrides:
         return cfg
     import megatron_bridge_ext.peft.lora  # noqa: F401  (lets Bridge's override parser build our LoRA)
+    from megatron_bridge_ext import overrides as checks
 
     try:
         from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
     except ImportError as error:
         raise _refuse("overrides", f"Bridge's override parser is not importable ({_first_line(error)})",
                       "install hydra-core, or pass no overrides") from None
+    checks.check_paths(cfg, overrides)
+    with _bridge_warnings() as warned:
+        try:
+            cfg = process_config_with_overrides(cfg, cli_overrides=list(overrides))
+        except Exception as error:  # Hydra and OmegaConf raise many kinds for a bad override
+            raise _refuse("overrides", f"{' '.join(overrides)}: {type(error).__name__}: {_first_line(error)}",
+                          "write overrides as key=value (model.seq_length=8192), +key=value to add a key to a "
+                          "dict field") from None
+    checks.check_built(cfg)
+    if warned:
+        raise _refuse("overrides", f"Bridge's override parser did not apply everything: {_first_line(warned[0])}",
+                      "correct that override")
+    return cfg
+
+
+@contextlib.contextmanager
+def _bridge_warnings():
+    """The warnings Bridge's override parser logs while the block runs (each one an override it skipped), kept
+    from the log: the caller turns them into one refusal."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("megatron.bridge.training.utils.omegaconf_utils")
+    handler, propagate = Keep(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
     try:
-        return process_config_with_overrides(cfg, cli_overrides=list(overrides))
-    except Exception as error:  # Hydra and OmegaConf raise many kinds for a bad override
-        raise _refuse("overrides", f"{' '.join(overrides)}: {type(error).__name__}: {_first_line(error)}",
-                      "write overrides as key=value (model.seq_length=8192), +key=value to add a field") from None
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
-def _first_line(error: BaseException) -> str:
+def _first_line(error) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__

@@ -13,6 +13,7 @@ from megatron_bridge_ext.patches import (
     bridge_peft_without_te,
     bridge_prebuilt_dataset_helpers,
     bridge_pretrain_without_nvrx,
+    bridge_recipe_hf_config,
     bridge_truthful_te_detection,
     core_local_norm_sequence_parallel,
 )
@@ -26,6 +27,7 @@ PATCHES: tuple[Patch, ...] = (
     bridge_lora_te_norm_grad.PATCH,
     bridge_pretrain_without_nvrx.PATCH,
     bridge_prebuilt_dataset_helpers.PATCH,
+    bridge_recipe_hf_config.PATCH,
 )
 
 TRAINING_ENTRY: tuple[Patch, ...] = (bridge_pretrain_without_nvrx.PATCH, bridge_prebuilt_dataset_helpers.PATCH)

@@ -41,7 +41,9 @@ class LoRA(SequenceParallelInput, BridgeLoRA):
     +peft.sequence_parallel_input_strategy=shard_local``; Bridge keeps an existing PEFT object out
     of its override config, so overrides cannot change one). Bridge instantiates ``_target_`` only
     from allowlisted packages: importing this module adds ``megatron_bridge_ext``, so import it
-    before Bridge processes such an override or loads a saved run config. See the module docstring
+    before Bridge processes such an override or loads a saved run config. When Bridge cannot build
+    it (a misspelt strategy), Bridge logs that and leaves a dict in ``cfg.peft``;
+    ``MemoryConfig.validate`` and ``mbx plan`` refuse that dict with this class's error. See the module docstring
     for the two fields it adds and :mod:`megatron_bridge_ext.peft.eligibility` for when an adapter
     is eligible.
     """

@@ -24,6 +24,7 @@ Collectives are looked up on ``torch.distributed`` at call time so that wrappers
 
 from __future__ import annotations
 
+import difflib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -311,13 +312,27 @@ CHOICES = (OFF, *STRATEGIES)
 """Every accepted value of a strategy setting."""
 
 
+class ChoiceError(ValueError):
+    """A strategy setting holds an unknown value; ``setting``, ``value``, ``choices`` and ``suggestion``
+    let a caller (the config checks of ``mbx plan``) name them in its own words."""
+
+    def __init__(self, setting: str, value, choices: tuple, suggestion: Optional[str]):
+        self.setting, self.value, self.choices, self.suggestion = setting, value, choices, suggestion
+        super().__init__(f"{setting}={value!r} is not valid. Fix: {self.fix()}")
+
+    def fix(self) -> str:
+        allowed = ", ".join(repr(c) for c in self.choices)
+        return f"use one of {allowed}" + (f" (did you mean {self.suggestion!r}?)" if self.suggestion else "")
+
+
 def check_choice(value, setting: str, *, allow_none: bool = False) -> None:
-    """Refuse anything but one of :data:`CHOICES` (or None where the setting allows it), naming ``setting``."""
+    """Refuse anything but one of :data:`CHOICES` (or None where the setting allows it), naming ``setting``,
+    the valid values and the closest one (a typo is the usual cause)."""
     if value is None and allow_none:
         return
     if not isinstance(value, str) or value not in CHOICES:
-        allowed = ", ".join(repr(c) for c in CHOICES) + (" or None" if allow_none else "")
-        raise ValueError(f"{setting}={value!r} is not valid; use one of {allowed}")
+        close = difflib.get_close_matches(str(value), CHOICES, n=1)
+        raise ChoiceError(setting, value, CHOICES + ((None,) if allow_none else ()), close[0] if close else None)
 
 
 def lora_a_output(

@@ -154,3 +154,13 @@ def test_a_finding_puts_a_full_stop_before_its_fix(message, text):
 
     assert Finding("c", ERROR, "s", message, "f").text() == text
     assert Finding("c", ERROR, "s", message).text() == f"s: {message}"
+
+
+@pytest.mark.parametrize("override", ["model.num_layerz=32", "+model.num_layerz=32"])
+def test_plan_names_a_misspelt_override_field_and_the_closest_one(override):
+    done = mbx("plan", "--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config",
+               "--gpu-memory", "80GB", override)
+    line = _one_clean_line(done, "model.num_layerz: no such field of GPTModelProvider.",
+                           "Fix: did you mean model.num_layers?")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == line  # the one line, nothing logged around it

@@ -107,6 +107,18 @@ def test_an_invalid_strategy_is_a_value_error_naming_the_field(ours, bad):
     assert "regather" in str(raised.value) and "shard_local" in str(raised.value)
 
 
+@pytest.mark.parametrize("kind", ["lora", "dora", "canonical_lora"])
+@pytest.mark.parametrize("typo, meant", [("shard_lcoal", "shard_local"), ("regahter", "regather"), ("of", "off")])
+def test_a_misspelt_strategy_names_the_value_the_choices_and_the_closest_one(kind, typo, meant):
+    from megatron_bridge_ext.peft import kinds
+
+    cls = kinds.our_class(kind)
+    with pytest.raises(ValueError) as raised:
+        cls(sequence_parallel_input_strategy=typo)
+    assert str(raised.value) == (f"{cls.__name__}.{FIELD}={typo!r} is not valid. Fix: use one of 'off', 'regather', "
+                                 f"'shard_local', None (did you mean {meant!r}?)")
+
+
 def test_an_invalid_strategy_is_refused_on_assignment_too(ours):
     """Bridge's overrides set fields on an existing object: an unknown name must not run as a strategy."""
     lora = ours(sequence_parallel_input_strategy="regather")

@@ -156,25 +156,68 @@ def test_recompute_module_names_match_the_installed_megatron_core():
             pass
 
 
+def _peft_fields(peft) -> tuple:
+    import dataclasses
+
+    return type(peft), {f.name: getattr(peft, f.name) for f in dataclasses.fields(peft) if f.init}
+
+
 @pytest.mark.parametrize("kind", kinds.KINDS)
-def test_documented_overrides_reproduce_apply(bridge, cfg, kind):
+def test_overrides_reproduce_apply_where_overrides_built_the_peft(bridge, kind):
+    """A PEFT that overrides built (``cfg.peft`` None in the recipe): the user's overrides plus ours, on one
+    command line through Bridge's parser, give what apply gives, field for field."""
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     kinds.our_class(kind)  # importing our class allowlists its _target_ for Bridge
-
+    bridge_target = f"{kinds.bridge_class(kind).__module__}.{kinds.class_name(kind)}"
+    users = [f"+peft._target_={bridge_target}", "+peft.dim=16", "+peft.alpha=8", "model.tensor_model_parallel_size=2",
+             "model.sequence_parallel=true", "model.recompute_method=uniform"]
     flags = MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"], expandable_segments=False)
-    fresh = bridge[0]()
-    fresh.model.tensor_model_parallel_size, fresh.model.sequence_parallel = 2, True
-    overridden = process_config_with_overrides(fresh, cli_overrides=flags.overrides(kind))
+
+    applied = process_config_with_overrides(bridge[0](), cli_overrides=users)
+    printed = flags.overrides(applied, peft_overrides=[])
+    assert not flags.peft_needs_python(applied, peft_overrides=[])
+    flags.apply(applied)
+    overridden = process_config_with_overrides(bridge[0](), cli_overrides=users + printed)
+
+    assert _peft_fields(overridden.peft) == _peft_fields(applied.peft)
+    assert type(overridden.peft) is kinds.our_class(kind) and overridden.peft.strategy == "shard_local"
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"):
+        assert getattr(overridden.model, name) == getattr(applied.model, name), name
+    assert "model.recompute_method=null" in printed  # Megatron Core refuses a method with selective recompute
+
+
+@pytest.mark.parametrize("kind", kinds.KINDS)
+def test_overrides_leave_out_a_peft_object_set_in_python_and_say_so(bridge, cfg, kind):
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     cfg.peft = kinds.bridge_class(kind)(dim=16, alpha=32)
-    flags.apply(cfg)
-    assert kinds.kind_of(overridden.peft) == kind
-    assert overridden.model.recompute_granularity == cfg.model.recompute_granularity
-    assert list(overridden.model.recompute_modules) == cfg.model.recompute_modules
-    assert type(overridden.peft) is type(cfg.peft)
-    assert overridden.peft.sequence_parallel_input_strategy == cfg.peft.sequence_parallel_input_strategy
+    flags = MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"], expandable_segments=False)
+    printed = flags.overrides(cfg)
+    assert flags.peft_needs_python(cfg)
+    assert printed == ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"]
+    before = cfg.peft
+    assert process_config_with_overrides(cfg, cli_overrides=printed).peft is before  # nothing could reach it
+
+
+def test_validate_refuses_a_peft_that_bridges_parser_left_a_dict(bridge):
+    """A misspelt strategy in an override: Bridge logs that it cannot build our LoRA and keeps the dict;
+    validate (and so apply) stops the run with the setting, the value and the valid values."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    kinds.our_class("lora")
+    overrides = ["+peft._target_=megatron_bridge_ext.peft.LoRA", "+peft.sequence_parallel_input_strategy=shard_lcoal"]
+    cfg = process_config_with_overrides(bridge[0](), cli_overrides=overrides)
+    assert isinstance(cfg.peft, dict)  # Bridge's behaviour: it goes on with the dict
+    for flags in (MemoryConfig(expandable_segments=False), MemoryConfig(lora_sp_input="shard_local")):
+        with pytest.raises(Refused) as info:
+            flags.apply(cfg)
+        line = info.value.one_line()
+        assert line.startswith("peft.sequence_parallel_input_strategy: 'shard_lcoal' is not valid")
+        assert "Fix: use one of 'off', 'regather', 'shard_local'" in line and "did you mean 'shard_local'?" in line
 
 
 def test_validate_changes_and_logs_nothing(cfg, caplog):

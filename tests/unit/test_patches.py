@@ -308,17 +308,17 @@ def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
         )
     """)
     # the TE gradient patch is not needed without Transformer Engine (see test_bridge_lora_te_norm_grad)
-    expected = [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 2
+    expected = [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 3
     assert result["first"] == expected
     assert [s[0] for s in result["second"]] == expected
-    assert [s[1] for s in result["second"] if s[0] == APPLIED] == ["already applied"] * 5
+    assert [s[1] for s in result["second"] if s[0] == APPLIED] == ["already applied"] * 6
     assert result["hooks"] == 3  # Bridge's PEFT modules, Bridge's pretrain, Bridge's initialize: one each
     assert result["same_wrapper"] is True  # not wrapped twice
     assert result["have_te"] is False
     assert result["hooks_after_revert"] == 0
     assert result["new_restored"] is True
     assert result["have_te_after_revert"] is True
-    assert result["applied_after_revert"] == [False] * 6
+    assert result["applied_after_revert"] == [False] * 7
 
 
 @pytest.fixture
@@ -396,7 +396,8 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     before, after = result["before"], result["after"]
     assert [s["name"] for s in before] == [p.name for p in PATCHES] == [
         "bridge_peft_without_te", "bridge_truthful_te_detection", "core_local_norm_sequence_parallel",
-        "bridge_lora_te_norm_grad", "bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers"]
+        "bridge_lora_te_norm_grad", "bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers",
+        "bridge_recipe_hf_config"]
     assert result["resolves"] == [True] * len(before)  # every target names something that exists upstream
     for row in before:
         distribution, _, specifier = row["versions"].partition(" ")
@@ -409,10 +410,11 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     assert "WrappedTorchNorm" in before[2]["target"]
     assert "CallWrapper" in before[4]["target"]
     assert "compile_helpers" in before[5]["target"]
+    assert "AutoConfig.from_pretrained" in before[6]["target"]
     assert [before[i]["status"] for i in (0, 2, 4)] == [NOT_APPLIED] * 3
     assert APPLIED not in [s["status"] for s in before]
     assert result["bridge_imported_by_status"] is False  # a half-failed Bridge import would poison the process
-    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 2
+    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 3
     assert all(s["reason"] for s in after)
 
 
@@ -753,3 +755,59 @@ def test_init_applies_the_training_entry_patches_before_the_script_imports_bridg
     assert result["loaded_by_init"] == []
     assert result["applied"] == ["bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers"]
     assert result["compile"] == [None, False]
+
+
+# --------------------------------------------------------------------------------------------
+# bridge_recipe_hf_config: a Bridge model recipe reads its Hugging Face config from the hub
+# --------------------------------------------------------------------------------------------
+
+_HUB_RECIPE = """
+    import json, socket
+
+    from megatron_bridge_ext.patches import bridge_peft_without_te, bridge_recipe_hf_config
+    from megatron_bridge_ext.estimate.configs import hf_config_object
+
+    bridge_peft_without_te.import_bridge_peft()
+    from transformers import AutoConfig
+
+    calls = []
+    def offline(cls, path, *args, **kwargs):  # the hub read, on a machine without the hub
+        calls.append(kwargs.get("local_files_only", False))
+        raise OSError("no connection")
+    AutoConfig.from_pretrained = classmethod(offline)
+    socket.create_connection = lambda *a, **k: (_ for _ in ()).throw(OSError("no network"))
+    from megatron.bridge.recipes.qwen.qwen3 import qwen3_8b_peft_config
+
+    def attempt():
+        calls.clear()
+        try:
+            cfg = qwen3_8b_peft_config()
+        except ValueError as error:
+            return [len(calls), all(calls), str(error).splitlines()[0][:60]]
+        return [len(calls), cfg.model.num_layers, cfg.model.hidden_size]
+
+    data = json.load(open("tests/data/qwen3-8b/config.json"))
+    data["num_hidden_layers"] = 5
+"""
+
+
+def test_upstream_recipe_retries_its_hub_read_four_times_and_the_patch_answers_or_fails_at_once():
+    result = run(_HUB_RECIPE, """
+        import time
+        time.sleep = lambda seconds: None  # Bridge's backoff between attempts, not waited for here
+        upstream = attempt()
+        with bridge_recipe_hf_config.answering(hf_config_object(data)) as local_read:
+            local = attempt()
+        with bridge_recipe_hf_config.answering() as offline_read:
+            failed = attempt()
+        reverted = attempt()
+        report(upstream=upstream, local=local, requested=local_read.requested, failed=failed,
+               unreachable=offline_read.unreachable, reverted=reverted,
+               applied=bridge_recipe_hf_config.PATCH.applied)
+    """)
+    assert result["upstream"][:2] == [4, False]  # 4 hub attempts, each of them with network retries inside
+    assert result["local"] == [0, 5, 4096]  # the local file answered; the hub was never asked
+    assert result["requested"] == "Qwen/Qwen3-8B"
+    assert result["failed"][:2] == [1, True]  # one look in the local cache
+    assert result["unreachable"].startswith("no connection to huggingface.co:443")
+    assert result["reverted"][:2] == [4, False] and result["applied"] is False

@@ -9,6 +9,8 @@ answer (MemoryConfig, overrides, constraints), not the estimate's numbers (the g
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron_bridge_ext import plan as planner
@@ -77,7 +79,9 @@ def test_needs_the_lora_input_under_sequence_parallelism():
     chosen = result.chosen
     assert chosen.step == 2 and chosen.peak_bytes == shard_local
     assert chosen.flags == {"expandable_segments": True, "lora_sp_input": "shard_local"}
-    assert "+peft.sequence_parallel_input_strategy=shard_local" in chosen.overrides
+    # cfg.peft was set in Python: no override reaches it, and the answer says how to set it instead
+    assert not any("peft" in o for o in chosen.overrides)
+    assert chosen.peft_note.endswith("MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)")
     assert chosen.cost.collective_bytes < 0  # shard_local moves r*h-sized tensors instead of s*b*h ones
 
 
@@ -170,3 +174,140 @@ def test_a_device_size_of_zero_bytes_is_refused_in_bytes():
     with pytest.raises(Refused) as refused:
         _plan(_cfg(), 0)
     assert refused.value.one_line() == "gpu_memory: is 0. Fix: give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB"
+
+
+# ------------------------------------------------------------------------------------------------
+# The answer, pasted: every option's overrides through Bridge's own override parser (and, where the
+# option says overrides cannot reach cfg.peft, its MemoryConfig) give the config the option estimated.
+
+VANILLA = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
+WITH_LORA = "tests.support.plan_recipes:vanilla_gpt_with_lora"
+TINY = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=8",
+        "model.vocab_size=1024", "model.share_embeddings_and_output_weights=false"]
+OUR_LORA = ["+peft._target_=megatron_bridge_ext.peft.LoRA", "+peft.sequence_parallel_input_strategy=shard_local"]
+QWEN3_RECIPE = "megatron.bridge.recipes.qwen.qwen3:qwen3_8b_peft_config"
+QWEN3_8B = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "qwen3-8b", "config.json")
+
+
+def _layout(**kwargs):
+    from megatron_bridge_ext.estimate import configs
+
+    return configs.Layout(tp=2, seq=1024, **kwargs)
+
+
+def _walk_every_lever(layout, overrides, recipe, hf_config):
+    """The plan of the built config on a device too small for anything: every lever is evaluated."""
+    from megatron_bridge_ext.estimate import configs
+
+    built = configs.build(layout, overrides, recipe=recipe, hf_config=hf_config)
+    return built, planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
+                               peft_overrides=built.peft_overrides)
+
+
+def _pasted(layout, overrides, recipe, hf_config, built, option):
+    """The user's run: the recipe with the user's and the plan's overrides on one command line (``--peft`` is
+    among the plan's when overrides can build it), then the printed MemoryConfig where the option says so."""
+    import dataclasses
+
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_bridge_ext.estimate import configs
+
+    by_overrides = built.peft_overrides is not None
+    base = configs.build(dataclasses.replace(layout, peft=None) if by_overrides else layout, [], recipe=recipe,
+                         hf_config=hf_config).cfg
+    cfg = process_config_with_overrides(base, cli_overrides=[*overrides, *option.overrides])
+    if option.peft_note:
+        MemoryConfig(**option.flags).apply(cfg)
+    return cfg
+
+
+def _tree(cfg) -> dict:
+    """Every serialisable field of the run config (Bridge's own conversion), the allocator's env_vars aside."""
+    from omegaconf import OmegaConf
+
+    from megatron.bridge.training.utils.omegaconf_utils import create_omegaconf_dict_config
+
+    tree = OmegaConf.to_container(create_omegaconf_dict_config(cfg)[0])
+    tree.pop("env_vars", None)
+    return tree
+
+
+def _peft(cfg):
+    import dataclasses
+
+    peft = cfg.peft
+    return type(peft), {f.name: getattr(peft, f.name) for f in dataclasses.fields(peft) if f.init}
+
+
+@pytest.mark.parametrize("recipe, layout, overrides, hf_config", [
+    (VANILLA, {"peft": "lora"}, TINY, None),
+    (VANILLA, {}, TINY + ["+peft._target_=megatron.bridge.peft.lora.LoRA", "+peft.dim=8"], None),
+    (VANILLA, {"peft": "canonical_lora"}, TINY + ["+peft.dim=16"], None),
+    (WITH_LORA, {}, TINY, None),
+    (QWEN3_RECIPE, {}, ["model.num_layers=2"], QWEN3_8B),  # Bridge's own recipe, offline from config.json
+], ids=["peft-flag", "peft-by-overrides", "peft-flag-with-overrides", "recipe-sets-peft", "qwen3-recipe-sets-peft"])
+def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides, hf_config):
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    layout = _layout(**layout)
+    built, result = _walk_every_lever(layout, overrides, recipe, hf_config)
+    options = [o for o in result.options if o.applicable]
+    assert {o.step for o in options} >= {2, 3}  # the LoRA input and recompute levers were evaluated
+    for option in options:
+        pasted = _pasted(layout, overrides, recipe, hf_config, built, option)
+        assert _peft(pasted) == _peft(option.config), option.label
+        assert _tree(pasted) == _tree(option.config), option.label
+    lora = next(o for o in options if o.step == 2)
+    assert lora.config.peft.strategy == "shard_local"
+    printed_peft = [o for o in lora.overrides if o.startswith(("+peft", "++peft"))]
+    if built.peft_overrides is None:  # no override reaches the recipe's PEFT object: the note and Python line say so
+        assert printed_peft == [] and "overrides cannot change this cfg.peft" in lora.peft_note
+        assert "MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)" in lora.peft_note
+    else:
+        assert "++peft.sequence_parallel_input_strategy=shard_local" in printed_peft and lora.peft_note == ""
+
+
+def test_the_old_peft_overrides_change_nothing_on_a_recipe_that_sets_peft():
+    """Why the answer gives a Python line there: Bridge restores the recipe's PEFT object over them."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from tests.support.plan_recipes import vanilla_gpt_with_lora
+
+    import megatron_bridge_ext.peft.lora  # noqa: F401  (allowlists our _target_)
+
+    cfg = vanilla_gpt_with_lora()
+    before = cfg.peft
+    assert process_config_with_overrides(cfg, cli_overrides=OUR_LORA).peft is before
+
+
+def test_peft_flag_and_peft_overrides_build_one_peft():
+    """--peft lora plus the overrides that switch on our strategy: the plan traces the strategy."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron_bridge_ext.estimate import configs
+    from megatron_bridge_ext.peft import LoRA
+
+    built = configs.build(_layout(peft="lora", lora_dim=16), TINY + OUR_LORA, recipe=VANILLA)
+    peft = built.cfg.peft
+    assert type(peft) is LoRA and peft.strategy == "shard_local"
+    assert (peft.dim, peft.target_modules) == (16, _layout().lora_targets)  # --peft's fields, the overrides' class
+    result = planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
+                          peft_overrides=built.peft_overrides)
+    assert result.baseline.settings["lora_sp_input"] == "shard_local"
+    lora = next(o for o in result.options if o.step == 2)
+    assert not lora.applicable and "already shard_local" in lora.label
+
+
+@pytest.mark.parametrize("layout, expected, noted", [
+    ({"tp": 2}, True, True),  # --tp given: SP follows it, as for a config.json, and the config line says so
+    ({"tp": 2, "sequence_parallel": False}, False, False),  # --no-sp
+    ({}, False, False),  # no --tp: the recipe's own TP and SP stand
+])
+def test_sequence_parallelism_follows_tp_where_tp_is_given(layout, expected, noted):
+    from megatron_bridge_ext.estimate import configs
+
+    overrides = [] if layout else ["model.tensor_model_parallel_size=2"]  # the recipe's TP 2, its SP off
+    built = configs.build(configs.Layout(**layout), overrides, recipe=WITH_LORA)
+    assert built.cfg.model.tensor_model_parallel_size == 2
+    assert built.cfg.model.sequence_parallel is expected
+    assert bool(built.notes) is noted
