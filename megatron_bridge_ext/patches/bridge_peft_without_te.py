@@ -38,6 +38,11 @@ def te_placeholder() -> types.ModuleType:
     return root
 
 
+def te_installed() -> bool:
+    """Whether a ``transformer_engine`` package is there at all (imports nothing)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _te_importable() -> bool:
     if importlib.util.find_spec("transformer_engine") is None:
         return False
@@ -87,8 +92,9 @@ PATCH = Patch(
     distribution="megatron-bridge",
     versions=">=0.5.1,<=0.6.2",
     reason="Bridge's PEFT modules import Transformer Engine unconditionally; the local-spec LoRA path needs none of it",
-    applied_by="megatron_bridge_ext.peft (LoRA, DoRA, CanonicalLoRA): for the one import of Bridge's PEFT modules, "
-               "then removed",
+    applied_by="megatron_bridge_ext.init() and mbx run (an import hook, kept: a recipe or `import megatron.bridge` "
+               "after it imports); megatron_bridge_ext.peft (LoRA, DoRA, CanonicalLoRA) for its one import of "
+               "Bridge's PEFT modules, then removed",
     needed=_needed,
     do_apply=_apply,
 )

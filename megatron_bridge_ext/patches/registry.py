@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from megatron_bridge_ext.patches import (
     bridge_lora_te_norm_grad,
+    bridge_override_peft_check,
     bridge_peft_without_te,
     bridge_prebuilt_dataset_helpers,
     bridge_pretrain_without_nvrx,
@@ -17,7 +18,7 @@ from megatron_bridge_ext.patches import (
     bridge_truthful_te_detection,
     core_local_norm_sequence_parallel,
 )
-from megatron_bridge_ext.patches.base import Patch
+from megatron_bridge_ext.patches.base import NOT_NEEDED, Patch
 
 # Order matters: Bridge's PEFT modules must import before their TE detection can be corrected.
 PATCHES: tuple[Patch, ...] = (
@@ -28,14 +29,18 @@ PATCHES: tuple[Patch, ...] = (
     bridge_pretrain_without_nvrx.PATCH,
     bridge_prebuilt_dataset_helpers.PATCH,
     bridge_recipe_hf_config.PATCH,
+    bridge_override_peft_check.PATCH,
 )
 
 TRAINING_ENTRY: tuple[Patch, ...] = (bridge_pretrain_without_nvrx.PATCH, bridge_prebuilt_dataset_helpers.PATCH)
 """What Bridge's ``pretrain``/``finetune`` need to import and start; import hooks, so applying them imports nothing."""
 
-INIT: tuple[Patch, ...] = (*TRAINING_ENTRY, bridge_lora_te_norm_grad.PATCH)
-"""What ``megatron_bridge_ext.init()`` and ``mbx run`` apply: the training entry points, and the TE norm-gradient
-fix, for Bridge's own LoRA, DoRA and CanonicalLoRA as much as ours. All import hooks: applying them imports nothing."""
+INIT: tuple[Patch, ...] = (bridge_peft_without_te.PATCH, *TRAINING_ENTRY, bridge_lora_te_norm_grad.PATCH,
+                           bridge_override_peft_check.PATCH)
+"""What ``megatron_bridge_ext.init()`` and ``mbx run`` apply: Bridge importing without TE (``import megatron.bridge``
+reaches its PEFT modules), the training entry points, the TE norm-gradient fix, for Bridge's own LoRA, DoRA and
+CanonicalLoRA as much as ours, and the stop for PEFT overrides Bridge could not build. All import hooks: applying
+them imports nothing."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,16 @@ def install_init_hooks() -> list[PatchStatus]:
     Everything here is an import hook on a Bridge module, so it works whether the script imports Bridge
     before or after, and imports nothing now.
     """
-    statuses = [_report(patch, patch.apply(quiet=True)) for patch in INIT]
+    statuses = [_report(patch, _apply_for_init(patch)) for patch in INIT]
     bridge_lora_te_norm_grad.install_check()
     return statuses
+
+
+def _apply_for_init(patch: Patch) -> tuple[str, str]:
+    """``patch.apply``, except that whether TE imports is not tried here: that would import TE and torch now."""
+    if patch is bridge_peft_without_te.PATCH and bridge_peft_without_te.te_installed():
+        return NOT_NEEDED, "Transformer Engine is installed; Bridge's PEFT modules import it as they are"
+    return patch.apply(quiet=True)
 
 
 def revert_all() -> None:
