@@ -34,9 +34,10 @@ def add_parser(sub, make_parser) -> None:
         description="Input: a Bridge recipe (--recipe MODULE:FUNCTION) or a Hugging Face config.json (--hf-config), "
                     "parallel sizes, sequence, micro-batch and --gpu-memory; Hydra-style OVERRIDES apply last. "
                     "Defaults marked 'recipe' keep the recipe's value with --recipe.")
-    p.add_argument("--recipe", help="a Bridge recipe function, MODULE:FUNCTION")
+    p.add_argument("--recipe", help="a Bridge recipe function, MODULE:FUNCTION (default: none; give it, "
+                                    "--hf-config, or both)")
     p.add_argument("--hf-config", help="a Hugging Face config.json (read offline); with --recipe, it answers the "
-                                       "recipe's read of the model's config from the hub")
+                                       "recipe's read of the model's config from the hub (default: none)")
     p.add_argument("--gpu-memory", metavar="SIZE", required=True,
                    help="device memory per GPU with its unit: 80GiB (2^30 bytes) or 80GB (10^9 bytes); a GPU sold "
                         "as \"80GB\" holds about 80GiB")

@@ -312,17 +312,18 @@ def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
         )
     """)
     # the TE gradient patch is not needed without Transformer Engine (see test_bridge_lora_te_norm_grad)
-    expected = [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 3
+    expected = [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 4
     assert result["first"] == expected
     assert [s[0] for s in result["second"]] == expected
-    assert [s[1] for s in result["second"] if s[0] == APPLIED] == ["already applied"] * 6
-    assert result["hooks"] == 3  # Bridge's PEFT modules, Bridge's pretrain, Bridge's initialize: one each
+    assert [s[1] for s in result["second"] if s[0] == APPLIED] == ["already applied"] * 7
+    # Bridge's PEFT modules, Bridge's pretrain, Bridge's initialize, Bridge's override utilities: one each
+    assert result["hooks"] == 4
     assert result["same_wrapper"] is True  # not wrapped twice
     assert result["have_te"] is False
     assert result["hooks_after_revert"] == 0
     assert result["new_restored"] is True
     assert result["have_te_after_revert"] is True
-    assert result["applied_after_revert"] == [False] * 7
+    assert result["applied_after_revert"] == [False] * 8
 
 
 @pytest.fixture
@@ -401,7 +402,7 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     assert [s["name"] for s in before] == [p.name for p in PATCHES] == [
         "bridge_peft_without_te", "bridge_truthful_te_detection", "core_local_norm_sequence_parallel",
         "bridge_lora_te_norm_grad", "bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers",
-        "bridge_recipe_hf_config"]
+        "bridge_recipe_hf_config", "bridge_override_peft_check"]
     assert result["resolves"] == [True] * len(before)  # every target names something that exists upstream
     for row in before:
         distribution, _, specifier = row["versions"].partition(" ")
@@ -415,10 +416,11 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     assert "CallWrapper" in before[4]["target"]
     assert "compile_helpers" in before[5]["target"]
     assert "AutoConfig.from_pretrained" in before[6]["target"]
+    assert before[7]["target"].endswith("omegaconf_utils.process_config_with_overrides")
     assert [before[i]["status"] for i in (0, 2, 4)] == [NOT_APPLIED] * 3
     assert APPLIED not in [s["status"] for s in before]
     assert result["bridge_imported_by_status"] is False  # a half-failed Bridge import would poison the process
-    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 3
+    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 4
     assert all(s["reason"] for s in after)
 
 

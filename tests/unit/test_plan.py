@@ -295,7 +295,7 @@ def test_peft_flag_and_peft_overrides_build_one_peft():
                           peft_overrides=built.peft_overrides)
     assert result.baseline.settings["lora_sp_input"] == "shard_local"
     lora = next(o for o in result.options if o.step == 2)
-    assert not lora.applicable and "already shard_local" in lora.label
+    assert not lora.applicable and "already shard_local" in lora.reason
 
 
 @pytest.mark.parametrize("layout, expected, noted", [
