@@ -216,9 +216,12 @@ class _Installed:
         self.logged = self.warned = False
 
     def ensure(self, cls) -> None:
-        if self.cls is None:
-            self.cls, self.original = cls, cls.__dict__["base_linear_forward"]
-            self.wrapper = cls.base_linear_forward = _wrap(self.original)
+        """Our wrapper on ``cls``; wrapped again when the class or its method was replaced since (a re-imported
+        Bridge module, or code that put another method there), so the fix and the check never sit unused."""
+        if self.cls is cls and cls.__dict__.get("base_linear_forward") is self.wrapper:
+            return
+        self.cls, self.original = cls, cls.__dict__["base_linear_forward"]
+        self.wrapper = cls.base_linear_forward = _wrap(self.original)
 
     def release(self) -> None:
         if self.cls is None or self.fix or self.check:

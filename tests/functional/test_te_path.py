@@ -22,6 +22,8 @@ Userbuffers (``ub_overlap_rs_dgrad`` fixed, ``ub_bulk_wgrad`` with a frozen base
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -204,19 +206,40 @@ def test_init_fixes_bridges_own_lora_imported_after_it(tp2, tmp_path_factory):
     assert_no_problems(problems, tp2)
 
 
-def test_the_run_time_check_warns_once_without_the_fix_and_not_with_it(tp2, te_2_4, no_init_hooks, caplog):
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=0)
+        self.records = []
+
+    def emit(self, record) -> None:
+        self.records.append(record)
+
+
+def test_the_run_time_check_warns_once_without_the_fix_and_not_with_it(tp2, te_2_4, no_init_hooks):
     """Bridge's own LoRA on TE 2.4, two adapted layers, check installed: one WARNING naming the fix when the patch is
     not applied, none when it is."""
     bridge_lora_te_norm_grad.install_check()
     warnings = {}
+    logger = logging.getLogger("megatron_bridge_ext.patches")
     for fixed in (False, True):
         if fixed:
             bridge_lora_te_norm_grad.PATCH.apply()
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="megatron_bridge_ext.patches"):
+        # on the logger itself, with logging.disable lifted: earlier tests' logging setup (Bridge's among them)
+        # must not hide what the check says
+        records = _Records()
+        saved = logger.level, logger.disabled, logging.root.manager.disable
+        logger.addHandler(records)
+        logger.setLevel(logging.WARNING)
+        logger.disabled = False
+        logging.disable(logging.NOTSET)
+        try:
             for _ in range(2):
                 _run(tp2, TE_GE_2_4, "bridge", as_is=True)
-        warnings[fixed] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        finally:
+            logger.removeHandler(records)
+            logger.level, logger.disabled = saved[:2]
+            logging.disable(saved[2])
+        warnings[fixed] = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
     problems = []
     if len(warnings[False]) != 1 or "megatron_bridge_ext.init()" not in warnings[False][0] \
             or "megatron_bridge_ext.peft.LoRA" not in warnings[False][0]:
