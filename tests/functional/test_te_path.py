@@ -215,31 +215,29 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-def test_the_run_time_check_warns_once_without_the_fix_and_not_with_it(tp2, te_2_4, no_init_hooks):
+def test_the_run_time_check_warns_once_without_the_fix_and_not_with_it(tp2, te_2_4, no_init_hooks, monkeypatch):
     """Bridge's own LoRA on TE 2.4, two adapted layers, check installed: one WARNING naming the fix when the patch is
     not applied, none when it is."""
     bridge_lora_te_norm_grad.install_check()
     warnings = {}
-    logger = logging.getLogger("megatron_bridge_ext.patches")
-    for fixed in (False, True):
-        if fixed:
-            bridge_lora_te_norm_grad.PATCH.apply()
-        # on the logger itself, with logging.disable lifted: earlier tests' logging setup (Bridge's among them)
-        # must not hide what the check says
-        records = _Records()
-        saved = logger.level, logger.disabled, logging.root.manager.disable
-        logger.addHandler(records)
-        logger.setLevel(logging.WARNING)
-        logger.disabled = False
-        logging.disable(logging.NOTSET)
-        try:
+    # A logger of its own in place of the module's: earlier tests' logging setup (levels, filters, handlers,
+    # Bridge's among them) must not hide what the check says.
+    records = _Records()
+    probe = logging.Logger("megatron_bridge_ext.patches.probe", logging.WARNING)
+    probe.addHandler(records)
+    monkeypatch.setattr(bridge_lora_te_norm_grad, "log", probe)
+    disabled = logging.root.manager.disable
+    logging.disable(logging.NOTSET)
+    try:
+        for fixed in (False, True):
+            if fixed:
+                bridge_lora_te_norm_grad.PATCH.apply()
+            records.records.clear()
             for _ in range(2):
                 _run(tp2, TE_GE_2_4, "bridge", as_is=True)
-        finally:
-            logger.removeHandler(records)
-            logger.level, logger.disabled = saved[:2]
-            logging.disable(saved[2])
-        warnings[fixed] = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
+            warnings[fixed] = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
+    finally:
+        logging.disable(disabled)
     problems = []
     if len(warnings[False]) != 1 or "megatron_bridge_ext.init()" not in warnings[False][0] \
             or "megatron_bridge_ext.peft.LoRA" not in warnings[False][0]:
