@@ -145,7 +145,7 @@ def fragmentation(check: Check, cuda: bool) -> None:
         path = check.out / "fragmentation_oom_stats.json"
         path.write_text(json.dumps(stats))
         code, out, err = _run([sys.executable, "-m", "megatron_bridge_ext.cli", "diagnose", str(path),
-                               "--total-memory", str(default.get("total_memory"))], 60)
+                               "--total-memory", f"{default.get('total_memory')}B"], 60)
         diagnosed = out.splitlines()[0] if code == 0 and out else f"mbx diagnose failed: {err[-300:]}"
         runs["default"]["mbx_diagnose"] = diagnosed
         check.part("fragmentation", runs)
@@ -171,7 +171,7 @@ def _fragmentation_dry(check: Check) -> None:
     path.write_text(json.dumps(workload.stats_at_the_oom()))
     total = workload.BIG + workload.HEADROOM
     dcode, dout, derr = _run([sys.executable, "-m", "megatron_bridge_ext.cli", "diagnose", str(path),
-                              "--total-memory", str(total), "--expandable-segments", "off"], 60)
+                              "--total-memory", f"{total}B", "--expandable-segments", "off"], 60)
     diagnosed = dout.splitlines()[0] if dcode == 0 and dout else f"mbx diagnose failed: {derr[-300:]}"
     check.part("fragmentation", {"dry_run": {"init_exit": code, "init_setup": setup, "stderr_tail": err[-1500:],
                                              "mbx_diagnose": diagnosed}})
