@@ -67,46 +67,9 @@ def _apply_peft(model, peft):
     from megatron_bridge_ext.estimate.fake import scoped_patch
     from megatron_bridge_ext.patches import bridge_truthful_te_detection
 
-    with scoped_patch(bridge_truthful_te_detection.PATCH), _quiet("megatron.bridge", "megatron_bridge_ext.peft"), \
-            _adapter_weights_uninitialised():
+    with scoped_patch(bridge_truthful_te_detection.PATCH), _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
         out = peft(model, training=True)
     return out[0] if isinstance(out, list) else out
-
-
-@contextlib.contextmanager
-def _adapter_weights_uninitialised():
-    """While the PEFT creates its adapters, their weights keep the values ``torch.empty`` gave them.
-
-    Bridge's adapters turn ``perform_initialization`` on, and with CPU initialisation Megatron Core
-    builds, initialises, splits and copies a full fp32 master weight for every adapter linear (288
-    for LoRA on Qwen3-8B's 36 layers): most of the time a build took, for values the estimate never
-    reads (it counts shapes and traces on fake tensors). The tensor-parallel attributes that
-    Core's ``_initialize_affine_weight_cpu`` sets are still set; a caller asking for the master
-    weight (Core's tests) gets the original function.
-    """
-    import inspect
-
-    from megatron.core.tensor_parallel import layers
-
-    original = layers._initialize_affine_weight_cpu
-    signature = inspect.signature(original)
-
-    def attributes_only(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = bound.arguments
-        if given["return_master_weight"]:
-            return original(*args, **kwargs)
-        if not given["skip_set_tensor_parallel_attributes"]:
-            layers.set_tensor_model_parallel_attributes(tensor=given["weight"], is_parallel=True,
-                                                        dim=given["partition_dim"], stride=given["stride"])
-        return None
-
-    layers._initialize_affine_weight_cpu = attributes_only
-    try:
-        yield
-    finally:
-        layers._initialize_affine_weight_cpu = original
 
 
 @contextlib.contextmanager

@@ -294,29 +294,3 @@ def test_dora_with_dropout_on_transformer_engine_under_sp_is_refused():
     assert "peft.dropout" in line and "set peft.dropout=0.0" in line and "\n" not in line
     # The local spec runs it (its base linears take the dropout correction's shard).
     assert estimate(cfg, attention="local", transformer_impl="local", device="cpu").peak_bytes > 0
-
-
-def test_the_build_leaves_adapter_weights_uninitialised_but_tensor_parallel(monkeypatch):
-    """Bridge's adapters force Megatron Core's CPU initialisation of a full master weight per adapter linear;
-    the estimate reads shapes only, so the build skips it (and restores Core's function) and still marks the
-    adapter weights tensor-parallel as Core would."""
-    import functools
-
-    from megatron.core.tensor_parallel import layers
-
-    from megatron_bridge_ext.estimate import estimate, memory
-
-    calls, built = [], []
-    original, build = layers._initialize_affine_weight_cpu, memory.build_rank_model
-
-    @functools.wraps(original)
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(layers, "_initialize_affine_weight_cpu", spy)
-    monkeypatch.setattr(memory, "build_rank_model", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
-    estimate(_tiny_kind("lora")[1])
-    assert calls == [] and layers._initialize_affine_weight_cpu is spy
-    adapters = [p for n, p in built[0].named_parameters() if ".adapter.linear_in." in n or ".adapter.linear_out." in n]
-    assert adapters and all(p.tensor_model_parallel and hasattr(p, "partition_dim") for p in adapters)
