@@ -4,7 +4,7 @@
 #   scripts/setup_env.sh [--bridge 0.6.2|0.5.1] [--force]
 #
 # .venv for Bridge 0.6.2 (the default), .venv-bridge<version> for the others. Installs torch, then
-# requirements/common.txt and the per-release pins, then Megatron Core and Megatron Bridge with
+# requirements/common.txt, requirements/docs.txt (mkdocs) and the per-release pins, then Megatron Core and Megatron Bridge with
 # --no-deps (their declared dependencies drag in Transformer Engine, trackers and GPU kernels that the
 # local-spec path never imports), then this package in editable mode. A stamp inside the venv holds
 # a hash of the requirement files and pyproject.toml: when nothing changed, a rerun returns at once.
@@ -35,7 +35,7 @@ if [[ $bridge == 0.6.2 ]]; then venv=$root/.venv; else venv=$root/.venv-bridge$b
 stamp=$venv/.setup-env-stamp
 log=$venv/setup-env.log
 
-want=$(cat "$reqs/torch.txt" "$reqs/common.txt" "$bridge_reqs" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)
+want=$(cat "$reqs/torch.txt" "$reqs/common.txt" "$reqs/docs.txt" "$bridge_reqs" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if ((!force)) && [[ -x $venv/bin/python && -f $stamp && $(<"$stamp") == "$want" ]]; then
     say "environment up to date (${venv#"$root"/}, Bridge $bridge)"
     exit 0
@@ -90,8 +90,8 @@ megatron=$(grep -Eo '^megatron-(core|bridge)==[^[:space:]#]+' "$bridge_reqs" | t
 
 say "installing $(grep -Eo '^torch==[^[:space:]]+' "$reqs/torch.txt") (CUDA build from the package index; large on first run)"
 pip_install -r "$reqs/torch.txt"
-say "installing requirements/common.txt and the Bridge $bridge pins"
-pip_install -r "$reqs/common.txt" -r "$pinned"
+say "installing requirements/common.txt, requirements/docs.txt and the Bridge $bridge pins"
+pip_install -r "$reqs/common.txt" -r "$reqs/docs.txt" -r "$pinned"
 say "installing ${megatron% } (--no-deps)"
 pip_install --no-deps $megatron
 say "installing megatron-bridge-ext (editable, --no-deps)"

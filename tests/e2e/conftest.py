@@ -1,4 +1,4 @@
-"""End-to-end tests: each starts the README's commands itself (``mbx demo`` launches its own 2 ranks).
+"""End-to-end tests: each starts the commands of the README and docs/ itself (``mbx demo`` launches its own 2 ranks).
 
 Run with plain pytest (``make e2e``), not under torchrun. Marked ``e2e``.
 """

@@ -1,4 +1,4 @@
-"""The README's demo commands end to end: ``mbx demo`` and ``mbx demo --bridge`` start 2 ranks themselves and
+"""The docs' demo commands end to end: ``mbx demo`` and ``mbx demo --bridge`` start 2 ranks themselves and
 print their results."""
 
 import json
@@ -25,7 +25,7 @@ def test_mbx_demo_starts_two_ranks_and_reports_both(tmp_path):
 
 
 def committed_bridge_rows() -> list[dict]:
-    """The rows of the committed ``mbx demo --bridge --json`` run whose tables the README shows."""
+    """The rows of the committed ``mbx demo --bridge --json`` run whose tables docs/tools/bridge-loop.md shows."""
     (saved,) = sorted((ROOT / "benchmarks").glob("*-cpu-mbx-demo-bridge.json"))
     return json.loads(saved.read_text())["rows"]
 
@@ -53,7 +53,7 @@ def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_ins
     assert "expandable_segments:True" in ours["environment"].get("PYTORCH_CUDA_ALLOC_CONF", "")
     assert "lm loss" in done.stderr  # Bridge's training log: these numbers come from Bridge's loop
     assert (keep / "base" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    # The README shows the committed run's tables (tests/unit/test_readme_figures.py). This run matches it:
+    # docs/tools/bridge-loop.md shows the committed run's tables (tests/unit/test_readme_figures.py). This run matches it:
     # names, bytes, counts and environment exactly; losses and grad norms, which depend on the CPU's
     # floating-point kernels, within twice bridge_loop.rounding_bounds() (fp32 reductions summed in another order).
     assert compare_runs(result["rows"], committed_bridge_rows()) == []

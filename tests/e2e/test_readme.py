@@ -1,4 +1,4 @@
-"""The README's runnable blocks, executed as written, and their shown output compared line by line.
+"""The runnable blocks of the README and docs/, executed as written, and their shown output compared line by line.
 
 A block preceded by ``<!-- readme-test: run -->`` is run in a fresh interpreter (python blocks) or a
 shell (bash blocks) from the repository root, with nothing of the test's own setup; the block after
@@ -18,12 +18,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- readme-test: (run|output) -->\n```(\w*)\n(.*?)```", re.S)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# The pages whose examples are checked here, with how many runnable blocks each holds: a block that
+# is dropped (or loses its marker) fails the count instead of silently leaving the test.
+EXPECTED_BLOCKS = {"docs/recipe-flags.md": 1, "docs/tools/diagnose.md": 2}
 
 
-def _blocks() -> list[tuple[str, str, str | None]]:
-    """(language, code, expected output or None) for every runnable block of the README."""
+def _blocks(text: str) -> list[tuple[str, str, str | None]]:
+    """(language, code, expected output or None) for every runnable block of one page."""
     found, pending = [], None
-    for kind, language, body in BLOCK.findall((ROOT / "README.md").read_text()):
+    for kind, language, body in BLOCK.findall(text):
         if kind == "run":
             if pending:
                 found.append(pending)
@@ -36,15 +40,17 @@ def _blocks() -> list[tuple[str, str, str | None]]:
     return found
 
 
-BLOCKS = _blocks()
+BLOCKS = {page.relative_to(ROOT).as_posix(): _blocks(page.read_text()) for page in PAGES}
+CASES = [(name, i, *block) for name, blocks in BLOCKS.items() for i, block in enumerate(blocks)]
 
 
-def test_the_readme_has_runnable_blocks():
-    assert BLOCKS, "no <!-- readme-test: run --> block found in README.md"
+def test_the_docs_have_their_runnable_blocks():
+    counts = {name: len(blocks) for name, blocks in BLOCKS.items() if blocks}
+    assert counts == EXPECTED_BLOCKS, "<!-- readme-test: run --> blocks per page"
 
 
-@pytest.mark.parametrize("language, code, expected", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_block_runs_as_written(language, code, expected):
+@pytest.mark.parametrize("page, index, language, code, expected", CASES, ids=[f"{c[0]}:block{c[1]}" for c in CASES])
+def test_docs_block_runs_as_written(page, index, language, code, expected):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     env["MBX_LOG_LEVEL"] = "WARNING"
     command = [sys.executable, "-c", code] if language == "python" else ["bash", "-c", code]

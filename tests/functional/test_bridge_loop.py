@@ -3,7 +3,7 @@
 The runs (Bridge's ``pretrain``, then ``finetune`` with ``gpt_step.forward_step``, torch_dist
 checkpoints) happen once, in this process, in the ``runs`` fixture; the tests assert on what they
 recorded through Bridge's callbacks and a metered forward step (``megatron_bridge_ext.demo.bridge_loop``).
-Our LoRA comes in exactly as the README tells users: ``MemoryConfig(...).apply(cfg)`` on a config
+Our LoRA comes in exactly as the docs tell users: ``MemoryConfig(...).apply(cfg)`` on a config
 whose ``cfg.peft`` is Bridge's LoRA.
 
 Expected numbers come from shapes (saved bytes, recompute counts), from Bridge's own LoRA (bitwise
@@ -50,7 +50,7 @@ class Planned:
     name: str
     entry: str
     config: Callable[[], object]
-    memory: Optional[dict] = None  # MemoryConfig fields, applied as the README says
+    memory: Optional[dict] = None  # MemoryConfig fields, applied as the docs say
     meter: bool = False
     keep_gradients: bool = False
     user_env_vars: Optional[dict] = None  # added to the recipe's cfg.env_vars (Bridge >= 0.6) before MemoryConfig
@@ -360,13 +360,13 @@ def test_checkpoints_cross_between_bridges_lora_and_shard_local(runs):
 
 
 # --------------------------------------------------------------------------------------------
-# The README's example, as written
+# The docs' example (docs/tools/bridge-loop.md), as written
 # --------------------------------------------------------------------------------------------
 
-def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
+def docs_example() -> str:
+    text = (ROOT / "docs" / "tools" / "bridge-loop.md").read_text()
     match = re.search(r"```python\n(# finetune_lora\.py.*?)```", text, re.S)
-    assert match, "README.md lost its Bridge example (a python block starting with '# finetune_lora.py')"
+    assert match, "docs/tools/bridge-loop.md lost its Bridge example (a python block starting with '# finetune_lora.py')"
     return match.group(1)
 
 
@@ -380,15 +380,15 @@ def run_script(script: Path, argv: list[str]) -> None:
         sys.argv = saved
 
 
-def test_the_readme_example_runs_as_written_and_trains_as_the_recipe_run(runs, directory, tmp_path):
+def test_the_docs_example_runs_as_written_and_trains_as_the_recipe_run(runs, directory, tmp_path):
     expected = outcome_of(runs, "shard_local+core_attn").losses()
     script = tmp_path / "finetune_lora.py"
-    script.write_text(readme_example())
+    script.write_text(docs_example())
     output, error = io.StringIO(), None
     with bridge_session() as session, contextlib.redirect_stdout(output):
         try:
             session.next_run()
-            run_script(script, [f"{directory}/base", f"{directory}/readme_example"])
+            run_script(script, [f"{directory}/base", f"{directory}/docs_example"])
         except Exception:
             error = traceback.format_exc(limit=-8)
     text = output.getvalue()

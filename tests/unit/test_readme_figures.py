@@ -1,9 +1,11 @@
-"""The README's CPU figures are the committed benchmark output, as the command printed it.
+"""The docs' CPU figures are the committed benchmark output, as the command printed it.
 
 ``benchmarks/<date>-cpu-bench-memory[-<kind>].{txt,json}`` are written together by one run of
 ``mbx bench memory --peft KIND --save PREFIX``; the table is re-derived here from the JSON with the
-command's own formatter (so the .txt is that run's output, not edited), and the README must carry
-each table verbatim. ``benchmarks/<date>-cpu-mbx-demo.{txt,json}`` are the same for ``mbx demo --save PREFIX``.
+command's own formatter (so the .txt is that run's output, not edited), and the page that shows it
+(docs/levers/lora-input.md) must carry each table verbatim. ``benchmarks/<date>-cpu-mbx-demo.{txt,json}``
+are the same for ``mbx demo --save PREFIX`` (docs/tools/demo.md), and the ``mbx demo --bridge`` tables
+for docs/tools/bridge-loop.md.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import pytest
 from megatron_bridge_ext.demo import bench, train
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCH_PAGE = ROOT / "docs" / "levers" / "lora-input.md"
+DEMO_PAGE = ROOT / "docs" / "tools" / "demo.md"
+BRIDGE_PAGE = ROOT / "docs" / "tools" / "bridge-loop.md"
 SAVED = sorted((ROOT / "benchmarks").glob("*-cpu-bench-memory*.json"))
 DEMO = sorted((ROOT / "benchmarks").glob("*-cpu-mbx-demo.json"))
 
@@ -26,11 +31,11 @@ def test_every_kind_has_a_committed_benchmark():
 
 
 @pytest.mark.parametrize("saved", SAVED, ids=[path.stem for path in SAVED])
-def test_committed_table_is_the_commands_output_and_the_readme_shows_it(saved):
+def test_committed_table_is_the_commands_output_and_the_docs_show_it(saved):
     table = saved.with_suffix(".txt").read_text().rstrip("\n")
     assert bench.format_table(json.loads(saved.read_text())) == table
-    readme = (ROOT / "README.md").read_text()
-    assert f"```\n{table}\n```" in readme, f"README does not show {saved.with_suffix('.txt').name} verbatim"
+    page = BENCH_PAGE.read_text()
+    assert f"```\n{table}\n```" in page, f"{BENCH_PAGE.name} does not show {saved.with_suffix('.txt').name} verbatim"
 
 
 def test_the_plain_demo_has_one_committed_run():
@@ -38,11 +43,11 @@ def test_the_plain_demo_has_one_committed_run():
 
 
 @pytest.mark.parametrize("saved", DEMO, ids=[path.stem for path in DEMO])
-def test_committed_demo_output_is_the_commands_and_the_readme_shows_it(saved):
+def test_committed_demo_output_is_the_commands_and_the_docs_show_it(saved):
     table = saved.with_suffix(".txt").read_text().rstrip("\n")
     assert train.format_result(json.loads(saved.read_text())) == table
-    readme = (ROOT / "README.md").read_text()
-    assert f"```\n{table}\n```" in readme, f"README does not show {saved.with_suffix('.txt').name} verbatim"
+    page = DEMO_PAGE.read_text()
+    assert f"```\n{table}\n```" in page, f"{DEMO_PAGE.name} does not show {saved.with_suffix('.txt').name} verbatim"
 
 
 BRIDGE_DEMO = sorted((ROOT / "benchmarks").glob("*-cpu-mbx-demo-bridge.json"))
@@ -53,13 +58,13 @@ def _bridge_rows() -> list[dict]:
     return json.loads(saved.read_text())["rows"]
 
 
-def test_committed_bridge_demo_tables_are_the_commands_and_the_readme_shows_them():
+def test_committed_bridge_demo_tables_are_the_commands_and_the_docs_show_them():
     from megatron_bridge_ext.demo.bridge_loop import format_tables
 
     (saved,) = BRIDGE_DEMO
     table = saved.with_suffix(".txt").read_text().rstrip("\n")
     assert format_tables(_bridge_rows()) == table
-    assert f"```\n{table}\n```" in (ROOT / "README.md").read_text(), f"README does not show {saved.name[:-5]}.txt"
+    assert f"```\n{table}\n```" in BRIDGE_PAGE.read_text(), f"{BRIDGE_PAGE.name} does not show {saved.name[:-5]}.txt"
 
 
 def _with(rows: list[dict], variant: str, field: str, iteration: int, value) -> list[dict]:
