@@ -27,7 +27,7 @@ pytestmark = pytest.mark.unit
 # A path under one of the tree's roots, not inside a longer path or URL; braces as in a shell (a{1,2}).
 PATH = re.compile(r"(?<![\w./-])((?:megatron_bridge_ext|tests|scripts|benchmarks)/(?:[\w.*/-]|\{[\w.,-]*\})*)")
 DOTTED = re.compile(r"(?<![\w./-])(megatron_bridge_ext(?:\.[A-Za-z_]\w*)+)")
-README_LINK = re.compile(r"\]\((docs/[^)#\s]*)(?:#[^)\s]*)?\)")
+README_LINK = re.compile(r"\]\((docs/[^)#\s]*)(?:#([^)\s]*))?\)")
 
 
 def _expand(path: str) -> list[str]:
@@ -97,10 +97,21 @@ def test_every_dotted_name_the_docs_use_exists():
     assert problems == []
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors mkdocs gives the page's headings (Python-Markdown's toc slugs)."""
+    from markdown.extensions.toc import slugify
+
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a '# comment' in a code block is no heading
+    return {slugify(re.sub(r"[`*]", "", h), "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
 def test_the_readmes_links_into_docs_exist():
+    """mkdocs checks the pages' own links; the README lies outside the site, so its links are checked here."""
     links = README_LINK.findall((ROOT / "README.md").read_text())
-    assert len(links) > 10
-    assert [link for link in links if not (ROOT / link).is_file()] == []
+    assert len(links) > 10 and any(anchor for _, anchor in links)
+    problems = [f"{link}#{anchor}" if (ROOT / link).is_file() else link for link, anchor in links
+                if not (ROOT / link).is_file() or (anchor and anchor not in _anchors(ROOT / link))]
+    assert problems == []
 
 
 def test_the_reference_checks_catch_what_is_not_there():
@@ -112,6 +123,8 @@ def test_the_reference_checks_catch_what_is_not_there():
     assert missing_dotted("megatron_bridge_ext.peft.LoRA") is None  # a lazy export of the package
     assert missing_dotted("megatron_bridge_ext.recompute.no_such_function") == "megatron_bridge_ext.recompute defines no no_such_function"
     assert missing_dotted("megatron_bridge_ext.no_such_module.x") == "megatron_bridge_ext has no module or name no_such_module"
+    assert "decision-order" in _anchors(ROOT / "docs" / "tools" / "diagnose.md")
+    assert "no-such-section" not in _anchors(ROOT / "docs" / "tools" / "diagnose.md")
     found = PATH.findall("see `tests/unit/test_docs.py`, https://host/tests/x and tests/data/, grid-tp{1,2}.json")
     assert found == ["tests/unit/test_docs.py", "tests/data/"]
 
