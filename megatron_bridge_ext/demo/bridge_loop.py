@@ -14,7 +14,7 @@ What this module adds only observes, through Bridge's own extension points:
 
 :func:`tiny_gpt` shrinks a Bridge GPT recipe to a 2-layer model that runs in seconds on 2 CPU ranks
 (fp32 so that Bridge's LoRA and ours compare exactly, Megatron Core's local layer spec, TP=2 with
-sequence parallelism). The tests and ``mbx demo --bridge`` use it; so does the README's example.
+sequence parallelism). The tests and ``mbx demo --bridge`` use it; so does the example in docs/tools/bridge-loop.md.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def parser() -> argparse.ArgumentParser:
         "pretrain/finetune loop: Bridge's LoRA and ours (MemoryConfig) side by side, memory measured inside the loop")
     p.add_argument("--steps", type=_steps, default=4, help="fine-tuning iterations per variant (1-100)")
     p.add_argument("--keep", metavar="DIR", default=None,
-                   help="keep the checkpoints in DIR (DIR/base is the base model the README's finetune_lora.py "
+                   help="keep the checkpoints in DIR (DIR/base is the base model the docs' finetune_lora.py "
                         "example fine-tunes); default: a temporary directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(tp=TENSOR_PARALLEL)  # ranks started

@@ -4,7 +4,7 @@
 starts the demo and benchmark ranks on a machine without CUDA. ``--bridge`` also readies Megatron
 Bridge's training loop (:func:`.cpu_emulation.bridge_imports`, then the whole run inside
 :func:`.cpu_emulation.bridge_loop`), for ``mbx demo --bridge`` and Bridge training scripts such as
-the README's example.
+the example in docs/tools/bridge-loop.md.
 """
 
 import runpy
