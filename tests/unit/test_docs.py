@@ -54,8 +54,8 @@ def missing_path(reference: str, root: Path = ROOT) -> list[str]:
 
 def _defines(source: str, name: str) -> bool:
     """Whether a module's source defines or exports ``name`` (def, class, assignment, import, lazy-export string)."""
-    patterns = (rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b", rf"^{name}\s*[:=]", rf"^\s*(?:from\s+\S+\s+)?import\s[^\n]*\b{name}\b",
-                rf"^\s+{name},", rf"[\"']{name}[\"']")
+    patterns = (rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b", rf"^{name}\s*[:=]",
+                rf"^\s*(?:from\s+\S+\s+)?import\s[^\n]*\b{name}\b", rf"^\s+{name},", rf"[\"']{name}[\"']")
     return any(re.search(p, source, re.M) for p in patterns)
 
 
@@ -121,8 +121,10 @@ def test_the_reference_checks_catch_what_is_not_there():
     assert missing_path("benchmarks/*-no-such-run.json") == ["benchmarks/*-no-such-run.json"]
     assert missing_dotted("megatron_bridge_ext.recompute.attention_kind_from_config") is None
     assert missing_dotted("megatron_bridge_ext.peft.LoRA") is None  # a lazy export of the package
-    assert missing_dotted("megatron_bridge_ext.recompute.no_such_function") == "megatron_bridge_ext.recompute defines no no_such_function"
-    assert missing_dotted("megatron_bridge_ext.no_such_module.x") == "megatron_bridge_ext has no module or name no_such_module"
+    assert missing_dotted("megatron_bridge_ext.recompute.no_such_function") == (
+        "megatron_bridge_ext.recompute defines no no_such_function")
+    assert missing_dotted("megatron_bridge_ext.no_such_module.x") == (
+        "megatron_bridge_ext has no module or name no_such_module")
     assert "decision-order" in _anchors(ROOT / "docs" / "tools" / "diagnose.md")
     assert "no-such-section" not in _anchors(ROOT / "docs" / "tools" / "diagnose.md")
     found = PATH.findall("see `tests/unit/test_docs.py`, https://host/tests/x and tests/data/, grid-tp{1,2}.json")
@@ -135,7 +137,8 @@ def _listed_modules() -> list[str]:
 
 def test_the_layout_page_lists_every_module_once_and_nothing_else():
     listed = _listed_modules()
-    present = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / PACKAGE).rglob("*.py") if "__pycache__" not in p.parts)
+    present = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / PACKAGE).rglob("*.py")
+                     if "__pycache__" not in p.parts)
     assert len(listed) == len(set(listed)), "listed twice: " + str(sorted({m for m in listed if listed.count(m) > 1}))
     assert sorted(set(present) - set(listed)) == [], "modules the layout page does not list"
     assert sorted(set(listed) - set(present)) == [], "the layout page lists modules that do not exist"
