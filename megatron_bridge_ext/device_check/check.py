@@ -7,10 +7,10 @@
 Parts, each in its own process under its own timeout, in this order (fast first):
 
 1. preflight: GPU, torch, Megatron Core/Bridge versions, commit;
-2. fragmentation: :mod:`~megatron_bridge_ext.device_check.fragmentation_workload` with the default allocator (must run out of
+2. fragmentation: :mod:`.fragmentation_workload` with the default allocator (must run out of
    memory, and ``mbx diagnose`` on its memory stats must say fragmentation) and with
    ``megatron_bridge_ext.init()`` (must complete under the same cap, expandable segments verified);
-3. peak memory: :mod:`~megatron_bridge_ext.device_check.peak_memory` per variant (baseline, upstream_regather, regather,
+3. peak memory: :mod:`.peak_memory` per variant (baseline, upstream_regather, regather,
    shard_local) on the Qwen3-8B-shaped stack, rank 0 of TP=2 through a fake process group;
    verdicts: the after-forward drop against the baseline equals 2L eligible adapters x
    s*b*h*2*(1-1/t) bytes (regather's persistent gather buffer counted apart), and the peak drop lies
