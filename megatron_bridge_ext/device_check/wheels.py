@@ -11,6 +11,7 @@ system), so the machine's own Python and torch stay as they are.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -71,9 +72,12 @@ def install(wheels: Path, site: Path, python: str = sys.executable) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m megatron_bridge_ext.device_check.wheels",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("dir", nargs="?", default=".whl", help="where the wheels go (default .whl, git-ignored)")
+    args = p.parse_args(argv)
     try:
-        download(Path(argv[0] if argv else ".whl"))
+        download(Path(args.dir))
     except WheelError as error:
         print(f"device_wheels: {error}", file=sys.stderr)
         return 1

@@ -215,3 +215,13 @@ def test_the_wheel_list_is_the_pinned_lines_without_comments():
     pinned = wheels.pins(ROOT / "requirements" / "device.txt")
     assert {pin.split("==")[0].lower().replace("_", "-") for pin in pinned} == set(_pins("device.txt"))
     assert f"{wheels.SDIST_ONLY}=={_pins('device.txt')[wheels.SDIST_ONLY]}" in pinned
+
+
+def test_the_one_command_runs_the_module_from_the_repository_root_wherever_it_is_started(tmp_path):
+    """scripts/device_check.sh from another folder, no PYTHONPATH: it reaches the module's option check."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHON=sys.executable, MBX_WHEELS=str(tmp_path / "none"), OUT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--layers", "0"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode == 2
+    assert "usage: python -m megatron_bridge_ext.device_check" in done.stderr and "--layers=0" in done.stderr
