@@ -37,7 +37,7 @@ def pins(path: Path = PINS) -> list[str]:
     return [line for line in lines if line]
 
 
-def download(dest: Path, python: str = sys.executable) -> int:
+def download(dest: Path) -> int:
     """The pinned wheels into ``dest`` (its old wheels removed first); their total bytes, within the budget."""
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):
@@ -46,9 +46,10 @@ def download(dest: Path, python: str = sys.executable) -> int:
     binary = [pin for pin in wanted if not pin.startswith(f"{SDIST_ONLY}==")]
     sdist = [pin for pin in wanted if pin.startswith(f"{SDIST_ONLY}==")]
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    subprocess.run([python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-                    "3.12", "--implementation", "cp", *platforms, "-d", str(dest), *binary], check=True)
-    subprocess.run([python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), *sdist], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(dest), *binary],
+                   check=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), *sdist], check=True)
     wheels = sorted(dest.glob("*.whl"))
     size = sum(wheel.stat().st_size for wheel in wheels)
     print(f"device_wheels: {len(wheels)} wheels, {size // MiB} MiB in {dest} (budget {BUDGET_MIB} MiB)")
@@ -59,11 +60,11 @@ def download(dest: Path, python: str = sys.executable) -> int:
     return size
 
 
-def install(wheels: Path, site: Path, python: str = sys.executable) -> int:
+def install(wheels: Path, site: Path) -> int:
     """The carried wheels into ``site`` (emptied first), for ``PYTHONPATH``; how many there were."""
     carried = sorted(wheels.glob("*.whl"))
     shutil.rmtree(site, ignore_errors=True)
-    done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                            "--no-cache-dir", "--target", str(site), *map(str, carried)])
     if done.returncode != 0:
         raise WheelError(f"installing the carried wheels from {wheels}/ failed. Fix: rebuild them with "
