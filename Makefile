@@ -32,7 +32,8 @@ test: setup
 	$(MAKE) --no-print-directory functional-tp4
 	$(MAKE) --no-print-directory e2e
 
-# The device check on a CPU: torch-only virtualenv, the carried wheel set, device_check.sh --dry-run.
+# The device check on a CPU (megatron_bridge_ext/device_check/rehearsal.py): torch-only virtualenv, the carried
+# wheel set, python -m megatron_bridge_ext.device_check --dry-run.
 device-rehearsal: setup
 	bash scripts/device_rehearsal.sh
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_bridge_ext.device_check import check
+from megatron_bridge_ext.device_check import fragmentation_workload as workload
+from megatron_bridge_ext.device_check import peak_memory, wheels
 from megatron_bridge_ext.diagnose import classify
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,17 +38,9 @@ def test_the_carried_megatron_pair_is_the_tested_one():
 
 
 def test_the_adapter_worth_is_the_gathered_input_minus_the_shard():
-    device_check = _device_check()
     shape = {"seq": 8192, "micro_batch": 1, "hidden": 4096, "tp": 2, "dtype": "bfloat16"}
-    assert device_check._adapter_bytes(shape) == 8192 * 4096 * 2 // 2  # 32 MiB: the Qwen3-8B-shaped stack
-    assert device_check._adapter_bytes(dict(shape, tp=4, dtype="float32")) == 8192 * 4096 * 4 * 3 // 4
-
-
-def _device_check():
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    assert check._adapter_bytes(shape) == 8192 * 4096 * 2 // 2  # 32 MiB: the Qwen3-8B-shaped stack
+    assert check._adapter_bytes(dict(shape, tp=4, dtype="float32")) == 8192 * 4096 * 4 * 3 // 4
 
 
 LAYERS = 4
@@ -63,7 +60,6 @@ def _rows(forward_drop: int, peak_drop: int, buffer: int = 0) -> tuple[dict, dic
 
 
 def test_the_peak_verdict_passes_what_the_peak_holds_and_fails_the_rest():
-    check = _device_check()
     adapters = 2 * LAYERS
     passing = [
         (adapters * WORTH, adapters * WORTH, 0),  # the peak while every retained input is alive
@@ -83,7 +79,6 @@ def test_the_peak_verdict_passes_what_the_peak_holds_and_fails_the_rest():
 
 
 def test_the_dry_verdict_wants_the_exact_saved_bytes_and_labels_timing_compute_only():
-    check = _device_check()
     base, row = _rows(0, 0)
     row["saved_activation_bytes"] = base["saved_activation_bytes"] - 2 * LAYERS * WORTH
     status, detail = check.judge(base, row, LAYERS, cuda=False)
@@ -94,7 +89,6 @@ def test_the_dry_verdict_wants_the_exact_saved_bytes_and_labels_timing_compute_o
 
 
 def test_failed_and_not_run_checks_make_the_exit_status_non_zero(tmp_path):
-    check = _device_check()
     report = check.Check(tmp_path, dry_run=False)
     report.verdict("a", check.PASS, "")
     report.verdict("b", check.NA, "")
@@ -105,9 +99,6 @@ def test_failed_and_not_run_checks_make_the_exit_status_non_zero(tmp_path):
 
 
 def test_the_fragmentation_geometry_is_diagnosed_as_fragmentation():
-    spec = importlib.util.spec_from_file_location("workload", ROOT / "scripts" / "fragmentation_workload.py")
-    workload = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(workload)
     stats = workload.stats_at_the_oom()
     assert stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"] == workload.BIG // 2
     diagnosis = classify(stats, total_memory=workload.BIG + workload.HEADROOM, expandable_segments=False,
@@ -116,7 +107,6 @@ def test_the_fragmentation_geometry_is_diagnosed_as_fragmentation():
 
 
 def test_the_estimate_verdict_fails_an_estimate_off_target_or_missing():
-    check = _device_check()
     peak = 40 << 30
 
     def row(error=None, within=True, relative=0.02):
@@ -136,22 +126,12 @@ def test_the_estimate_verdict_fails_an_estimate_off_target_or_missing():
 
 
 def test_the_carried_estimates_are_the_estimates_of_the_measured_configs(tmp_path):
-    spec = importlib.util.spec_from_file_location("peak_memory", ROOT / "scripts" / "peak_memory.py")
-    peak_memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peak_memory)
-    committed = json.loads((ROOT / "scripts" / "device_estimates.json").read_text())
+    committed = json.loads(Path(check.ESTIMATES).read_text())
     layers = {int(key.split("/")[1].removeprefix("layers=")) for key in committed}
-    assert layers == {_device_check().DEFAULT_LAYERS}
+    assert layers == {check.DEFAULT_LAYERS}
     fresh = peak_memory.write_estimates(str(tmp_path / "estimates.json"), layers.pop())
-    assert fresh == committed, "scripts/device_estimates.json is stale: python scripts/peak_memory.py " \
-                               "--write-estimates scripts/device_estimates.json --layers 4"
-
-
-def _peak_memory():
-    spec = importlib.util.spec_from_file_location("peak_memory", ROOT / "scripts" / "peak_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    assert fresh == committed, f"{check.ESTIMATES} is stale: python -m megatron_bridge_ext.device_check." \
+                               f"peak_memory --write-estimates {check.ESTIMATES} --layers 4"
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -160,7 +140,7 @@ def _peak_memory():
 ])
 def test_device_check_refuses_bad_options_before_any_part(argv, named, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
-        _device_check().main(argv + ["--out", str(tmp_path)])
+        check.main(argv + ["--out", str(tmp_path)])
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "device_check.json").exists()
@@ -169,17 +149,79 @@ def test_device_check_refuses_bad_options_before_any_part(argv, named, tmp_path,
 @pytest.mark.parametrize("argv, named", [
     (["--variant", "baseline", "--steps", "3"], "--steps=3"),
     (["--variant", "baseline", "--estimates", "/nonexistent/estimates.json"], "--estimates /nonexistent"),
-    (["--variant", "baseline", "--estimate", "--estimates", "scripts/device_estimates.json"], "choose one"),
+    (["--variant", "baseline", "--estimate", "--estimates", check.ESTIMATES], "choose one"),
     (["--layers", "2"], "--variant is required"),
 ])
 def test_peak_memory_refuses_bad_options_in_one_line(argv, named, capsys):
     with pytest.raises(SystemExit) as exited:
-        _peak_memory().main(argv)
+        peak_memory.main(argv)
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
 
 
 def test_a_committed_estimate_missing_for_the_layers_says_how_to_write_it():
-    found = _peak_memory().committed_estimate(str(ROOT / "scripts" / "device_estimates.json"), "baseline", 7, False)
+    found = peak_memory.committed_estimate(check.ESTIMATES, "baseline", 7, False)
     assert "no estimate for qwen3-8b/layers=7/baseline" in found["error"]
     assert "--write-estimates" in found["error"]
+
+
+def test_the_device_check_package_imports_neither_torch_nor_megatron():
+    """The GPU machine has no Megatron until the carried wheels are installed by the package's own __main__."""
+    code = ("import pkgutil, importlib, sys, megatron_bridge_ext.device_check as kit\n"
+            "names = [m.name for m in pkgutil.iter_modules(kit.__path__)]\n"
+            "for name in names: importlib.import_module(f'megatron_bridge_ext.device_check.{name}')\n"
+            "print(sorted(names)); print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    names, heavy = done.stdout.splitlines()
+    assert "'__main__'" in names and "'check'" in names and "'peak_memory'" in names
+    assert heavy == "[]"
+
+
+def test_the_device_kit_runs_its_parts_as_modules_without_editing_sys_path():
+    files = [*(ROOT / "scripts").iterdir(), *(ROOT / "megatron_bridge_ext" / "device_check").glob("*.py")]
+    assert [f.name for f in files if "sys.path" in f.read_text()] == []
+    for shell in ("device_check.sh", "device_wheels.sh", "device_rehearsal.sh"):
+        assert "-m megatron_bridge_ext.device_check" in (ROOT / "scripts" / shell).read_text(), shell
+
+
+def _device_command(tmp_path, *argv) -> subprocess.CompletedProcess:
+    """``python -m megatron_bridge_ext.device_check`` with one carried 'wheel' that is not a wheel."""
+    (tmp_path / "whl").mkdir()
+    (tmp_path / "whl" / "broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MBX_WHEELS=str(tmp_path / "whl"),
+               MBX_DEVICE_SITE=str(tmp_path / "site"), OUT=str(tmp_path / "out"))
+    return subprocess.run([sys.executable, "-m", "megatron_bridge_ext.device_check", *argv], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_the_device_command_refuses_a_bad_option_before_installing_anything(tmp_path):
+    done = _device_command(tmp_path, "--layers", "0")
+    assert done.returncode == 2
+    assert "--layers=0" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "site").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_carried_wheel_that_does_not_install_stops_the_check_with_the_fix(tmp_path):
+    done = _device_command(tmp_path, "--dry-run")
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1].startswith("device_check: installing the carried wheels from ")
+    assert "Fix: rebuild them with scripts/device_wheels.sh" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_wheel_list_is_the_pinned_lines_without_comments():
+    pinned = wheels.pins(ROOT / "requirements" / "device.txt")
+    assert {pin.split("==")[0].lower().replace("_", "-") for pin in pinned} == set(_pins("device.txt"))
+    assert f"{wheels.SDIST_ONLY}=={_pins('device.txt')[wheels.SDIST_ONLY]}" in pinned
+
+
+def test_the_one_command_runs_the_module_from_the_repository_root_wherever_it_is_started(tmp_path):
+    """scripts/device_check.sh from another folder, no PYTHONPATH: it reaches the module's option check."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHON=sys.executable, MBX_WHEELS=str(tmp_path / "none"), OUT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--layers", "0"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode == 2
+    assert "usage: python -m megatron_bridge_ext.device_check" in done.stderr and "--layers=0" in done.stderr

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "fragmentation_workload.py")
+WORKLOAD = "megatron_bridge_ext.device_check.fragmentation_workload"
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _run(mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
-    out = subprocess.run([sys.executable, SCRIPT, "--mode", mode, "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", WORKLOAD, "--mode", mode, "--json"], capture_output=True, text=True,
                          env=env, timeout=300, cwd=ROOT)
     assert out.stdout.strip(), out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,15 +1,16 @@
 """The device check: every GPU figure of the project from one command, verdicts derived from shapes.
 
-    python scripts/device_check.py [--out DIR] [--layers 4] [--dry-run]
-    (scripts/device_check.sh installs the carried wheels first and calls this)
+    python -m megatron_bridge_ext.device_check.check [--out DIR] [--layers 4] [--dry-run]
+    (``python -m megatron_bridge_ext.device_check``, which ``scripts/device_check.sh`` runs, installs the
+    carried wheels first and calls this)
 
 Parts, each in its own process under its own timeout, in this order (fast first):
 
 1. preflight: GPU, torch, Megatron Core/Bridge versions, commit;
-2. fragmentation: ``scripts/fragmentation_workload.py`` with the default allocator (must run out of
+2. fragmentation: :mod:`.fragmentation_workload` with the default allocator (must run out of
    memory, and ``mbx diagnose`` on its memory stats must say fragmentation) and with
    ``megatron_bridge_ext.init()`` (must complete under the same cap, expandable segments verified);
-3. peak memory: ``scripts/peak_memory.py`` per variant (baseline, upstream_regather, regather,
+3. peak memory: :mod:`.peak_memory` per variant (baseline, upstream_regather, regather,
    shard_local) on the Qwen3-8B-shaped stack, rank 0 of TP=2 through a fake process group;
    verdicts: the after-forward drop against the baseline equals 2L eligible adapters x
    s*b*h*2*(1-1/t) bytes (regather's persistent gather buffer counted apart), and the peak drop lies
@@ -34,14 +35,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from peak_memory import MEASURED_VARIANTS as VARIANTS  # noqa: E402  (the variants whose estimates are carried)
+from megatron_bridge_ext.device_check.peak_memory import MEASURED_VARIANTS as VARIANTS  # the estimates carried
+
 DEFAULT_LAYERS = 4
-ESTIMATES = "scripts/device_estimates.json"
-"""The estimates of the measured configs, written where Bridge is fully installed (peak_memory.py
---write-estimates; a unit test recomputes them): tracing needs Bridge's training config, whose imports
-(Hugging Face datasets, pyarrow) the carried wheel set leaves out."""
+ESTIMATES = str(Path(__file__).with_name("estimates.json"))
+"""The estimates of the measured configs (package data), written where Bridge is fully installed
+(``peak_memory --write-estimates``; a unit test recomputes them): tracing needs Bridge's training
+config, whose imports (Hugging Face datasets, pyarrow) the carried wheel set leaves out."""
+PARTS = "megatron_bridge_ext.device_check."
+"""Each part runs as a module of this package in its own process, from the working directory (the
+repository root on the GPU machine: git and ``tests/functional`` are read from there)."""
 MiB = 1 << 20
 TOLERANCE = 1 * MiB
 """Allocator slack allowed on the byte verdicts: the measured tensors are whole multiples of 512 bytes,
@@ -92,7 +95,7 @@ def _run(command: list[str], timeout: int, env: dict | None = None) -> tuple[int
         return 124, "", "not started: the check's budget (--budget) is spent"
     timeout = min(timeout, left)
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env=env if env is not None else dict(os.environ))
         return done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as expired:
@@ -133,7 +136,7 @@ def fragmentation(check: Check, cuda: bool) -> None:
     for mode in ("default", "expandable"):
         env = {k: v for k, v in os.environ.items() if k not in clean}
         started = time.time()
-        code, out, err = _run([sys.executable, "scripts/fragmentation_workload.py", "--mode", mode, "--json"], 120,
+        code, out, err = _run([sys.executable, "-m", PARTS + "fragmentation_workload", "--mode", mode, "--json"], 120,
                               env)
         runs[mode] = {"exit": code, "seconds": round(time.time() - started, 1), "result": _last_json(out),
                       "stderr_tail": err[-1500:]}
@@ -162,9 +165,10 @@ def fragmentation(check: Check, cuda: bool) -> None:
 def _fragmentation_dry(check: Check) -> None:
     """On a CPU, the path only: the workload's expandable mode runs ``megatron_bridge_ext.init()`` from the
     carried packages, and ``mbx diagnose`` reads the stats the workload's geometry implies at its OOM."""
-    import fragmentation_workload as workload
+    from megatron_bridge_ext.device_check import fragmentation_workload as workload
 
-    code, out, err = _run([sys.executable, "scripts/fragmentation_workload.py", "--mode", "expandable", "--json"], 120)
+    code, out, err = _run([sys.executable, "-m", PARTS + "fragmentation_workload", "--mode", "expandable", "--json"],
+                          120)
     result = _last_json(out) or {}
     setup = result.get("setup")  # the script exits 1 without CUDA ("skipped"), after init() ran
     path = check.out / "fragmentation_geometry_stats.json"
@@ -194,7 +198,7 @@ def _adapter_bytes(shape: dict) -> int:
 def peak_memory(check: Check, layers: int, dry_run: bool, cuda: bool) -> None:
     rows = {}
     for variant in VARIANTS:
-        command = [sys.executable, "scripts/peak_memory.py", "--variant", variant, "--layers", str(layers), "--json",
+        command = [sys.executable, "-m", PARTS + "peak_memory", "--variant", variant, "--layers", str(layers), "--json",
                    "--estimates", ESTIMATES]
         if dry_run or not cuda:
             command.append("--dry-run")
@@ -294,8 +298,10 @@ def functional(check: Check, gpus: int) -> None:
     check.verdict("functional tests under NCCL", PASS if code == 0 else FAIL, (out.strip().splitlines() or [""])[-1])
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    """The check's options, refused (exit 2, one line) before any wheel is installed or part started."""
+    p = argparse.ArgumentParser(prog="python -m megatron_bridge_ext.device_check",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "build/device"), help="where device_check.json goes")
     p.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="transformer layers of the Qwen3-8B-shaped stack")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the path, not the figures")
@@ -303,6 +309,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.layers < 1 or args.budget < 60:
         p.error(f"--layers={args.layers} must be at least 1 and --budget={args.budget} at least 60")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     global _deadline
     _deadline = time.monotonic() + args.budget
     import torch

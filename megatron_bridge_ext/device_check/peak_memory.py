@@ -1,6 +1,7 @@
 """Peak memory of rank 0 of a TP=2 LoRA job, measured on ONE device through a fake 2-rank process group.
 
-    python scripts/peak_memory.py --variant shard_local [--layers 4] [--steps 5] [--dry-run] [--json]
+    python -m megatron_bridge_ext.device_check.peak_memory --variant shard_local [--layers 4] [--steps 5]
+        [--dry-run] [--json]
 
 The fake group (torch's ``FakeStore`` + ``backend="fake"``) makes collectives free no-ops while every
 allocation stays real, so one GPU holds exactly what rank 0 of a 2-GPU job holds: its weight shards,
@@ -23,7 +24,9 @@ states a bare forward/backward never allocates, against ``max_memory_allocated``
 and its saved-activation bytes beside the meter's. Tracing needs Bridge's training config, which
 imports Hugging Face ``datasets`` (and pyarrow), more than a carried wheel set holds; so the estimate
 needs no GPU, ``--estimates FILE`` reads it instead from a file written where Bridge is fully
-installed (``--write-estimates FILE``: every variant, the Qwen3-8B and the dry shape at ``--layers``; the device check carries ``scripts/device_estimates.json``, and a unit test recomputes it).
+installed (``--write-estimates FILE``: every variant, the Qwen3-8B and the dry shape at ``--layers``;
+the device check carries ``megatron_bridge_ext/device_check/estimates.json``, and a unit test
+recomputes it).
 """
 
 from __future__ import annotations
@@ -140,7 +143,8 @@ def committed_estimate(path: str, variant_name: str, layers: int, dry_run: bool)
         estimates = json.load(handle)
     if key not in estimates:
         return {"error": f"{path} has no estimate for {key}; write it where Bridge is fully installed: "
-                         f"python scripts/peak_memory.py --write-estimates {path} --layers {layers}"}
+                         f"python -m megatron_bridge_ext.device_check.peak_memory --write-estimates {path} "
+                         f"--layers {layers}"}
     return estimates[key]
 
 
@@ -157,7 +161,8 @@ def write_estimates(path: str, layers: int) -> dict:
 def main(argv=None) -> int:
     from megatron_bridge_ext.demo import variants
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_bridge_ext.device_check.peak_memory",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--variant", choices=sorted(variants.VARIANTS), help="the variant to measure (required to measure)")
     p.add_argument("--write-estimates", metavar="FILE",
                    help="write the estimates of every measured variant (Qwen3-8B shape at --layers, dry shape) to FILE")

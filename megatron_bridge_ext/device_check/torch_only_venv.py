@@ -1,6 +1,6 @@
 """Make a virtualenv that has torch and torch's own dependencies, and nothing else.
 
-    .venv/bin/python scripts/torch_only_venv.py DIR
+    .venv/bin/python -m megatron_bridge_ext.device_check.torch_only_venv DIR
 
 Stands in, on a CPU machine, for the GPU machine the device check runs on (Python 3.12 and torch, no
 Megatron, with pip): the device rehearsal installs the carried wheels into it and runs the device check's dry
@@ -35,8 +35,9 @@ def closure(name: str, seen: dict) -> dict:
     return seen
 
 
-def main() -> int:
-    target = Path(sys.argv[1]).resolve()
+def make(target: Path) -> int:
+    """The virtualenv at ``target``, torch linked in; 2 when ``target`` exists (it is never overwritten)."""
+    target = target.resolve()
     if target.exists():
         print(f"torch_only_venv: {target} exists; remove it first", file=sys.stderr)
         return 2
@@ -51,6 +52,15 @@ def main() -> int:
             (site / entry).symlink_to(source / entry)
     print(f"torch_only_venv: {target} with {len(entries)} entries linked from {source}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("torch_only_venv: give the virtualenv's folder. Fix: python -m "
+              "megatron_bridge_ext.device_check.torch_only_venv DIR", file=sys.stderr)
+        return 2
+    return make(Path(argv[0]))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Run each mode in its own process (the allocator reads its settings once):
 
-    python scripts/fragmentation_workload.py --mode default     # expected: OOM, diagnosed as fragmentation
-    python scripts/fragmentation_workload.py --mode expandable  # expected: completes at the same cap
+    python -m megatron_bridge_ext.device_check.fragmentation_workload --mode default     # expected: OOM, fragmentation
+    python -m megatron_bridge_ext.device_check.fragmentation_workload --mode expandable  # expected: completes
 
 The cap (``torch.cuda.set_per_process_memory_fraction``) is ``BIG + HEADROOM`` bytes. Steps:
 1. allocate BIG (1 GiB) and free it: the caching allocator keeps one 1 GiB segment;
@@ -22,8 +22,6 @@ import argparse
 import json
 import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MiB = 1 << 20
 BIG = 1024 * MiB
@@ -101,7 +99,8 @@ def run(mode: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_bridge_ext.device_check.fragmentation_workload",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("default", "expandable"), required=True)
     parser.add_argument("--json", action="store_true", help="one line of JSON")
     args = parser.parse_args(argv)
