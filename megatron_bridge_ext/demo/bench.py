@@ -20,9 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.demo import distributed, launch, options, tiny_model, variants
+from megatron_bridge_ext.demo import launch, options
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
 from megatron_bridge_ext.table import text_table
+from megatron_bridge_ext.testing import distributed, tiny_model, variants
 
 BENCH_VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local", "core_attn", "shard_local+core_attn")
 DEFAULT_SHAPE = tiny_model.TinyGPTShape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=4, seq=256, micro_batch=2,

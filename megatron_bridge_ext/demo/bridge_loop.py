@@ -383,7 +383,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import megatron_bridge_ext
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     megatron_bridge_ext.init()
     if not dist.is_initialized():  # ours: Bridge then leaves the process group alive between runs

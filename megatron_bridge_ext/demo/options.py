@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_bridge_ext.demo import tiny_model, variants
+from megatron_bridge_ext.testing import tiny_model, variants
 from megatron_bridge_ext.peft import kinds
 
 SHAPE_OPTIONS = (

@@ -16,9 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.demo import distributed, launch, options, tiny_model, variants
+from megatron_bridge_ext.demo import launch, options
 from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
 from megatron_bridge_ext.table import text_table
+from megatron_bridge_ext.testing import distributed, tiny_model, variants
 
 CATEGORIES = ("lora_input", "attention", "other")
 

@@ -1,6 +1,6 @@
 """The estimate next to a measured run of the demo's tiny model (CPU tests; GPU device check).
 
-:func:`tiny_config` turns a :class:`~megatron_bridge_ext.demo.tiny_model.TinyGPTShape` into the Bridge
+:func:`tiny_config` turns a :class:`~megatron_bridge_ext.testing.tiny_model.TinyGPTShape` into the Bridge
 config whose model is exactly the one ``tiny_model.build_gpt`` builds (same Megatron Core
 TransformerConfig fields, same vocabulary, untied output layer), so that ``estimate(tiny_config(...))``
 can be compared with ``SavedActivationMeter`` on a real run (to the byte on CPU ranks) or with
@@ -21,7 +21,7 @@ PEAK_TARGET = 0.05
 
 def tiny_config(shape, peft=None, **config_overrides):
     """A Bridge ConfigContainer for the tiny model of ``shape`` (PEFT object and extra config fields as the demo)."""
-    from megatron_bridge_ext.demo import tiny_model
+    from megatron_bridge_ext.testing import tiny_model
     from megatron_bridge_ext.patches import bridge_peft_without_te
 
     bridge_peft_without_te.import_bridge_peft()

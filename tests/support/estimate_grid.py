@@ -1,14 +1,14 @@
 """The validation grid of the memory estimate: the estimate's activation bytes against the
 saved-activation meter on a real multi-rank CPU run of the demo's tiny model.
 
-Each point is one tiny model (``megatron_bridge_ext.demo.tiny_model``) with one choice of TP, SP,
+Each point is one tiny model (``megatron_bridge_ext.testing.tiny_model``) with one choice of TP, SP,
 LoRA-A strategy, recompute, attention heads, MLP and dtype. On every rank the real model runs one
 forward under :class:`SavedActivationMeter`, then backward; the same config goes through
 ``estimate(tiny_config(...), attention="local", transformer_impl="local", device="cpu")``, which
 traces rank 0 on fake CPU tensors. LoRA points use our LoRA with each LoRA-A strategy ("off" is
 Bridge's path); a few use DoRA and CanonicalLoRA. The two must be equal to the byte, in total, per category and
 per layer (all TP ranks hold the same shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
-ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.demo.cpu_run tests.support.estimate_grid
+ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.testing.cpu_run tests.support.estimate_grid
 --tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/test_estimate_grid_tp4.py``).
 """
 
@@ -46,7 +46,7 @@ class GridPoint:
                 f"{self.heads}-{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}")
 
     def shape(self):
-        from megatron_bridge_ext.demo.tiny_model import TinyGPTShape
+        from megatron_bridge_ext.testing.tiny_model import TinyGPTShape
 
         heads, kv_heads = (4, 4) if self.heads == MHA else ((8, 4) if self.tp == 4 else (4, 2))
         return TinyGPTShape(tp=self.tp, sequence_parallel=self.sp, heads=heads, kv_heads=kv_heads, swiglu=self.swiglu,
@@ -55,7 +55,7 @@ class GridPoint:
     def peft(self, shape):
         if self.lora is None:
             return None
-        from megatron_bridge_ext.demo.tiny_model import peft_fields
+        from megatron_bridge_ext.testing.tiny_model import peft_fields
         from megatron_bridge_ext.peft import kinds
 
         return kinds.our_class(self.kind)(**peft_fields(shape), sequence_parallel_input_strategy=self.lora)
@@ -99,7 +99,7 @@ def points_for(tp: int) -> list[GridPoint]:
 def measured(point: GridPoint) -> dict:
     """What one forward of the real tiny model saves on this rank (the meter), in total, per category and per
     layer, as the estimate splits it; backward runs afterwards."""
-    from megatron_bridge_ext.demo import tiny_model
+    from megatron_bridge_ext.testing import tiny_model
     from megatron_bridge_ext.estimate.trace import category_and_layer, split
     from megatron_bridge_ext.measure import SavedActivationMeter
 
@@ -157,7 +157,7 @@ def main() -> None:
     """Under torchrun with a world of ``--tp`` ranks: run that TP's points, all ranks' verdicts to ``--out``."""
     import torch.distributed as dist
 
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--tp", type=int, required=True)

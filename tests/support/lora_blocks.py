@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_bridge_ext.demo import tiny_model as tm
-from megatron_bridge_ext.demo.variants import VARIANTS
+from megatron_bridge_ext.testing import tiny_model as tm
+from megatron_bridge_ext.testing.variants import VARIANTS
 from tests.support.dist_checks import local_rel_err
 
 TP = 2
@@ -28,7 +28,7 @@ S, B, H, OUT, R = 8, 3, 32, 48, 8
 
 
 def _device() -> torch.device:
-    from megatron_bridge_ext.demo.distributed import device
+    from megatron_bridge_ext.testing.distributed import device
 
     return device()
 

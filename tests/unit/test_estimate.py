@@ -252,7 +252,7 @@ def test_identical_layers_save_the_same_and_split_the_layer_categories(qwen_lora
 
 def _tiny_kind(kind: str, **fields):
     """The demo's tiny GPT (bf16, SwiGLU, TP 2 with SP) under Bridge's PEFT of ``kind`` (its gathered path)."""
-    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, peft_fields
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, peft_fields
     from megatron_bridge_ext.estimate.device import tiny_config
     from megatron_bridge_ext.peft import kinds
 

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.unit]
 
 
 def _cfg(*, tp=2, pp=1, dp=1, layers=4):
-    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape
     from megatron_bridge_ext.estimate.device import tiny_config
     from megatron_bridge_ext.peft import LoRA
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, bridge_lora, peft_fields
+from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, bridge_lora, peft_fields
 from megatron_bridge_ext.peft import kinds
 
 

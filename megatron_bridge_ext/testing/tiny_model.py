@@ -2,7 +2,7 @@
 
 Real Megatron Core layers (ColumnParallelLinear/RowParallelLinear, sequence-parallel mappings,
 DotProductAttention) at a size that trains in seconds on a CPU. Requires torch.distributed and
-Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.demo.distributed`).
+Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.testing.distributed`).
 Building the model applies the ``core_local_norm_sequence_parallel`` patch (the local spec's norm
 refuses sequence parallelism upstream); applying a PEFT applies ``bridge_truthful_te_detection``.
 """
@@ -113,7 +113,7 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_bridge_ext.demo.distributed import device
+    from megatron_bridge_ext.testing.distributed import device
 
     core_local_norm_sequence_parallel.PATCH.apply()
     torch.manual_seed(seed)
@@ -161,7 +161,7 @@ def apply_peft(model, peft, seed: int = 4321):
 
 def synthetic_batch(shape: TinyGPTShape, step: int = 0):
     """Deterministic tokens, positions, labels and loss mask (same on every rank)."""
-    from megatron_bridge_ext.demo.distributed import device
+    from megatron_bridge_ext.testing.distributed import device
 
     generator = torch.Generator().manual_seed(10_000 + step)
     tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=generator)
