@@ -110,11 +110,11 @@ def estimate_of(variant_name: str, layers: int, dry_run: bool) -> dict:
     CUDA tensors, no GPU needed), the CPU's for the dry shape. Needs Bridge's training config."""
     from megatron_bridge_ext.testing import tiny_model, variants
     from megatron_bridge_ext.estimate import estimate
-    from megatron_bridge_ext.estimate.device import saved_per_microbatch, tiny_config
+    from megatron_bridge_ext.estimate.device import saved_per_microbatch
 
     shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
     variant = variants.VARIANTS[variant_name]
-    cfg = tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
+    cfg = tiny_model.tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
     est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu" if dry_run else "cuda")
     return {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
             "components": {c.name: c.bytes for c in est.components}}

@@ -10,6 +10,7 @@ refuses sequence parallelism upstream); applying a PEFT applies ``bridge_truthfu
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,33 @@ def transformer_config(shape: TinyGPTShape, **overrides):
     )
     fields.update(overrides)  # e.g. attention_dropout, recompute settings
     return TransformerConfig(**fields)
+
+
+def tiny_config(shape, peft=None, **config_overrides):
+    """A Bridge ConfigContainer whose model is exactly the one :func:`build_gpt` builds for ``shape``.
+
+    Same Megatron Core TransformerConfig fields, vocabulary and untied output layer, with ``peft`` and extra
+    config fields as the demo passes them, so that ``estimate(tiny_config(...))`` can be set beside a measured
+    run of the same model.
+    """
+    from megatron_bridge_ext.patches import bridge_peft_without_te
+
+    bridge_peft_without_te.import_bridge_peft()
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    core = transformer_config(shape, **config_overrides)
+    fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+    fields["transformer_impl"] = "local"  # the demo builds Megatron Core's local layer spec
+    provider = GPTModelProvider(**fields, vocab_size=shape.vocab, seq_length=shape.seq,
+                                share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    cfg = vanilla_gpt_pretrain_config()
+    cfg.model, cfg.peft = provider, peft
+    cfg.mixed_precision = None  # the tiny config's fields already carry its dtype
+    cfg.train.micro_batch_size = shape.micro_batch
+    cfg.train.global_batch_size = shape.micro_batch
+    return cfg
 
 
 def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_overrides):

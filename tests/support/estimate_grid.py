@@ -122,7 +122,8 @@ def measured(point: GridPoint) -> dict:
 def estimated(point: GridPoint) -> dict:
     """What the estimate says one microbatch saves on a rank of ``point`` (traced on fake CPU tensors)."""
     from megatron_bridge_ext.estimate import estimate
-    from megatron_bridge_ext.estimate.device import saved_per_microbatch, tiny_config
+    from megatron_bridge_ext.estimate.device import saved_per_microbatch
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
 
     shape = point.shape()
     cfg = tiny_config(shape, point.peft(shape), **RECOMPUTE[point.recompute])
