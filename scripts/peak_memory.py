@@ -67,9 +67,10 @@ def measure(variant_name: str, layers: int, steps: int, dry_run: bool) -> dict:
     _init_fake_tp2()
     shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
     variant = variants.VARIANTS[variant_name]
+    peft, config = variant.apply(shape, normalization="RMSNorm")
     model = tiny_model.build_gpt(shape, layer_spec=sdpa_attention.local_spec_with_sdpa(), normalization="RMSNorm",
-                                 **variant.config_overrides)
-    model = tiny_model.apply_peft(model, variant.make_peft(shape))
+                                 **config)
+    model = tiny_model.apply_peft(model, peft)
     batch = tiny_model.synthetic_batch(shape, 0)
 
     figures = peak.measured_step(model, batch, tiny_model.loss_of, cuda)
@@ -114,7 +115,8 @@ def estimate_of(variant_name: str, layers: int, dry_run: bool) -> dict:
 
     shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
     variant = variants.VARIANTS[variant_name]
-    cfg = tiny_model.tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
+    peft, config = variant.apply(shape, normalization="RMSNorm")
+    cfg = tiny_model.tiny_config(shape, peft, normalization="RMSNorm", **config)
     est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu" if dry_run else "cuda")
     return {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
             "components": {c.name: c.bytes for c in est.components}}

@@ -300,11 +300,8 @@ def run(entry: str, cfg, *, meter: bool = False, keep_gradients: bool = False) -
 # mbx demo --bridge
 # ------------------------------------------------------------------------------------------------
 
-VARIANTS = (
-    ("Bridge LoRA", None),
-    ("shard_local", dict(lora_sp_input="shard_local")),
-    ("shard_local+core_attn", dict(lora_sp_input="shard_local", recompute_modules=["core_attn"])),
-)
+BRIDGE_VARIANTS = ("baseline", "shard_local", "shard_local+core_attn")
+"""The variants of :mod:`megatron_bridge_ext.testing.variants` this demo fine-tunes, Bridge's LoRA first."""
 
 
 def _steps(text: str) -> int:
@@ -329,12 +326,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _variant_config(base: str, steps: int, memory: Optional[dict]):
-    from megatron_bridge_ext.config import MemoryConfig
-
+def _variant_config(base: str, steps: int, variant):
     cfg = finetune_config(base, train_iters=steps)
-    if memory is not None:
-        MemoryConfig(**memory).apply(cfg)
+    variant.apply_to_bridge(cfg)
     return cfg
 
 
@@ -383,7 +377,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import megatron_bridge_ext
-    from megatron_bridge_ext.testing import distributed
+    from megatron_bridge_ext.testing import distributed, variants
 
     megatron_bridge_ext.init()
     if not dist.is_initialized():  # ours: Bridge then leaves the process group alive between runs
@@ -397,8 +391,8 @@ def worker(args: argparse.Namespace) -> None:
         base = os.path.join(shared[0], "base")
         with contextlib.redirect_stdout(sys.stderr):
             run("pretrain", pretrain_config(base))
-            rows = [_rows(name, run("finetune", _variant_config(base, args.steps, memory), meter=True))
-                    for name, memory in VARIANTS]
+            rows = [_rows(v.name, run("finetune", _variant_config(base, args.steps, v), meter=True))
+                    for v in variants.select(list(BRIDGE_VARIANTS))]
         dist.barrier()  # rank 0 removes a temporary directory on exit
     if rank == 0:
         print(json.dumps({"rows": rows}, indent=2) if args.json else format_tables(rows), flush=True)

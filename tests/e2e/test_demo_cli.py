@@ -43,7 +43,7 @@ def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_ins
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # Bridge's own log went to stderr
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == ["Bridge LoRA", "shard_local", "shard_local+core_attn"]
+    assert list(rows) == ["baseline", "shard_local", "shard_local+core_attn"]
     bridge, ours, recomputed = rows.values()
     assert [len(r["losses"]) for r in rows.values()] == [4, 4, 4]  # --steps defaults to 4
     assert bridge["lora_input_bytes"] - ours["lora_input_bytes"] == layers * 2 * s * b * h * fp32 * (t - 1) // t

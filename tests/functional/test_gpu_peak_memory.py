@@ -32,10 +32,10 @@ ALLOWANCE = 1 << 20
 
 
 def _figures(name: str) -> dict:
-    variant = variants.VARIANTS[name]
+    peft, config = variants.VARIANTS[name].apply(SHAPE, normalization="RMSNorm")
     model = tiny_model.build_gpt(SHAPE, layer_spec=sdpa_attention.local_spec_with_sdpa(), normalization="RMSNorm",
-                                 **variant.config_overrides)
-    model = tiny_model.apply_peft(model, variant.make_peft(SHAPE))
+                                 **config)
+    model = tiny_model.apply_peft(model, peft)
     figures = peak.measured_step(model, tiny_model.synthetic_batch(SHAPE, 0), tiny_model.loss_of, cuda=True)
     del model
     torch.cuda.empty_cache()

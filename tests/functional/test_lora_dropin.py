@@ -597,7 +597,7 @@ def _mutated_gpt(shape, strategy, **fields):
     model = tm.build_gpt(shape)
     for key, value in fields.items():
         setattr(model.config, key, value)
-    peft = VARIANTS[strategy].make_peft(shape)
+    peft = VARIANTS[strategy].apply(shape).peft
     return tm.apply_peft(model, peft), peft
 
 

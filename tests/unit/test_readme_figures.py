@@ -74,8 +74,8 @@ def test_runs_on_two_cpus_compare_equal_and_print_the_same_tables():
     from megatron_bridge_ext.demo.bridge_loop import compare_runs, format_tables
 
     rows = _bridge_rows()
-    here = _with(_with(rows, "Bridge LoRA", "losses", 3, 5.5129929), "Bridge LoRA", "grad_norms", 2, 0.8099387)
-    there = _with(_with(rows, "Bridge LoRA", "losses", 3, 5.5129919), "Bridge LoRA", "grad_norms", 2, 0.8099388)
+    here = _with(_with(rows, "baseline", "losses", 3, 5.5129929), "baseline", "grad_norms", 2, 0.8099387)
+    there = _with(_with(rows, "baseline", "losses", 3, 5.5129919), "baseline", "grad_norms", 2, 0.8099388)
     assert compare_runs(here, there) == []
     assert format_tables(here) == format_tables(there)
 
@@ -97,7 +97,7 @@ def test_an_exact_figure_must_be_equal():
     changed = json.loads(json.dumps(rows))
     changed[0]["lora_input_bytes"] += 4  # one fp32 element
     (problem,) = compare_runs(changed, rows)
-    assert problem.startswith("Bridge LoRA: lora_input_bytes")
+    assert problem.startswith("baseline: lora_input_bytes")
 
 
 def test_the_printed_decimals_are_those_the_bounds_support():
