@@ -54,7 +54,7 @@ def _bridge_rows() -> list[dict]:
 
 
 def test_committed_bridge_demo_tables_are_the_commands_and_the_readme_shows_them():
-    from megatron_bridge_ext.demo.bridge_loop import format_tables
+    from megatron_bridge_ext.demo.bridge_table import format_tables
 
     (saved,) = BRIDGE_DEMO
     table = saved.with_suffix(".txt").read_text().rstrip("\n")
@@ -71,7 +71,7 @@ def _with(rows: list[dict], variant: str, field: str, iteration: int, value) -> 
 
 def test_runs_on_two_cpus_compare_equal_and_print_the_same_tables():
     """Two machines' figures for one iteration (their kernels sum in other orders): within the bound, same table."""
-    from megatron_bridge_ext.demo.bridge_loop import compare_runs, format_tables
+    from megatron_bridge_ext.demo.bridge_table import compare_runs, format_tables
 
     rows = _bridge_rows()
     here = _with(_with(rows, "baseline", "losses", 3, 5.5129929), "baseline", "grad_norms", 2, 0.8099387)
@@ -82,7 +82,7 @@ def test_runs_on_two_cpus_compare_equal_and_print_the_same_tables():
 
 @pytest.mark.parametrize("field, scale", [("losses", 1.001), ("grad_norms", 1.01)])
 def test_a_float_figure_beyond_its_bound_differs(field, scale):
-    from megatron_bridge_ext.demo.bridge_loop import compare_runs
+    from megatron_bridge_ext.demo.bridge_table import compare_runs
 
     rows = _bridge_rows()
     value = rows[1][field][0]
@@ -91,7 +91,7 @@ def test_a_float_figure_beyond_its_bound_differs(field, scale):
 
 
 def test_an_exact_figure_must_be_equal():
-    from megatron_bridge_ext.demo.bridge_loop import compare_runs
+    from megatron_bridge_ext.demo.bridge_table import compare_runs
 
     rows = _bridge_rows()
     changed = json.loads(json.dumps(rows))
@@ -102,7 +102,7 @@ def test_an_exact_figure_must_be_equal():
 
 def test_the_printed_decimals_are_those_the_bounds_support():
     """Each printed loss / grad norm has the most decimals whose last digit exceeds its rounding bound."""
-    from megatron_bridge_ext.demo.bridge_loop import FP32_UNIT_ROUNDOFF, format_tables, rounding_bounds
+    from megatron_bridge_ext.demo.bridge_table import FP32_UNIT_ROUNDOFF, format_tables, rounding_bounds
 
     rows = _bridge_rows()
     bounds = rounding_bounds()
