@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_bridge_ext.testing import tiny_model as tm
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
+from megatron_bridge_ext.testing import tiny_model as tm
 from megatron_bridge_ext.testing.variants import VARIANTS
 from tests.support.dist_checks import assert_no_problems, local_rel_err
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_bridge_ext import recompute
-from megatron_bridge_ext.testing import tiny_model
 from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
+from megatron_bridge_ext.testing import tiny_model
 
 SELECTIVE_CORE_ATTN = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
 

@@ -376,8 +376,8 @@ def test_te_saving_in_the_whole_gpt_is_one_gathered_input_per_adapted_layer(tp2,
     s*b*h*8 bytes less per adapted layer, whatever the kind. Except the first layer's linear_qkv: its
     input comes from the frozen embedding, so nothing in TE's function needs a grad and TE keeps no
     shard there; ours keeps one, s*b*h*8/t, against Bridge's gathered s*b*h*8."""
-    from megatron_bridge_ext.testing import tiny_model as tm
     from megatron_bridge_ext.measure import SavedActivationMeter
+    from megatron_bridge_ext.testing import tiny_model as tm
     from tests.support.te_gpt import float64_loss
 
     shape = _te_shape(kind)

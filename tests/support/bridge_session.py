@@ -74,8 +74,8 @@ def bridge_session() -> Iterator[Session]:
     (:func:`shared_directory` does it)."""
     from megatron.core import parallel_state
 
-    from megatron_bridge_ext.testing import cpu_emulation, distributed
     from megatron_bridge_ext.patches.registry import apply_training_entry
+    from megatron_bridge_ext.testing import cpu_emulation, distributed
 
     tensor_parallel = None
     if parallel_state.model_parallel_is_initialized():

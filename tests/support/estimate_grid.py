@@ -55,8 +55,8 @@ class GridPoint:
     def peft(self, shape):
         if self.lora is None:
             return None
-        from megatron_bridge_ext.testing.tiny_model import peft_fields
         from megatron_bridge_ext.peft import kinds
+        from megatron_bridge_ext.testing.tiny_model import peft_fields
 
         return kinds.our_class(self.kind)(**peft_fields(shape), sequence_parallel_input_strategy=self.lora)
 
@@ -99,9 +99,9 @@ def points_for(tp: int) -> list[GridPoint]:
 def measured(point: GridPoint) -> dict:
     """What one forward of the real tiny model saves on this rank (the meter), in total, per category and per
     layer, as the estimate splits it; backward runs afterwards."""
-    from megatron_bridge_ext.testing import tiny_model
     from megatron_bridge_ext.estimate.trace import category_and_layer, split
     from megatron_bridge_ext.measure import SavedActivationMeter
+    from megatron_bridge_ext.testing import tiny_model
 
     shape = point.shape()
     model = tiny_model.build_gpt(shape, **RECOMPUTE[point.recompute])

@@ -6,8 +6,8 @@ import types
 import pytest
 import torch
 
-from megatron_bridge_ext.testing.bridge.meters import StepRecorder
 from megatron_bridge_ext.measure import RecomputeProbe
+from megatron_bridge_ext.testing.bridge.meters import StepRecorder
 
 pytestmark = pytest.mark.unit
 
