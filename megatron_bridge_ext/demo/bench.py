@@ -20,18 +20,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.demo import distributed, launch, options, tiny_model, variants
+from megatron_bridge_ext.demo import launch, options
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
 from megatron_bridge_ext.table import text_table
+from megatron_bridge_ext.testing import distributed, tiny_model, variants
 
-BENCH_VARIANTS = ("baseline", "upstream_regather", "regather", "shard_local", "core_attn", "shard_local+core_attn")
 DEFAULT_SHAPE = tiny_model.TinyGPTShape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=4, seq=256, micro_batch=2,
                                         lora_rank=16)
 
 
 def parser() -> argparse.ArgumentParser:
     p = options.parser("mbx bench memory", __doc__.splitlines()[0], DEFAULT_SHAPE, steps=5,
-                       variant_names=list(BENCH_VARIANTS),
+                       variant_names=[v.name for v in variants.select(None)],
                        steps_help="timed forward/backward passes per variant (after one warm-up pass)")
     return p
 
@@ -56,8 +56,8 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 def run_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps: int) -> tuple[dict, dict]:
     """One variant's figures on this rank, and its loss and gradients for parity."""
-    model = tiny_model.build_gpt(shape, **variant.config_overrides)
-    model = tiny_model.apply_peft(model, variant.make_peft(shape))
+    peft, config = variant.apply(shape)
+    model = tiny_model.apply_peft(tiny_model.build_gpt(shape, **config), peft)
     batch = tiny_model.synthetic_batch(shape, 0)
     with SavedActivationMeter(model) as meter, CollectiveCounter() as counter:
         loss = _forward_backward(model, batch)
@@ -92,8 +92,7 @@ def _parity(outputs: dict, reference: dict) -> float:
 
 
 def run(shape: tiny_model.TinyGPTShape, names: list[str] | None, steps: int) -> dict:
-    chosen = variants.select(names or [n for n in BENCH_VARIANTS if variants.VARIANTS[n].available(shape.peft)[0]],
-                             shape.peft)
+    chosen = variants.select(names, shape.peft)
     rows, reference = [], None
     for variant in chosen:
         row, outputs = run_variant(shape, variant, steps)

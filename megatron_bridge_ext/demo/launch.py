@@ -2,7 +2,7 @@
 
 One launcher for both: the parent parses and checks the options, then starts ``--tp`` ranks of
 the same module. On GPUs the ranks run the module as it is; without CUDA they go through
-:mod:`megatron_bridge_ext.demo.cpu_run`, which installs the CPU emulation first.
+:mod:`megatron_bridge_ext.testing.cpu_run`, which installs the CPU emulation first.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from typing import Callable, Optional
 
-CPU_RUN = "megatron_bridge_ext.demo.cpu_run"
+CPU_RUN = "megatron_bridge_ext.testing.cpu_run"
 
 
 def under_torchrun() -> bool:

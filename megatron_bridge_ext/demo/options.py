@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_bridge_ext.demo import tiny_model, variants
 from megatron_bridge_ext.peft import kinds
+from megatron_bridge_ext.testing import tiny_model, variants
 
 SHAPE_OPTIONS = (
     ("--layers", "layers", "transformer layers"),

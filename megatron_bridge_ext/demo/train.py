@@ -16,9 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.demo import distributed, launch, options, tiny_model, variants
+from megatron_bridge_ext.demo import launch, options
 from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
 from megatron_bridge_ext.table import text_table
+from megatron_bridge_ext.testing import distributed, tiny_model, variants
 
 CATEGORIES = ("lora_input", "attention", "other")
 
@@ -34,9 +35,8 @@ def parser() -> argparse.ArgumentParser:
 
 def train_variant(shape: tiny_model.TinyGPTShape, variant: variants.Variant, steps: int, progress) -> dict:
     """Train ``steps`` steps of one variant; return this rank's losses and saved-activation bytes."""
-    model = tiny_model.build_gpt(shape, **variant.config_overrides)
-    peft = variant.make_peft(shape)
-    model = tiny_model.apply_peft(model, peft)
+    peft, config = variant.apply(shape)
+    model = tiny_model.apply_peft(tiny_model.build_gpt(shape, **config), peft)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=1e-2)
     losses, saved = [], []

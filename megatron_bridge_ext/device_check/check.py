@@ -186,10 +186,10 @@ def _fragmentation_dry(check: Check) -> None:
 
 
 def _adapter_bytes(shape: dict) -> int:
-    """:func:`megatron_bridge_ext.demo.peak.adapter_bytes` of a reported shape (dtype by name)."""
+    """:func:`megatron_bridge_ext.testing.peak.adapter_bytes` of a reported shape (dtype by name)."""
     import torch
 
-    from megatron_bridge_ext.demo.peak import adapter_bytes
+    from megatron_bridge_ext.testing.peak import adapter_bytes
 
     return adapter_bytes(shape["seq"], shape["micro_batch"], shape["hidden"], getattr(torch, shape["dtype"]),
                          shape["tp"])

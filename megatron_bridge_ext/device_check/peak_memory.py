@@ -10,7 +10,7 @@ nothing); memory and compute time are what we read. Run each variant in a fresh 
 
 The stack is Qwen3-8B-shaped (hidden 4096, SwiGLU ffn 12288, 32 heads / 8 KV heads, RMSNorm, bf16,
 sequence 8192, micro-batch 1), Megatron Core's local layer spec with a fused attention core
-(``megatron_bridge_ext.demo.sdpa_attention``: PyTorch's scaled_dot_product_attention, which keeps no
+(``megatron_bridge_ext.testing.sdpa_attention``: PyTorch's scaled_dot_product_attention, which keeps no
 s x s matrix, as TE's fused attention does not), LoRA r=16 on linear_qkv, linear_proj, linear_fc1,
 linear_fc2. One warm-up step, then one measured step: ``memory_allocated`` before the step and right
 after forward, ``max_memory_allocated`` over forward+backward (reset before the step), the collective
@@ -58,11 +58,11 @@ def _init_fake_tp2() -> None:
 def measure(variant_name: str, layers: int, steps: int, dry_run: bool) -> dict:
     import torch
 
-    from megatron_bridge_ext.demo import peak, sdpa_attention, tiny_model, variants
+    from megatron_bridge_ext.testing import peak, sdpa_attention, tiny_model, variants
 
     cuda = torch.cuda.is_available() and not dry_run
     if not cuda:
-        from megatron_bridge_ext.demo import cpu_emulation
+        from megatron_bridge_ext.testing import cpu_emulation
 
         cpu_emulation.install()
     else:
@@ -70,9 +70,10 @@ def measure(variant_name: str, layers: int, steps: int, dry_run: bool) -> dict:
     _init_fake_tp2()
     shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
     variant = variants.VARIANTS[variant_name]
+    peft, config = variant.apply(shape, normalization="RMSNorm")
     model = tiny_model.build_gpt(shape, layer_spec=sdpa_attention.local_spec_with_sdpa(), normalization="RMSNorm",
-                                 **variant.config_overrides)
-    model = tiny_model.apply_peft(model, variant.make_peft(shape))
+                                 **config)
+    model = tiny_model.apply_peft(model, peft)
     batch = tiny_model.synthetic_batch(shape, 0)
 
     figures = peak.measured_step(model, batch, tiny_model.loss_of, cuda)
@@ -111,13 +112,14 @@ def estimate_key(variant_name: str, layers: int, dry_run: bool) -> str:
 def estimate_of(variant_name: str, layers: int, dry_run: bool) -> dict:
     """The estimate of the model ``measure`` builds: CUDA's dispatch path for the Qwen3-8B shape (fake
     CUDA tensors, no GPU needed), the CPU's for the dry shape. Needs Bridge's training config."""
-    from megatron_bridge_ext.demo import tiny_model, variants
+    from megatron_bridge_ext.testing import tiny_model, variants
     from megatron_bridge_ext.estimate import estimate
-    from megatron_bridge_ext.estimate.device import saved_per_microbatch, tiny_config
+    from megatron_bridge_ext.estimate.device import saved_per_microbatch
 
     shape = tiny_model.TinyGPTShape(layers=layers, tp=2, **(DRY if dry_run else QWEN3_8B))
     variant = variants.VARIANTS[variant_name]
-    cfg = tiny_config(shape, variant.make_peft(shape), normalization="RMSNorm", **variant.config_overrides)
+    peft, config = variant.apply(shape, normalization="RMSNorm")
+    cfg = tiny_model.tiny_config(shape, peft, normalization="RMSNorm", **config)
     est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu" if dry_run else "cuda")
     return {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
             "components": {c.name: c.bytes for c in est.components}}
@@ -159,7 +161,7 @@ def write_estimates(path: str, layers: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron_bridge_ext.demo import variants
+    from megatron_bridge_ext.testing import variants
 
     p = argparse.ArgumentParser(prog="python -m megatron_bridge_ext.device_check.peak_memory",
                                 description=__doc__.splitlines()[0])

@@ -1,15 +1,14 @@
-"""The estimate next to a measured run of the demo's tiny model (CPU tests; GPU device check).
+"""The estimate next to a measured run (CPU tests; GPU device check).
 
-:func:`tiny_config` turns a :class:`~megatron_bridge_ext.demo.tiny_model.TinyGPTShape` into the Bridge
-config whose model is exactly the one ``tiny_model.build_gpt`` builds (same Megatron Core
-TransformerConfig fields, same vocabulary, untied output layer), so that ``estimate(tiny_config(...))``
-can be compared with ``SavedActivationMeter`` on a real run (to the byte on CPU ranks) or with
-``torch.cuda.max_memory_allocated`` on a GPU (:class:`PeakComparison`).
+An estimate's saved-activation bytes per microbatch compare with ``SavedActivationMeter`` on a real
+run (to the byte on CPU ranks), its peak with ``torch.cuda.max_memory_allocated`` on a GPU
+(:class:`PeakComparison`). The model measured is the harness's
+(:func:`megatron_bridge_ext.testing.tiny_model.tiny_config` builds its Bridge config); nothing here
+depends on it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,29 +16,6 @@ from megatron_bridge_ext.estimate.report import MemoryEstimate
 
 PEAK_TARGET = 0.05
 """The estimate's peak should be within 5% of ``max_memory_allocated`` on a GPU."""
-
-
-def tiny_config(shape, peft=None, **config_overrides):
-    """A Bridge ConfigContainer for the tiny model of ``shape`` (PEFT object and extra config fields as the demo)."""
-    from megatron_bridge_ext.demo import tiny_model
-    from megatron_bridge_ext.patches import bridge_peft_without_te
-
-    bridge_peft_without_te.import_bridge_peft()
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
-    from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    core = tiny_model.transformer_config(shape, **config_overrides)
-    fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
-    fields["transformer_impl"] = "local"  # the demo builds Megatron Core's local layer spec
-    provider = GPTModelProvider(**fields, vocab_size=shape.vocab, seq_length=shape.seq,
-                                share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    cfg = vanilla_gpt_pretrain_config()
-    cfg.model, cfg.peft = provider, peft
-    cfg.mixed_precision = None  # the tiny config's fields already carry its dtype
-    cfg.train.micro_batch_size = shape.micro_batch
-    cfg.train.global_batch_size = shape.micro_batch
-    return cfg
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,8 @@ PATCH = Patch(
     distribution="megatron-bridge",
     versions=">=0.5.1,<=0.6.2",
     reason="Core's TE placeholders make Bridge believe TE is present; LoRA.transform then raises TypeError",
-    applied_by="megatron_bridge_ext.peft's LoRA, DoRA and CanonicalLoRA when they transform a model; the demo "
-               "(and demo.bridge_loop.bridge_lora) before Bridge's PEFT runs",
+    applied_by="megatron_bridge_ext.peft's LoRA, DoRA and CanonicalLoRA when they transform a model; the "
+               "harness (testing.tiny_model.apply_peft, testing.bridge.recipe.bridge_lora) before Bridge's PEFT runs",
     needed=_needed,
     do_apply=_apply,
 )

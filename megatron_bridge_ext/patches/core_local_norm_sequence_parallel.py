@@ -62,8 +62,8 @@ PATCH = Patch(
     distribution="megatron-core",
     versions=">=0.17,<0.20",
     reason="the local spec's norm refuses SP although it is per-token; its params need sequence_parallel=True",
-    applied_by="megatron_bridge_ext.demo when it builds a local-spec model with sequence parallelism (its tiny "
-               "model, or a Bridge recipe shrunk by demo.bridge_loop.tiny_gpt)",
+    applied_by="megatron_bridge_ext.testing when it builds a local-spec model with sequence parallelism (its tiny "
+               "model, or a Bridge recipe shrunk by testing.bridge.recipe.tiny_gpt)",
     needed=_needed,
     do_apply=_apply,
 )

@@ -31,7 +31,7 @@ def committed_bridge_rows() -> list[dict]:
 
 
 def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_inside_it(tmp_path):
-    from megatron_bridge_ext.demo.bridge_loop import compare_runs
+    from megatron_bridge_ext.demo.bridge_table import compare_runs
 
     # tiny_gpt: s=32, b=2, h=64, t=2, 2 layers; LoRA-A of linear_qkv and linear_fc1 keep s*b*h/t instead of s*b*h.
     s, b, h, t, layers, fp32 = 32, 2, 64, 2, 2, 4
@@ -43,7 +43,7 @@ def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_ins
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # Bridge's own log went to stderr
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == ["Bridge LoRA", "shard_local", "shard_local+core_attn"]
+    assert list(rows) == ["baseline", "shard_local", "shard_local+core_attn"]
     bridge, ours, recomputed = rows.values()
     assert [len(r["losses"]) for r in rows.values()] == [4, 4, 4]  # --steps defaults to 4
     assert bridge["lora_input_bytes"] - ours["lora_input_bytes"] == layers * 2 * s * b * h * fp32 * (t - 1) // t
@@ -55,7 +55,7 @@ def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_ins
     assert (keep / "base" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     # docs/tools/bridge-loop.md shows the committed run's tables (tests/unit/test_readme_figures.py). This run matches it:
     # names, bytes, counts and environment exactly; losses and grad norms, which depend on the CPU's
-    # floating-point kernels, within twice bridge_loop.rounding_bounds() (fp32 reductions summed in another order).
+    # floating-point kernels, within twice bridge_table.rounding_bounds() (fp32 reductions summed in another order).
     assert compare_runs(result["rows"], committed_bridge_rows()) == []
 
 

@@ -19,7 +19,7 @@ WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 
 if WORLD_SIZE >= 2:
-    from megatron_bridge_ext.demo import cpu_emulation
+    from megatron_bridge_ext.testing import cpu_emulation
 
     cpu_emulation.install()
 
@@ -58,7 +58,7 @@ def tp2():
     """torch.distributed and Megatron Core parallel state with TP=2 over the 2 ranks."""
     from megatron.core import parallel_state
 
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     distributed.init_from_env(tensor_parallel=2)
     return parallel_state.get_tensor_model_parallel_group()

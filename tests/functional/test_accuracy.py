@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.demo import tiny_model as tm
+from megatron_bridge_ext.testing import tiny_model as tm
 from tests.support.dist_checks import assert_no_problems, local_rel_err
 from tests.support.lora_blocks import _gpt, _loss_and_grads
 
@@ -31,7 +31,7 @@ def tp_world():
     """TP over every rank: 2 in the usual suite, 4 in ``make functional-tp4``."""
     from megatron.core import parallel_state
 
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     distributed.init_from_env(tensor_parallel=WORLD)
     yield parallel_state.get_tensor_model_parallel_group()

@@ -2,7 +2,7 @@
 
 The runs (Bridge's ``pretrain``, then ``finetune`` with ``gpt_step.forward_step``, torch_dist
 checkpoints) happen once, in this process, in the ``runs`` fixture; the tests assert on what they
-recorded through Bridge's callbacks and a metered forward step (``megatron_bridge_ext.demo.bridge_loop``).
+recorded through Bridge's callbacks and a metered forward step (``megatron_bridge_ext.testing.bridge``).
 Our LoRA comes in exactly as the docs tell users: ``MemoryConfig(...).apply(cfg)`` on a config
 whose ``cfg.peft`` is Bridge's LoRA.
 
@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.demo import bridge_loop
+from megatron_bridge_ext.testing.bridge import recipe, runner
 from tests.support.bridge_session import Session, bridge_session, shared_directory, timeout_minutes
 from tests.support.dist_checks import assert_no_problems, max_over_ranks
 
@@ -59,7 +59,7 @@ class Planned:
 
 @dataclasses.dataclass
 class Outcome:
-    run: Optional[bridge_loop.Run] = None
+    run: Optional[runner.Run] = None
     summary: object = None  # what MemoryConfig.apply returned
     env_vars: dict = dataclasses.field(default_factory=dict)
     error: Optional[str] = None
@@ -69,13 +69,13 @@ def plan(directory: str) -> list[Planned]:
     base = f"{directory}/base"
 
     def finetune(save=None, load=None, dtype=None):
-        return lambda: bridge_loop.finetune_config(
+        return lambda: recipe.finetune_config(
             base, train_iters=FINETUNE_ITERATIONS, save=save and f"{directory}/{save}",
             load=load and f"{directory}/{load}", ckpt_step=RESUME_STEP if load else None, dtype=dtype)
 
     regather, shard_local = dict(lora_sp_input="regather"), dict(lora_sp_input="shard_local")
     return [
-        Planned("base", "pretrain", lambda: bridge_loop.pretrain_config(base)),
+        Planned("base", "pretrain", lambda: recipe.pretrain_config(base)),
         Planned("bridge", "finetune", finetune(save="bridge"), meter=True),
         Planned("regather", "finetune", finetune(save="regather"), regather, meter=True,
                 user_env_vars=dict([USER_ALLOCATOR_OPTION])),
@@ -109,7 +109,7 @@ def execute(planned: Planned, session: Session) -> Outcome:
         if planned.memory is not None:
             outcome.summary = MemoryConfig(**planned.memory).apply(cfg)
         outcome.env_vars = dict(getattr(cfg, "env_vars", None) or {})
-        outcome.run = bridge_loop.run(planned.entry, cfg, meter=planned.meter, keep_gradients=planned.keep_gradients)
+        outcome.run = runner.run(planned.entry, cfg, meter=planned.meter, keep_gradients=planned.keep_gradients)
     except Exception:  # recorded, then shared with the other rank: both stop together
         outcome.error = traceback.format_exc(limit=-8)
     return outcome
@@ -132,7 +132,7 @@ def runs(directory) -> dict[str, Outcome]:
     return outcomes
 
 
-def outcome_of(runs: dict[str, Outcome], name: str) -> bridge_loop.Run:
+def outcome_of(runs: dict[str, Outcome], name: str) -> runner.Run:
     """The run ``name``; fails (on both ranks) when it did not complete on some rank."""
     outcome = runs.get(name)
     problem = ("not run: an earlier run failed" if outcome is None
@@ -141,7 +141,7 @@ def outcome_of(runs: dict[str, Outcome], name: str) -> bridge_loop.Run:
     return outcome.run
 
 
-def last(run: bridge_loop.Run, count: int) -> tuple[list, list]:
+def last(run: runner.Run, count: int) -> tuple[list, list]:
     return run.losses()[-count:], run.grad_norms()[-count:]
 
 
@@ -208,7 +208,7 @@ def fp32_bound(runs) -> float:
     the same arithmetic as long as the fp32 runs' grad norms stay below ``clip_grad`` (checked).
     """
     bridge, reference = outcome_of(runs, "bridge <- bridge"), outcome_of(runs, "float64 bridge <- bridge")
-    clip_grad = bridge_loop.recipe(train_iters=1).optimizer.clip_grad
+    clip_grad = recipe.tiny_recipe(train_iters=1).optimizer.clip_grad
     problems = [] if reference.steps[0].dtypes == ["torch.float64"] else [
         f"the reference ran in {reference.steps[0].dtypes}, not float64"]
     if not max(bridge.grad_norms()) < clip_grad:
@@ -268,7 +268,7 @@ def _lora_a_bytes(saved) -> dict[str, int]:
 
 
 def test_lora_a_input_saving_inside_bridges_loop_is_exact(runs):
-    cfg = bridge_loop.recipe(train_iters=1)
+    cfg = recipe.tiny_recipe(train_iters=1)
     s, b, h = cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size
     t, ffn, layers, element = cfg.model.tensor_model_parallel_size, 4 * h, cfg.model.num_layers, FP32.bits // 8
     row_parallel = {"linear_proj": s * b * (h // t) * element, "linear_fc2": s * b * (ffn // t) * element}
@@ -277,7 +277,7 @@ def test_lora_a_input_saving_inside_bridges_loop_is_exact(runs):
         run = outcome_of(runs, name)
         column = s * b * h * element // (1 if gathered else t)  # LoRA-A of linear_qkv / linear_fc1
         expected = {f"{layer}.{target}": row_parallel.get(target, column)
-                    for layer in range(layers) for target in bridge_loop.LORA_TARGETS}
+                    for layer in range(layers) for target in recipe.LORA_TARGETS}
         if len(run.saved) != FINETUNE_ITERATIONS * MICRO_BATCHES:
             problems.append(f"{name}: {len(run.saved)} metered forwards")
         for index, saved in enumerate(run.saved):
@@ -291,7 +291,7 @@ def test_lora_a_input_saving_inside_bridges_loop_is_exact(runs):
 
 
 def test_core_attn_recompute_runs_in_bridges_loop_and_changes_no_number(runs):
-    layers = bridge_loop.recipe(train_iters=1).model.num_layers
+    layers = recipe.tiny_recipe(train_iters=1).model.num_layers
     recomputed, plain = outcome_of(runs, "shard_local+core_attn"), outcome_of(runs, "shard_local")
     per_step = {"checkpointed_forwards": layers * MICRO_BATCHES, "recomputed": layers * MICRO_BATCHES}
     problems = [f"shard_local+core_attn iteration {s.iteration}: {s.recompute} != {per_step}"

@@ -2,7 +2,8 @@
 
 import torch
 
-from megatron_bridge_ext.demo import tiny_model, train, variants
+from megatron_bridge_ext.demo import train
+from megatron_bridge_ext.testing import tiny_model, variants
 
 
 class _Progress:

@@ -33,7 +33,7 @@ def _bridge_config_container():
 def test_estimate_equals_the_meter_on_the_real_run(tp):
     from megatron.core import parallel_state
 
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     _bridge_config_container()
     distributed.init_from_env(tensor_parallel=tp)

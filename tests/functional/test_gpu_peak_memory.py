@@ -2,7 +2,7 @@
 
 Skipped without 2 CUDA devices (CI has none; ``scripts/device_check.sh`` runs it on a GPU node).
 Each variant builds the same bf16 stack (local spec with a fused attention core, RMSNorm, SwiGLU) on
-its rank's GPU and runs one warm step (:func:`megatron_bridge_ext.demo.peak.measured_step`).
+its rank's GPU and runs one warm step (:func:`megatron_bridge_ext.testing.peak.measured_step`).
 Expected figures come from the shape: every eligible adapter (linear_qkv and linear_fc1 of each of
 the L layers) stops retaining s*b*h*2*(1-1/t) bytes of its gathered input, so
 
@@ -18,7 +18,7 @@ blocks; cuBLAS and NCCL workspaces may differ by a block between runs.
 import pytest
 import torch
 
-from megatron_bridge_ext.demo import peak, sdpa_attention, tiny_model, variants
+from megatron_bridge_ext.testing import peak, sdpa_attention, tiny_model, variants
 from tests.support.dist_checks import assert_no_problems
 
 pytestmark = [
@@ -32,10 +32,10 @@ ALLOWANCE = 1 << 20
 
 
 def _figures(name: str) -> dict:
-    variant = variants.VARIANTS[name]
+    peft, config = variants.VARIANTS[name].apply(SHAPE, normalization="RMSNorm")
     model = tiny_model.build_gpt(SHAPE, layer_spec=sdpa_attention.local_spec_with_sdpa(), normalization="RMSNorm",
-                                 **variant.config_overrides)
-    model = tiny_model.apply_peft(model, variant.make_peft(SHAPE))
+                                 **config)
+    model = tiny_model.apply_peft(model, peft)
     figures = peak.measured_step(model, tiny_model.synthetic_batch(SHAPE, 0), tiny_model.loss_of, cuda=True)
     del model
     torch.cuda.empty_cache()

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_bridge_ext.demo import tiny_model as tm
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
-from megatron_bridge_ext.demo.variants import VARIANTS
+from megatron_bridge_ext.testing import tiny_model as tm
+from megatron_bridge_ext.testing.variants import VARIANTS
 from tests.support.dist_checks import assert_no_problems, local_rel_err
 
 pytestmark = [
@@ -597,7 +597,7 @@ def _mutated_gpt(shape, strategy, **fields):
     model = tm.build_gpt(shape)
     for key, value in fields.items():
         setattr(model.config, key, value)
-    peft = VARIANTS[strategy].make_peft(shape)
+    peft = VARIANTS[strategy].apply(shape).peft
     return tm.apply_peft(model, peft), peft
 
 

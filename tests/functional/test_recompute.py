@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_bridge_ext import recompute
-from megatron_bridge_ext.demo import tiny_model
 from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
+from megatron_bridge_ext.testing import tiny_model
 
 SELECTIVE_CORE_ATTN = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
 
@@ -22,7 +22,7 @@ def _one_step(shape, **overrides):
 
 def _dropout_mask_element_size(dtype: torch.dtype) -> int:
     """What torch's dropout keeps as its mask on this device, measured on a tiny call (CPU: the input's dtype)."""
-    from megatron_bridge_ext.demo.distributed import device
+    from megatron_bridge_ext.testing.distributed import device
 
     kept = []
     x = torch.ones(4, 4, dtype=dtype, device=device(), requires_grad=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_bridge_ext.demo import sdpa_attention
-from megatron_bridge_ext.demo import tiny_model as tm
+from megatron_bridge_ext.testing import sdpa_attention
+from megatron_bridge_ext.testing import tiny_model as tm
 from tests.support.dist_checks import assert_no_problems, local_rel_err
 
 SHAPE = tm.TinyGPTShape(layers=2, hidden=64, ffn=128, heads=8, kv_heads=2, seq=32, micro_batch=2, dtype="float64",

@@ -319,7 +319,7 @@ def _te_shape(kind: str):
 
 def _te_gpt(shape, contract: str, run: str):
     """The tiny GPT on the TE fake with ``run``'s PEFT of kind ``shape.peft`` (Bridge's as shipped runs unpatched)."""
-    from megatron_bridge_ext.demo import tiny_model as tm
+    from megatron_bridge_ext.testing import tiny_model as tm
     from tests.support.lora_blocks import _peft
     from tests.support.te_gpt import fake_te_spec
 
@@ -343,7 +343,7 @@ def test_whole_gpt_embedding_grad_against_a_dense_reference(tp2, te_contract, ru
     CanonicalLoRA with SwiGLU): the gradient reaching the embedding output (through every layer) against
     the same model computed with TP=1 in one process. The patch makes Bridge's DoRA and CanonicalLoRA
     right too, their wrappers take the norm output from the same method as LoRA's."""
-    from megatron_bridge_ext.demo import tiny_model as tm
+    from megatron_bridge_ext.testing import tiny_model as tm
     from tests.support.te_gpt import float64_loss, full_state, track_embedding_output
 
     shape = _te_shape(kind)
@@ -376,8 +376,8 @@ def test_te_saving_in_the_whole_gpt_is_one_gathered_input_per_adapted_layer(tp2,
     s*b*h*8 bytes less per adapted layer, whatever the kind. Except the first layer's linear_qkv: its
     input comes from the frozen embedding, so nothing in TE's function needs a grad and TE keeps no
     shard there; ours keeps one, s*b*h*8/t, against Bridge's gathered s*b*h*8."""
-    from megatron_bridge_ext.demo import tiny_model as tm
     from megatron_bridge_ext.measure import SavedActivationMeter
+    from megatron_bridge_ext.testing import tiny_model as tm
     from tests.support.te_gpt import float64_loss
 
     shape = _te_shape(kind)

@@ -74,8 +74,8 @@ def bridge_session() -> Iterator[Session]:
     (:func:`shared_directory` does it)."""
     from megatron.core import parallel_state
 
-    from megatron_bridge_ext.demo import cpu_emulation, distributed
     from megatron_bridge_ext.patches.registry import apply_training_entry
+    from megatron_bridge_ext.testing import cpu_emulation, distributed
 
     tensor_parallel = None
     if parallel_state.model_parallel_is_initialized():
@@ -109,7 +109,7 @@ def shared_directory(local: str) -> str:
 
     Initialises the process group first when no test has yet (Bridge then keeps it alive).
     """
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     if not dist.is_initialized():
         dist.init_process_group(backend=distributed.backend_for_device(), timeout=distributed.DEFAULT_TIMEOUT)

@@ -1,14 +1,14 @@
 """The validation grid of the memory estimate: the estimate's activation bytes against the
 saved-activation meter on a real multi-rank CPU run of the demo's tiny model.
 
-Each point is one tiny model (``megatron_bridge_ext.demo.tiny_model``) with one choice of TP, SP,
+Each point is one tiny model (``megatron_bridge_ext.testing.tiny_model``) with one choice of TP, SP,
 LoRA-A strategy, recompute, attention heads, MLP and dtype. On every rank the real model runs one
 forward under :class:`SavedActivationMeter`, then backward; the same config goes through
 ``estimate(tiny_config(...), attention="local", transformer_impl="local", device="cpu")``, which
 traces rank 0 on fake CPU tensors. LoRA points use our LoRA with each LoRA-A strategy ("off" is
 Bridge's path); a few use DoRA and CanonicalLoRA. The two must be equal to the byte, in total, per category and
 per layer (all TP ranks hold the same shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
-ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.demo.cpu_run tests.support.estimate_grid
+ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.testing.cpu_run tests.support.estimate_grid
 --tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/test_estimate_grid_tp4.py``).
 """
 
@@ -46,7 +46,7 @@ class GridPoint:
                 f"{self.heads}-{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}")
 
     def shape(self):
-        from megatron_bridge_ext.demo.tiny_model import TinyGPTShape
+        from megatron_bridge_ext.testing.tiny_model import TinyGPTShape
 
         heads, kv_heads = (4, 4) if self.heads == MHA else ((8, 4) if self.tp == 4 else (4, 2))
         return TinyGPTShape(tp=self.tp, sequence_parallel=self.sp, heads=heads, kv_heads=kv_heads, swiglu=self.swiglu,
@@ -55,8 +55,8 @@ class GridPoint:
     def peft(self, shape):
         if self.lora is None:
             return None
-        from megatron_bridge_ext.demo.tiny_model import peft_fields
         from megatron_bridge_ext.peft import kinds
+        from megatron_bridge_ext.testing.tiny_model import peft_fields
 
         return kinds.our_class(self.kind)(**peft_fields(shape), sequence_parallel_input_strategy=self.lora)
 
@@ -99,9 +99,9 @@ def points_for(tp: int) -> list[GridPoint]:
 def measured(point: GridPoint) -> dict:
     """What one forward of the real tiny model saves on this rank (the meter), in total, per category and per
     layer, as the estimate splits it; backward runs afterwards."""
-    from megatron_bridge_ext.demo import tiny_model
     from megatron_bridge_ext.estimate.trace import category_and_layer, split
     from megatron_bridge_ext.measure import SavedActivationMeter
+    from megatron_bridge_ext.testing import tiny_model
 
     shape = point.shape()
     model = tiny_model.build_gpt(shape, **RECOMPUTE[point.recompute])
@@ -122,7 +122,8 @@ def measured(point: GridPoint) -> dict:
 def estimated(point: GridPoint) -> dict:
     """What the estimate says one microbatch saves on a rank of ``point`` (traced on fake CPU tensors)."""
     from megatron_bridge_ext.estimate import estimate
-    from megatron_bridge_ext.estimate.device import saved_per_microbatch, tiny_config
+    from megatron_bridge_ext.estimate.device import saved_per_microbatch
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
 
     shape = point.shape()
     cfg = tiny_config(shape, point.peft(shape), **RECOMPUTE[point.recompute])
@@ -157,7 +158,7 @@ def main() -> None:
     """Under torchrun with a world of ``--tp`` ranks: run that TP's points, all ranks' verdicts to ``--out``."""
     import torch.distributed as dist
 
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--tp", type=int, required=True)

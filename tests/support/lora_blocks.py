@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_bridge_ext.demo import tiny_model as tm
-from megatron_bridge_ext.demo.variants import VARIANTS
+from megatron_bridge_ext.testing import tiny_model as tm
+from megatron_bridge_ext.testing.variants import VARIANTS
 from tests.support.dist_checks import local_rel_err
 
 TP = 2
@@ -28,7 +28,7 @@ S, B, H, OUT, R = 8, 3, 32, 48, 8
 
 
 def _device() -> torch.device:
-    from megatron_bridge_ext.demo.distributed import device
+    from megatron_bridge_ext.testing.distributed import device
 
     return device()
 
@@ -42,10 +42,10 @@ def _shape(kind: str = "lora", **fields) -> tm.TinyGPTShape:
 def _gpt(shape: tm.TinyGPTShape, variant: str, seed: int = 1234, peft_seed: int = 4321, peft_fields=None, **config):
     """The tiny GPTModel with ``variant``'s PEFT of kind ``shape.peft`` applied (``peft_fields`` set on the
     PEFT before it transforms, e.g. dropout); returns (model, peft)."""
-    peft = VARIANTS[variant].make_peft(shape)
+    peft, variant_config = VARIANTS[variant].apply(shape, **config)
     for name, value in (peft_fields or {}).items():
         setattr(peft, name, value)
-    model = tm.apply_peft(tm.build_gpt(shape, seed=seed, **config), peft, seed=peft_seed)
+    model = tm.apply_peft(tm.build_gpt(shape, seed=seed, **config, **variant_config), peft, seed=peft_seed)
     return model, peft
 
 
@@ -127,7 +127,7 @@ def _peft(variant: str, shape: tm.TinyGPTShape):
         from megatron_bridge_ext.peft import kinds
 
         return kinds.our_class(shape.peft)(**tm.peft_fields(shape), sequence_parallel_input_strategy="off")
-    return VARIANTS[variant].make_peft(shape)
+    return VARIANTS[variant].apply(shape).peft
 
 
 def _wrap(base: nn.Module, surface: str, variant: str, *, prefix: str = "", peft_seed: int = 4321):

@@ -114,7 +114,7 @@ def _reference(inputs: dict) -> dict:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_bridge_ext.demo import tiny_model
+    from megatron_bridge_ext.testing import tiny_model
 
     shape = dataclasses.replace(tiny_model.TinyGPTShape(**inputs["shape"]), tp=1, sequence_parallel=False)
     config = tiny_model.transformer_config(shape)
@@ -135,10 +135,10 @@ def main() -> None:
     source, target = sys.argv[1:3]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MBX_REFERENCE_PORT", "29533"))
-    from megatron_bridge_ext.demo import cpu_emulation
+    from megatron_bridge_ext.testing import cpu_emulation
 
     cpu_emulation.install()
-    from megatron_bridge_ext.demo import distributed
+    from megatron_bridge_ext.testing import distributed
 
     distributed.init_from_env(tensor_parallel=1)
     torch.save(_reference(torch.load(source, weights_only=False)), target)

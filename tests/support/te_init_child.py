@@ -16,7 +16,7 @@ import sys
 
 
 def main(out: str) -> None:
-    from megatron_bridge_ext.demo import cpu_emulation
+    from megatron_bridge_ext.testing import cpu_emulation
 
     cpu_emulation.install()
     import torch
@@ -33,8 +33,8 @@ def main(out: str) -> None:
 
     from megatron.core import parallel_state
 
-    from megatron_bridge_ext.demo import distributed
     from megatron_bridge_ext.peft import te_check
+    from megatron_bridge_ext.testing import distributed
     from tests.support.fake_te import TE_GE_2_4, FakeTELayerNormColumnParallelLinear, see_fake_te
     from tests.support.lora_blocks import B, H, OUT, S, _parallel_config
 

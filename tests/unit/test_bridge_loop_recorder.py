@@ -1,13 +1,13 @@
 """The Bridge-loop recorder leaves Megatron Core's attention as it found it, also when a run fails mid-step
-(Bridge then never fires ``on_train_step_end``, and :func:`bridge_loop.run` closes the recorder itself)."""
+(Bridge then never fires ``on_train_step_end``, and :func:`megatron_bridge_ext.testing.bridge.runner.run` closes the recorder itself)."""
 
 import types
 
 import pytest
 import torch
 
-from megatron_bridge_ext.demo.bridge_loop import StepRecorder
 from megatron_bridge_ext.measure import RecomputeProbe
+from megatron_bridge_ext.testing.bridge.meters import StepRecorder
 
 pytestmark = pytest.mark.unit
 

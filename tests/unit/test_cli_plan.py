@@ -134,9 +134,8 @@ def test_the_config_line_says_full_fine_tuning_is_the_default():
 def small_plan(*, gpu_memory: int, lora_sp_input: str = "off"):
     """A plan of the demo's tiny GPT (TP 2, SP, LoRA) on a device of ``gpu_memory`` bytes."""
     from megatron_bridge_ext import plan as planner
-    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape
-    from megatron_bridge_ext.estimate.device import tiny_config
     from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
 
     shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=4, seq=512, micro_batch=1, vocab=128, tp=2,
                          dtype="bfloat16", swiglu=True)

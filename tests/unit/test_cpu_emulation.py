@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_bridge_ext.demo.cpu_emulation import CudaToCpu
+from megatron_bridge_ext.testing.cpu_emulation import CudaToCpu
 from tests.support.fresh import run
 
 pytestmark = [pytest.mark.unit]
@@ -30,7 +30,7 @@ def _imports_cpu_emulation(path: Path) -> bool:
 
 def test_only_the_cpu_runner_imports_the_emulation():
     importers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _imports_cpu_emulation(p))
-    assert importers == ["demo/cpu_run.py"]  # mbx demo / bench start CPU ranks through it; no feature imports it
+    assert importers == ["testing/cpu_run.py"]  # mbx demo / bench start CPU ranks through it; no feature imports it
 
 
 def test_every_way_upstream_names_a_cuda_device_lands_on_the_cpu():
@@ -53,7 +53,7 @@ def test_every_way_upstream_names_a_cuda_device_lands_on_the_cpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulation is for machines without CUDA")
 def test_bridge_loop_replaces_upstream_only_while_it_is_held():
     result = run("""
-        from megatron_bridge_ext.demo import cpu_emulation
+        from megatron_bridge_ext.testing import cpu_emulation
 
         cpu_emulation.install()
         cpu_emulation.bridge_imports()  # Bridge's training modules import without TE

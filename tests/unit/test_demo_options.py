@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_bridge_ext.demo import bench, options, train, variants
+from megatron_bridge_ext.demo import bench, options, train
+from megatron_bridge_ext.testing import variants
 
 pytestmark = [pytest.mark.unit]
 
@@ -54,7 +55,7 @@ def _row(variant: str, saved: int, rank: int = 0) -> dict:
 
 
 def test_the_demo_table_has_a_saving_column_against_the_first_row_and_a_legend():
-    from megatron_bridge_ext.demo import tiny_model
+    from megatron_bridge_ext.testing import tiny_model
 
     base, ours = 4 * 2**20, 3 * 2**20  # a quarter of the baseline's bytes saved
     rows = [_row("baseline", base), _row("baseline", base, rank=1), _row("shard_local", ours),

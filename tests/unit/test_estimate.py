@@ -252,9 +252,8 @@ def test_identical_layers_save_the_same_and_split_the_layer_categories(qwen_lora
 
 def _tiny_kind(kind: str, **fields):
     """The demo's tiny GPT (bf16, SwiGLU, TP 2 with SP) under Bridge's PEFT of ``kind`` (its gathered path)."""
-    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape, peft_fields
-    from megatron_bridge_ext.estimate.device import tiny_config
     from megatron_bridge_ext.peft import kinds
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, peft_fields, tiny_config
 
     shape = TinyGPTShape(tp=2, sequence_parallel=True, swiglu=True, dtype="bfloat16", peft=kind)
     return shape, tiny_config(shape, kinds.bridge_class(kind)(**peft_fields(shape), **fields))

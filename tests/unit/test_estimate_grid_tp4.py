@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_tp4_estimate_equals_the_meter_on_four_ranks(tmp_path):
     out = tmp_path / "tp4.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-               "-m", "megatron_bridge_ext.demo.cpu_run", "tests.support.estimate_grid", "--tp", "4", "--out", str(out)]
+               "-m", "megatron_bridge_ext.testing.cpu_run", "tests.support.estimate_grid", "--tp", "4", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MBX_DIST_TIMEOUT_S="900",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

@@ -363,7 +363,7 @@ def test_the_demo_knows_from_the_version_whether_bridge_has_the_regather_flag(ou
 
     from megatron.bridge.peft.lora import LoRA as BridgeLoRA
 
-    from megatron_bridge_ext.demo.variants import VARIANTS
+    from megatron_bridge_ext.testing.variants import VARIANTS
 
     has_field = "sequence_parallel_input_regather" in {f.name for f in fields(BridgeLoRA)}
     assert VARIANTS["upstream_regather"].available("lora")[0] is has_field

@@ -557,7 +557,7 @@ def test_meter_accepts_megatron_cores_ddp_wrapper_whose_buffers_attribute_is_a_l
     result = run(f"""
         import tempfile
 
-        from megatron_bridge_ext.demo import cpu_emulation
+        from megatron_bridge_ext.testing import cpu_emulation
 
         cpu_emulation.install()
         import torch

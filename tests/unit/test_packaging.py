@@ -1,4 +1,5 @@
-"""The wheel ships the package (patches and demo harness included) and nothing of the tests."""
+"""The wheel ships the package (patches, the demo and its harness, megatron_bridge_ext.testing, included) and nothing
+of the tests."""
 
 import subprocess
 import sys
@@ -14,7 +15,8 @@ def test_wheel_ships_every_package_module_and_no_tests(tmp_path):
     (wheel,) = tmp_path.glob("megatron_bridge_ext-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     expected = {str(p.relative_to(ROOT)) for p in (ROOT / "megatron_bridge_ext").rglob("*.py")}
-    assert {"megatron_bridge_ext/patches/registry.py", "megatron_bridge_ext/demo/cpu_emulation.py"} <= expected
+    assert {"megatron_bridge_ext/patches/registry.py", "megatron_bridge_ext/testing/cpu_emulation.py",
+            "megatron_bridge_ext/testing/bridge/recipe.py", "megatron_bridge_ext/demo/train.py"} <= expected
     assert expected <= set(names), sorted(expected - set(names))
     assert "megatron_bridge_ext/device_check/estimates.json" in names  # package data the device check reads
     assert not [n for n in names if n.split("/")[0] == "patches"]

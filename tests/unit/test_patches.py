@@ -113,7 +113,7 @@ def test_status_stays_needed_after_this_process_imported_bridge_peft_through_the
 LORA_SETUP = """
 import tempfile
 
-from megatron_bridge_ext.demo import cpu_emulation
+from megatron_bridge_ext.testing import cpu_emulation
 
 cpu_emulation.install()
 import torch

@@ -20,9 +20,8 @@ pytestmark = [pytest.mark.unit]
 
 
 def _cfg(*, tp=2, pp=1, dp=1, layers=4):
-    from megatron_bridge_ext.demo.tiny_model import TinyGPTShape
-    from megatron_bridge_ext.estimate.device import tiny_config
     from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
 
     shape = TinyGPTShape(layers=layers, hidden=64, ffn=256, heads=8, kv_heads=4, seq=1024, micro_batch=2, vocab=128,
                          tp=tp, dtype="bfloat16", swiglu=True)

@@ -59,7 +59,7 @@ def _bridge_rows() -> list[dict]:
 
 
 def test_committed_bridge_demo_tables_are_the_commands_and_the_docs_show_them():
-    from megatron_bridge_ext.demo.bridge_loop import format_tables
+    from megatron_bridge_ext.demo.bridge_table import format_tables
 
     (saved,) = BRIDGE_DEMO
     table = saved.with_suffix(".txt").read_text().rstrip("\n")
@@ -76,18 +76,18 @@ def _with(rows: list[dict], variant: str, field: str, iteration: int, value) -> 
 
 def test_runs_on_two_cpus_compare_equal_and_print_the_same_tables():
     """Two machines' figures for one iteration (their kernels sum in other orders): within the bound, same table."""
-    from megatron_bridge_ext.demo.bridge_loop import compare_runs, format_tables
+    from megatron_bridge_ext.demo.bridge_table import compare_runs, format_tables
 
     rows = _bridge_rows()
-    here = _with(_with(rows, "Bridge LoRA", "losses", 3, 5.5129929), "Bridge LoRA", "grad_norms", 2, 0.8099387)
-    there = _with(_with(rows, "Bridge LoRA", "losses", 3, 5.5129919), "Bridge LoRA", "grad_norms", 2, 0.8099388)
+    here = _with(_with(rows, "baseline", "losses", 3, 5.5129929), "baseline", "grad_norms", 2, 0.8099387)
+    there = _with(_with(rows, "baseline", "losses", 3, 5.5129919), "baseline", "grad_norms", 2, 0.8099388)
     assert compare_runs(here, there) == []
     assert format_tables(here) == format_tables(there)
 
 
 @pytest.mark.parametrize("field, scale", [("losses", 1.001), ("grad_norms", 1.01)])
 def test_a_float_figure_beyond_its_bound_differs(field, scale):
-    from megatron_bridge_ext.demo.bridge_loop import compare_runs
+    from megatron_bridge_ext.demo.bridge_table import compare_runs
 
     rows = _bridge_rows()
     value = rows[1][field][0]
@@ -96,18 +96,18 @@ def test_a_float_figure_beyond_its_bound_differs(field, scale):
 
 
 def test_an_exact_figure_must_be_equal():
-    from megatron_bridge_ext.demo.bridge_loop import compare_runs
+    from megatron_bridge_ext.demo.bridge_table import compare_runs
 
     rows = _bridge_rows()
     changed = json.loads(json.dumps(rows))
     changed[0]["lora_input_bytes"] += 4  # one fp32 element
     (problem,) = compare_runs(changed, rows)
-    assert problem.startswith("Bridge LoRA: lora_input_bytes")
+    assert problem.startswith("baseline: lora_input_bytes")
 
 
 def test_the_printed_decimals_are_those_the_bounds_support():
     """Each printed loss / grad norm has the most decimals whose last digit exceeds its rounding bound."""
-    from megatron_bridge_ext.demo.bridge_loop import FP32_UNIT_ROUNDOFF, format_tables, rounding_bounds
+    from megatron_bridge_ext.demo.bridge_table import FP32_UNIT_ROUNDOFF, format_tables, rounding_bounds
 
     rows = _bridge_rows()
     bounds = rounding_bounds()

@@ -1,7 +1,7 @@
 """Run a module or script on CPU ranks with the CPU emulation installed first.
 
-``python -m megatron_bridge_ext.demo.cpu_run [--bridge] MODULE|SCRIPT.py [ARGS...]``: how :mod:`.launch`
-starts the demo and benchmark ranks on a machine without CUDA. ``--bridge`` also readies Megatron
+``python -m megatron_bridge_ext.testing.cpu_run [--bridge] MODULE|SCRIPT.py [ARGS...]``: how
+:mod:`megatron_bridge_ext.demo.launch` starts the demo and benchmark ranks on a machine without CUDA. ``--bridge`` also readies Megatron
 Bridge's training loop (:func:`.cpu_emulation.bridge_imports`, then the whole run inside
 :func:`.cpu_emulation.bridge_loop`), for ``mbx demo --bridge`` and Bridge training scripts such as
 the example in docs/tools/bridge-loop.md.
@@ -11,9 +11,9 @@ import runpy
 import sys
 
 from megatron_bridge_ext import logs
-from megatron_bridge_ext.demo import cpu_emulation
+from megatron_bridge_ext.testing import cpu_emulation
 
-USAGE = "usage: python -m megatron_bridge_ext.demo.cpu_run [--bridge] MODULE|SCRIPT.py [ARGS...]"
+USAGE = "usage: python -m megatron_bridge_ext.testing.cpu_run [--bridge] MODULE|SCRIPT.py [ARGS...]"
 
 
 def main() -> None:

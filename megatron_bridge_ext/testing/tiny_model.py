@@ -2,7 +2,7 @@
 
 Real Megatron Core layers (ColumnParallelLinear/RowParallelLinear, sequence-parallel mappings,
 DotProductAttention) at a size that trains in seconds on a CPU. Requires torch.distributed and
-Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.demo.distributed`).
+Megatron Core's parallel state to be initialised (see :mod:`megatron_bridge_ext.testing.distributed`).
 Building the model applies the ``core_local_norm_sequence_parallel`` patch (the local spec's norm
 refuses sequence parallelism upstream); applying a PEFT applies ``bridge_truthful_te_detection``.
 """
@@ -10,6 +10,7 @@ refuses sequence parallelism upstream); applying a PEFT applies ``bridge_truthfu
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +105,33 @@ def transformer_config(shape: TinyGPTShape, **overrides):
     return TransformerConfig(**fields)
 
 
+def tiny_config(shape, peft=None, **config_overrides):
+    """A Bridge ConfigContainer whose model is exactly the one :func:`build_gpt` builds for ``shape``.
+
+    Same Megatron Core TransformerConfig fields, vocabulary and untied output layer, with ``peft`` and extra
+    config fields as the demo passes them, so that ``estimate(tiny_config(...))`` can be set beside a measured
+    run of the same model.
+    """
+    from megatron_bridge_ext.patches import bridge_peft_without_te
+
+    bridge_peft_without_te.import_bridge_peft()
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    core = transformer_config(shape, **config_overrides)
+    fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+    fields["transformer_impl"] = "local"  # the demo builds Megatron Core's local layer spec
+    provider = GPTModelProvider(**fields, vocab_size=shape.vocab, seq_length=shape.seq,
+                                share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    cfg = vanilla_gpt_pretrain_config()
+    cfg.model, cfg.peft = provider, peft
+    cfg.mixed_precision = None  # the tiny config's fields already carry its dtype
+    cfg.train.micro_batch_size = shape.micro_batch
+    cfg.train.global_batch_size = shape.micro_batch
+    return cfg
+
+
 def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_overrides):
     """Build the GPTModel on this rank's device, with identical weights for identical seeds.
 
@@ -113,7 +141,7 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_bridge_ext.demo.distributed import device
+    from megatron_bridge_ext.testing.distributed import device
 
     core_local_norm_sequence_parallel.PATCH.apply()
     torch.manual_seed(seed)
@@ -161,7 +189,7 @@ def apply_peft(model, peft, seed: int = 4321):
 
 def synthetic_batch(shape: TinyGPTShape, step: int = 0):
     """Deterministic tokens, positions, labels and loss mask (same on every rank)."""
-    from megatron_bridge_ext.demo.distributed import device
+    from megatron_bridge_ext.testing.distributed import device
 
     generator = torch.Generator().manual_seed(10_000 + step)
     tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=generator)

@@ -78,7 +78,7 @@ def _wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main
 
 def _fake_fused_wgrad_module() -> types.ModuleType:
     module = types.ModuleType("fused_weight_gradient_mlp_cuda")
-    module.__doc__ = "CPU stand-in installed by megatron_bridge_ext.demo.cpu_emulation"
+    module.__doc__ = "CPU stand-in installed by megatron_bridge_ext.testing.cpu_emulation"
     module.wgrad_gemm_accum_fp32 = _wgrad_gemm_accum
     module.wgrad_gemm_accum_fp16 = _wgrad_gemm_accum
     return module
@@ -93,7 +93,7 @@ def install() -> bool:
         return True
     if "megatron.core.tensor_parallel.layers" in sys.modules and "fused_weight_gradient_mlp_cuda" not in sys.modules:
         raise RuntimeError(
-            "megatron_bridge_ext.demo.cpu_emulation.install() must run before megatron.core.tensor_parallel is imported"
+            "megatron_bridge_ext.testing.cpu_emulation.install() must run before megatron.core.tensor_parallel is imported"
         )
     sys.modules.setdefault("fused_weight_gradient_mlp_cuda", _fake_fused_wgrad_module())
 
@@ -281,7 +281,7 @@ def bridge_loop() -> Iterator[None]:
     Needs :func:`install` first; runs :func:`bridge_imports` (it imports Bridge's training modules).
     """
     if not _INSTALLED:
-        raise RuntimeError("megatron_bridge_ext.demo.cpu_emulation.install() must run first (and CUDA be absent)")
+        raise RuntimeError("megatron_bridge_ext.testing.cpu_emulation.install() must run first (and CUDA be absent)")
     bridge_imports()
     import torch._dynamo
     from megatron.bridge.training import initialize, setup
