@@ -3,15 +3,19 @@
 Megatron Bridge's utilities import ``megatron.training`` (``megatron/bridge/utils/common_utils.py``),
 whose ``__init__`` imports ``training.py`` and ``checkpointing.py``. Megatron Core 0.18.2 and
 0.19.2 ship both, and both import ModelOpt inside ``try`` blocks that fall back to
-``has_nvidia_modelopt = False`` (``checkpointing.py`` L69-76 in 0.19.2, L66-73 in 0.18.2, on any exception;
-``training.py`` on ``ImportError``): ModelOpt's state is saved with checkpoints and distillation is switched on in the
-training loop. Importing ModelOpt (its Hugging Face and diffusers plugins with it) is about a third
+``has_nvidia_modelopt = False``: ``checkpointing.py`` (0.19.2 L69-76, 0.18.2 L66-73, on any
+exception) together with ``megatron.post_training``, which the Core wheel does not ship, so without
+it the flag is False whether or not ModelOpt imported; ``training.py`` on ``ImportError`` (in 0.19.2
+also together with ``megatron.post_training``; in 0.18.2 alone, a flag only the training loop reads,
+for distillation). Importing ModelOpt (its Hugging Face and diffusers plugins with it) is about a third
 of the plan's import time, for a process that saves no checkpoint and runs no training step.
 
 The patch is an import hook (:mod:`.import_hooks`) on those two modules only: while their top-level
 code runs, an import of ``modelopt`` raises ``ImportError``, so they take their own fallback.
-Everything else (Bridge's recipes, its distillation provider) imports ModelOpt as usual. Only
-``mbx plan`` applies it, for its own process; never ``init()``, whose training saves checkpoints.
+Everything else (Bridge's recipes, its distillation provider) imports ModelOpt as usual. It is
+needed only where ``megatron.post_training`` is missing (a Megatron-LM source tree ships it and
+keeps ModelOpt). Only ``mbx plan`` applies it, for its own process; never ``init()``, whose training
+saves checkpoints.
 """
 
 from __future__ import annotations
@@ -31,11 +35,20 @@ _refused_imports: list[str] = []
 def _needed() -> tuple[bool, str]:
     if importlib.util.find_spec("modelopt") is None:
         return False, "ModelOpt is not installed; Megatron's training package imports without it"
+    if _spec("megatron.post_training") is not None:
+        return False, "megatron.post_training is installed: Megatron's training package uses ModelOpt with it"
     imported = [name for name in TARGET_MODULES if name in sys.modules]
     if imported:
         return False, f"{imported[0]} is already imported in this process"
     return True, ("Megatron's training package imports ModelOpt (for checkpoint state and distillation) whenever "
                   "Bridge is imported; the plan saves no checkpoint and runs no training step")
+
+
+def _spec(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except ImportError:  # its parent package is missing
+        return None
 
 
 def _apply() -> Callable[[], None]:
