@@ -91,8 +91,11 @@ def command(args) -> int:
 
     transformers_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=r".*MimoModelConfig is experimental.*")
+    from megatron_bridge_ext.patches.registry import plan_imports
+
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # upstream prints while models are built; stdout is the plan's
+        # upstream prints while models are built; stdout is the plan's
+        with plan_imports(), contextlib.redirect_stdout(sys.stderr):
             result = _plan(args)
     except Refused as refused:
         return _fail(refused.one_line())

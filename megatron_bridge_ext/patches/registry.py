@@ -6,19 +6,22 @@ Features apply the patches they need where they need them (each patch's ``applie
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from megatron_bridge_ext.patches import (
     bridge_lora_te_norm_grad,
     bridge_override_peft_check,
     bridge_peft_without_te,
+    bridge_plan_without_diffusion,
     bridge_prebuilt_dataset_helpers,
     bridge_pretrain_without_nvrx,
     bridge_recipe_hf_config,
     bridge_truthful_te_detection,
     core_local_norm_sequence_parallel,
+    core_training_plan_without_modelopt,
 )
-from megatron_bridge_ext.patches.base import NOT_NEEDED, Patch
+from megatron_bridge_ext.patches.base import APPLIED, NOT_NEEDED, Patch
 
 # Order matters: Bridge's PEFT modules must import before their TE detection can be corrected.
 PATCHES: tuple[Patch, ...] = (
@@ -30,10 +33,15 @@ PATCHES: tuple[Patch, ...] = (
     bridge_prebuilt_dataset_helpers.PATCH,
     bridge_recipe_hf_config.PATCH,
     bridge_override_peft_check.PATCH,
+    bridge_plan_without_diffusion.PATCH,
+    core_training_plan_without_modelopt.PATCH,
 )
 
 TRAINING_ENTRY: tuple[Patch, ...] = (bridge_pretrain_without_nvrx.PATCH, bridge_prebuilt_dataset_helpers.PATCH)
 """What Bridge's ``pretrain``/``finetune`` need to import and start; import hooks, so applying them imports nothing."""
+
+PLAN_IMPORTS: tuple[Patch, ...] = (bridge_plan_without_diffusion.PATCH, core_training_plan_without_modelopt.PATCH)
+"""What ``mbx plan`` applies while it runs: imports that register or load what a plan never uses left out."""
 
 INIT: tuple[Patch, ...] = (bridge_peft_without_te.PATCH, *TRAINING_ENTRY, bridge_lora_te_norm_grad.PATCH,
                            bridge_override_peft_check.PATCH)
@@ -85,6 +93,18 @@ def _apply_for_init(patch: Patch) -> tuple[str, str]:
     if patch is bridge_peft_without_te.PATCH and bridge_peft_without_te.te_installed():
         return NOT_NEEDED, "Transformer Engine is installed; Bridge's PEFT modules import it as they are"
     return patch.apply(quiet=True)
+
+
+@contextlib.contextmanager
+def plan_imports():
+    """Apply :data:`PLAN_IMPORTS` for the block (import hooks: they act only if the block imports Bridge first),
+    then remove the ones applied here; what the block imported stays as it was imported."""
+    applied_here = [patch for patch in PLAN_IMPORTS if not patch.applied and patch.apply(quiet=True)[0] == APPLIED]
+    try:
+        yield
+    finally:
+        for patch in reversed(applied_here):
+            patch.revert()
 
 
 def revert_all() -> None:

@@ -360,3 +360,51 @@ def test_an_override_bridges_parser_skips_with_a_warning_is_refused(capsys):
     assert line.startswith("mbx plan: overrides: Bridge's override parser did not apply everything: Failed to "
                            "instantiate ft from _target_")
     assert line.endswith("Fix: correct that override")
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan's own imports (patches bridge_plan_without_diffusion, core_training_plan_without_modelopt)
+
+LEFT_OUT = ["megatron.bridge.diffusion.models", "modelopt"]
+"""What the plan's import patches keep out of its process."""
+
+_PLAN_IN_A_FRESH_PROCESS = """
+import contextlib, io
+from megatron_bridge_ext import cli
+from megatron_bridge_ext.patches import registry
+
+if not LEAN:
+    registry.PLAN_IMPORTS = ()
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    status = cli.main(["plan", *ARGV, "--json"])
+report(status=status, plan=json.loads(out.getvalue()), imported=[name for name in LEFT_OUT if name in sys.modules],
+       hooks=[p.applied for p in registry.PATCHES])
+"""
+
+
+def _without_seconds(value):
+    """The plan's JSON less the estimate's run time (the one field two runs do not share)."""
+    if isinstance(value, dict):
+        return {k: _without_seconds(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_without_seconds(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("argv", [
+    ["--hf-config", QWEN3_8B, "--tp", "2", "--seq", "8192", "--peft", "lora", "--dp", "4", "--gpu-memory", "40GB"],
+    ["--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--gpu-memory", "1MB", *TINY],
+], ids=["readme-qwen3-8b", "recipe-with-lora"])
+def test_the_plan_is_the_same_without_the_imports_it_leaves_out(argv):
+    """The README's example and a recipe, each planned in a fresh interpreter with the plan's import patches and
+    without them: the same plan, and only the patched run kept the diffusion bridges and ModelOpt out."""
+    from tests.support.fresh import run
+
+    runs = {lean: run(f"LEAN, ARGV, LEFT_OUT = {lean!r}, {argv!r}, {LEFT_OUT!r}", _PLAN_IN_A_FRESH_PROCESS)
+            for lean in (True, False)}
+    assert [runs[lean]["status"] for lean in (True, False)] == [0, 0]
+    assert runs[True]["imported"] == [] and runs[False]["imported"] == LEFT_OUT
+    assert not any(runs[True]["hooks"])  # removed after the plan
+    assert runs[True]["plan"]["options"]  # a plan with levers, not two empty ones
+    assert _without_seconds(runs[True]["plan"]) == _without_seconds(runs[False]["plan"])

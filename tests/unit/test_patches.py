@@ -312,10 +312,14 @@ def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
         )
     """)
     # the TE gradient patch is not needed without Transformer Engine (see test_bridge_lora_te_norm_grad)
-    expected = [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 4
+    # the plan's import patches come after patches that import Bridge: nothing is left to keep out then
+    expected = [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 4 + [NOT_NEEDED] * 2
     assert result["first"] == expected
     assert [s[0] for s in result["second"]] == expected
     assert [s[1] for s in result["second"] if s[0] == APPLIED] == ["already applied"] * 7
+    assert [s[1] for s in result["second"][-2:]] == ["megatron.bridge is already imported in this process",
+                                                      "megatron.training.checkpointing is already imported in this "
+                                                      "process"]
     # Bridge's PEFT modules, Bridge's pretrain, Bridge's initialize, Bridge's override utilities: one each
     assert result["hooks"] == 4
     assert result["same_wrapper"] is True  # not wrapped twice
@@ -323,7 +327,7 @@ def test_apply_all_is_idempotent_and_revert_all_undoes_it_once():
     assert result["hooks_after_revert"] == 0
     assert result["new_restored"] is True
     assert result["have_te_after_revert"] is True
-    assert result["applied_after_revert"] == [False] * 8
+    assert result["applied_after_revert"] == [False] * 10
 
 
 @pytest.fixture
@@ -402,7 +406,8 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     assert [s["name"] for s in before] == [p.name for p in PATCHES] == [
         "bridge_peft_without_te", "bridge_truthful_te_detection", "core_local_norm_sequence_parallel",
         "bridge_lora_te_norm_grad", "bridge_pretrain_without_nvrx", "bridge_prebuilt_dataset_helpers",
-        "bridge_recipe_hf_config", "bridge_override_peft_check"]
+        "bridge_recipe_hf_config", "bridge_override_peft_check", "bridge_plan_without_diffusion",
+        "core_training_plan_without_modelopt"]
     assert result["resolves"] == [True] * len(before)  # every target names something that exists upstream
     for row in before:
         distribution, _, specifier = row["versions"].partition(" ")
@@ -417,11 +422,76 @@ def test_status_all_lists_every_patch_and_changes_nothing():
     assert "compile_helpers" in before[5]["target"]
     assert "AutoConfig.from_pretrained" in before[6]["target"]
     assert before[7]["target"].endswith("omegaconf_utils.process_config_with_overrides")
+    assert "diffusion" in before[8]["target"] and "modelopt" in before[9]["target"]
     assert [before[i]["status"] for i in (0, 2, 4)] == [NOT_APPLIED] * 3
     assert APPLIED not in [s["status"] for s in before]
     assert result["bridge_imported_by_status"] is False  # a half-failed Bridge import would poison the process
-    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 4
+    assert [s["status"] for s in after] == [APPLIED] * 3 + [NOT_NEEDED] + [APPLIED] * 4 + [NOT_NEEDED] * 2
     assert all(s["reason"] for s in after)
+
+
+# --------------------------------------------------------------------------------------------
+# bridge_plan_without_diffusion, core_training_plan_without_modelopt: what mbx plan's process leaves out
+# (the same plan with and without them: tests/unit/test_cli_plan.py)
+# --------------------------------------------------------------------------------------------
+
+_IMPORT_BRIDGE_AND_REPORT = """
+    from megatron_bridge_ext.estimate.configs import hf_config_object
+    from megatron_bridge_ext.patches import bridge_peft_without_te, registry
+
+    with registry.plan_imports() if LEAN else contextlib.nullcontext():
+        statuses = [p.status() for p in registry.PLAN_IMPORTS]
+        bridge_peft_without_te.import_bridge_peft()
+        from megatron.bridge import AutoBridge
+        from megatron.bridge.recipes.gpt import vanilla_gpt  # the recipes package: every family's recipes
+        from megatron.training import checkpointing, training
+
+        hf = hf_config_object(json.load(open("tests/data/qwen3-8b/config.json")))
+        built = AutoBridge.from_hf_config(hf).to_megatron_provider(load_weights=False)  # by the Qwen3 bridge
+        state = dict(statuses=statuses, refusals=[p.refusal() for p in registry.PLAN_IMPORTS],
+                     imported=[n for n in ("megatron.bridge.diffusion.models", "modelopt") if n in sys.modules],
+                     modelopt_flags=[checkpointing.has_nvidia_modelopt, training.has_nvidia_modelopt],
+                     provider=[getattr(built, k) for k in ("num_layers", "qk_layernorm", "num_query_groups")])
+    import megatron.bridge.diffusion.models  # after the plan, both import as usual
+    import modelopt.torch.opt.plugins
+
+    report(**state, recipe=callable(vanilla_gpt.vanilla_gpt_pretrain_config),
+           applied_after=[p.applied for p in registry.PLAN_IMPORTS], hooks_after=import_hooks.hooks_installed())
+"""
+
+
+@without_te
+@pytest.mark.parametrize("lean", [False, True], ids=["upstream", "patched"])
+def test_the_plan_imports_bridge_without_diffusion_bridges_and_modelopt(lean):
+    """Upstream, any Bridge import registers every diffusion bridge, any recipe import brings the diffusion recipes,
+    and Megatron's training package imports ModelOpt; under the plan's patches neither is imported, the training package takes its own fallback, AutoBridge still
+    builds Qwen3's provider, and once the plan is done the hooks are gone and both import as usual."""
+    result = run(f"import contextlib\nfrom megatron_bridge_ext.patches import import_hooks\nLEAN = {lean!r}",
+                 _IMPORT_BRIDGE_AND_REPORT)
+    assert result["provider"] == [36, True, 8]  # config.json's layers and KV heads; QK norm is the Qwen3 bridge's
+    assert result["applied_after"] == [False, False] and result["hooks_after"] == 0 and result["recipe"] is True
+    if lean:
+        assert [s[0] for s in result["statuses"]] == [APPLIED, APPLIED]
+        assert result["imported"] == [] and result["modelopt_flags"] == [False, False]
+        assert result["refusals"] == [None, None]
+    else:
+        assert [s[0] for s in result["statuses"]] == [NOT_APPLIED, NOT_APPLIED]
+        assert result["imported"] == ["megatron.bridge.diffusion.models", "modelopt"]
+        # without megatron.post_training (the Core wheel lacks it) checkpointing's fallback is taken upstream too
+        assert result["modelopt_flags"][0] is False
+
+
+def test_the_plan_import_patches_are_not_needed_once_bridge_is_imported():
+    """Applied after the process imported Bridge, they would skip nothing: not needed, nothing installed."""
+    result = run("""
+        from megatron_bridge_ext.patches import bridge_peft_without_te, import_hooks, registry
+
+        bridge_peft_without_te.import_bridge_peft()
+        with registry.plan_imports():
+            hooks = import_hooks.hooks_installed()
+        report(statuses=[p.status()[0] for p in registry.PLAN_IMPORTS], hooks=hooks)
+    """)
+    assert result == {"statuses": [NOT_NEEDED, NOT_NEEDED], "hooks": 0}
 
 
 # --------------------------------------------------------------------------------------------
