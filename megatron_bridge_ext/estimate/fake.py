@@ -65,7 +65,7 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str) ->
         stack.enter_context(_isolated_c10d())
         stack.enter_context(_isolated_parallel_state())
         stack.enter_context(_rng_for_tracing())
-        stack.enter_context(_current_device(device))
+        stack.enter_context(current_device(device))
         stack.enter_context(_causal_mask(device))
         stack.enter_context(_dynamo_disabled())
         stack.enter_context(_attention_environment())
@@ -166,7 +166,8 @@ def _rng_for_tracing() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _current_device(device: str) -> Iterator[None]:
+def current_device(device: str) -> Iterator[None]:
+    """``torch.cuda.current_device`` names ``device`` (``"cuda"``: device 0, real where a GPU is present)."""
     if device == "cuda" and torch.cuda.is_available():
         yield
         return

@@ -294,3 +294,30 @@ def test_dora_with_dropout_on_transformer_engine_under_sp_is_refused():
     assert "peft.dropout" in line and "set peft.dropout=0.0" in line and "\n" not in line
     # The local spec runs it (its base linears take the dropout correction's shard).
     assert estimate(cfg, attention="local", transformer_impl="local", device="cpu").peak_bytes > 0
+
+
+def test_dora_builds_on_the_traced_cuda_device_and_adds_its_magnitude_vectors_to_lora():
+    """DoRA's adapter takes, when it is built, the norm of its base weight gathered over TP (Megatron's
+    gather allocates on the current CUDA device). The estimate builds it on the CPU as it builds LoRA
+    and traces on fake CUDA tensors: DoRA's weights are LoRA's plus one trainable magnitude per output
+    row of each adapted linear (column-parallel: this rank's rows; row-parallel: all h rows)."""
+    from megatron_bridge_ext.estimate import estimate
+
+    ests = {}
+    for kind in ("lora", "dora"):
+        shape, cfg = _tiny_kind(kind)
+        ests[kind] = estimate(cfg, attention="local", transformer_impl="local", device="cuda")
+    h, ffn, tp, layers = shape.hidden, shape.ffn, shape.tp, shape.layers
+    head_dim = h // shape.heads
+    qkv_rows = (shape.heads + 2 * shape.kv_heads) * head_dim // tp
+    fc1_rows = 2 * ffn // tp  # SwiGLU: gate and up
+    magnitudes = layers * (qkv_rows + h + fc1_rows + h)  # qkv, proj, fc1, fc2
+
+    def part(kind, name):
+        return ests[kind].component(name).bytes
+
+    assert part("dora", "weights: adapters") - part("lora", "weights: adapters") == magnitudes * BF16
+    grads = "gradients (main_grad buffer)"
+    grad_bytes = 4 if cfg.ddp.grad_reduce_in_fp32 else BF16
+    assert part("dora", grads) - part("lora", grads) == magnitudes * grad_bytes
+    assert part("dora", "weights: transformer layers") == part("lora", "weights: transformer layers")
