@@ -321,3 +321,44 @@ def test_dora_builds_on_the_traced_cuda_device_and_adds_its_magnitude_vectors_to
     grad_bytes = 4 if cfg.ddp.grad_reduce_in_fp32 else BF16
     assert part("dora", grads) - part("lora", grads) == magnitudes * grad_bytes
     assert part("dora", "weights: transformer layers") == part("lora", "weights: transformer layers")
+
+
+def _tied_llama(tmp_path):
+    """Llama-3-8B's config.json with tied word embeddings (as Llama-3.2-1B and Qwen3's small models have)."""
+    hf = _hf(LLAMA3_8B)
+    hf["tie_word_embeddings"] = True
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    return hf, str(path)
+
+
+def test_tied_embeddings_count_the_shared_weight_once_on_one_stage(tmp_path):
+    """With PP=1 Core's output layer allocates no weight and multiplies by the embedding's: one [V/t, h]
+    matrix for both, and the logits still have V/t columns."""
+    from megatron_bridge_ext.estimate import estimate
+
+    hf, path = _tied_llama(tmp_path)
+    cfg = configs.from_hf_config(path, configs.Layout(tp=2, dp=2, seq=512, peft="none"), ["model.num_layers=2"])
+    assert cfg.model.share_embeddings_and_output_weights
+    est = estimate(cfg)
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    assert "weights: output layer" not in {c.name for c in est.components}
+    assert est.component("weights: embedding").bytes == vocab * h // 2 * BF16
+    weights = vocab * h // 2 + 2 * _layer_params(hf, 2) + h  # shared matrix, 2 layers, the final norm
+    assert sum(c.bytes for c in est.components if c.name.startswith("weights")) == weights * BF16
+    assert est.component("gradients (main_grad buffer)").bytes == weights * 4  # full fine-tuning
+    assert est.component("logits at the loss").bytes == 512 * (vocab // 2) * BF16
+
+
+def test_tied_embeddings_keep_a_copy_on_the_last_of_two_stages(tmp_path):
+    """With PP>1 Core's last stage keeps its own copy of the shared weight as the output layer's (kept equal
+    to the first stage's by an all-reduce), so both stages hold what they hold untied."""
+    from megatron_bridge_ext.estimate import estimate
+
+    _, path = _tied_llama(tmp_path)
+    layout = configs.Layout(tp=2, pp=2, dp=2, seq=512, peft="none")
+    tied_cfg = configs.from_hf_config(path, layout, ["model.num_layers=4"])
+    assert tied_cfg.model.share_embeddings_and_output_weights
+    tied = estimate(tied_cfg)
+    untied = estimate(configs.from_hf_config(LLAMA3_8B, layout, ["model.num_layers=4"]))
+    assert tied.stage_peaks == untied.stage_peaks
