@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_bridge_ext import recompute
-from megatron_bridge_ext.estimate import static, te
+from megatron_bridge_ext.estimate import configs, static, te
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, trace_microbatch
@@ -97,6 +97,10 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
             refuse("size_below_one", f"model.{name}", f"is {value}", "set it to 1 or more")
     if micro_batch < 1:
         refuse("size_below_one", "train.micro_batch_size", f"is {micro_batch}", "set it to 1 or more")
+    for name in configs.SHAPE_FIELDS:
+        value = getattr(model, name, None)
+        if configs.bad_shape(value):
+            refuse("size_below_one", f"model.{name}", f"is {value!r}", configs.shape_fix("it"))
     if out:
         return out
     heads = model.num_attention_heads

@@ -362,3 +362,24 @@ def test_tied_embeddings_keep_a_copy_on_the_last_of_two_stages(tmp_path):
     tied = estimate(tied_cfg)
     untied = estimate(configs.from_hf_config(LLAMA3_8B, layout, ["model.num_layers=4"]))
     assert tied.stage_peaks == untied.stage_peaks
+
+
+@pytest.fixture(scope="module")
+def qwen_tp2():
+    return configs.from_hf_config(QWEN3_8B, configs.Layout(tp=2, seq=1024))
+
+
+@pytest.mark.parametrize("field", list(configs.SHAPE_FIELDS))
+@pytest.mark.parametrize("value", [0, -8])
+def test_a_shape_field_below_one_is_refused_before_the_model_is_built(qwen_tp2, field, value):
+    """However the value came (a recipe's default, an override), the estimate refuses it by name before
+    Megatron Core divides by it."""
+    import copy
+
+    from megatron_bridge_ext.estimate import estimate
+
+    cfg = copy.deepcopy(qwen_tp2)
+    setattr(cfg.model, field, value)
+    with pytest.raises(Refused) as refused:
+        estimate(cfg)
+    assert refused.value.one_line() == f"model.{field}: is {value}. Fix: set it to a whole number of 1 or more"
