@@ -18,7 +18,7 @@ from megatron_bridge_ext.patches import (
     bridge_truthful_te_detection,
     core_local_norm_sequence_parallel,
 )
-from megatron_bridge_ext.patches.base import NOT_NEEDED, Patch
+from megatron_bridge_ext.patches.base import Patch
 
 # Order matters: Bridge's PEFT modules must import before their TE detection can be corrected.
 PATCHES: tuple[Patch, ...] = (
@@ -75,16 +75,9 @@ def install_init_hooks() -> list[PatchStatus]:
     Everything here is an import hook on a Bridge module, so it works whether the script imports Bridge
     before or after, and imports nothing now.
     """
-    statuses = [_report(patch, _apply_for_init(patch)) for patch in INIT]
+    statuses = [_report(patch, patch.apply(quiet=True)) for patch in INIT]
     bridge_lora_te_norm_grad.install_check()
     return statuses
-
-
-def _apply_for_init(patch: Patch) -> tuple[str, str]:
-    """``patch.apply``, except that whether TE imports is not tried here: that would import TE and torch now."""
-    if patch is bridge_peft_without_te.PATCH and bridge_peft_without_te.te_installed():
-        return NOT_NEEDED, "Transformer Engine is installed; Bridge's PEFT modules import it as they are"
-    return patch.apply(quiet=True)
 
 
 def revert_all() -> None:
