@@ -187,6 +187,9 @@ def _hf_problem(args):
         data = read_hf_config(args.hf_config)
     except Refused as refused:
         return refused.findings[0]
+    shape = _hf_shape_problem(args, data)
+    if shape:
+        return shape
     if args.seq is None and not args.recipe and not _overridden(args.overrides, "model.seq_length"):
         return _bad("--seq", "required with --hf-config (config.json's max_position_embeddings is the longest "
                              "sequence the model takes, not the training length)",
@@ -208,6 +211,18 @@ def _hf_problem(args):
     for field, failed, setting, message in checks:
         if failed and not _overridden(args.overrides, field, setting):
             return _bad(setting, message, "choose sizes that divide it")
+    return None
+
+
+def _hf_shape_problem(args, data: dict):
+    """A shape field of config.json below 1 (the estimate's rule), unless an override sets the field."""
+    from megatron_bridge_ext.estimate.configs import SHAPE_FIELDS, bad_shape, shape_fix
+
+    for field, key in SHAPE_FIELDS.items():
+        value = data.get(key)
+        if bad_shape(value) and not _overridden(args.overrides, f"model.{field}"):
+            return _bad(f"--hf-config {args.hf_config}", f"{key} is {value!r}",
+                        f"{shape_fix(key)} in the file, or override model.{field}")
     return None
 
 

@@ -63,11 +63,18 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
 
 
 def _apply_peft(model, peft):
-    """``peft(model)`` as training does, with its per-adapter log lines held back (a trace is not a run)."""
-    from megatron_bridge_ext.estimate.fake import scoped_patch
+    """``peft(model)`` as training does, with its per-adapter log lines held back (a trace is not a run).
+
+    The adapters are created on the CPU (``use_cpu_initialization``), so Megatron's collectives that
+    allocate on ``torch.cuda.current_device()`` while they are built (DoRA gathers the adapter weights
+    over TP for its magnitude's initial norm) allocate there too: same shapes, no GPU needed, and no
+    CPU/GPU mix where a GPU is present.
+    """
+    from megatron_bridge_ext.estimate.fake import current_device, scoped_patch
     from megatron_bridge_ext.patches import bridge_truthful_te_detection
 
-    with scoped_patch(bridge_truthful_te_detection.PATCH), _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
+    with scoped_patch(bridge_truthful_te_detection.PATCH), current_device("cpu"), \
+            _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
         out = peft(model, training=True)
     return out[0] if isinstance(out, list) else out
 

@@ -30,6 +30,21 @@ WHAT = "mbx plan input"
 REQUIRED_HF_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                       "vocab_size")
 
+# The model's shape fields, each with its config.json key. A set value below 1 builds nothing: Megatron
+# Core divides by it or makes empty layers; None is left to Core, which derives the optional ones.
+SHAPE_FIELDS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+                "vocab_size": "vocab_size", "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim"}
+
+
+def shape_fix(name: str) -> str:
+    return f"set {name} to a whole number of 1 or more"
+
+
+def bad_shape(value) -> bool:
+    """A shape field's value that is set but not a whole number of 1 or more."""
+    return value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+
 
 def _refuse(setting: str, message: str, fix: str) -> Refused:
     return Refused(WHAT, [Finding("bad_input", ERROR, setting, message, fix)])

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_bridge_ext import recompute
-from megatron_bridge_ext.estimate import static, te
+from megatron_bridge_ext.estimate import configs, static, te
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, trace_microbatch
@@ -97,6 +97,10 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
             refuse("size_below_one", f"model.{name}", f"is {value}", "set it to 1 or more")
     if micro_batch < 1:
         refuse("size_below_one", "train.micro_batch_size", f"is {micro_batch}", "set it to 1 or more")
+    for name in configs.SHAPE_FIELDS:
+        value = getattr(model, name, None)
+        if configs.bad_shape(value):
+            refuse("size_below_one", f"model.{name}", f"is {value!r}", configs.shape_fix("it"))
     if out:
         return out
     heads = model.num_attention_heads
@@ -280,7 +284,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
-        vocab_local = model.output_layer.weight.shape[0] if model.post_process else 0
+        vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
             if provider.recompute_granularity == "full" else 0
     in_flight = microbatches_in_flight(pp=pp, vpp=provider.virtual_pipeline_model_parallel_size,
@@ -309,6 +313,14 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                           assumptions=_assumptions(prepared, attention, impl, device, contract),
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer))
+
+
+def _output_weight(model) -> torch.Tensor:
+    """The weight the last stage's logits are computed with: the output layer's own, or with tied
+    embeddings on a one-stage model (where Core allocates none for the output layer) the embedding's."""
+    if model.output_layer.weight is not None:
+        return model.output_layer.weight
+    return model.shared_embedding_or_output_weight()
 
 
 def _static(prepared: Prepared, counts: static.ParameterCounts) -> list[Component]:
@@ -423,6 +435,9 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         "transients: the largest of the listed formulas; not alive together",
         f"not modelled: {NOT_MODELLED}",
     ]
+    if getattr(prepared.provider, "share_embeddings_and_output_weights", False):
+        out.append("tied embeddings: one stage's output layer uses the embedding's weight (counted once); with PP > 1 "
+                   "the last stage keeps its own copy, as Megatron Core does")
     if (prepared.provider.virtual_pipeline_model_parallel_size or 1) > 1:
         out.append("interleaved pipeline: a stage's model chunks traced as one model; a chunk is 1/VPP of it")
     return out + prepared.notes

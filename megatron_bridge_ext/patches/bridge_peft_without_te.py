@@ -7,7 +7,9 @@ cannot be imported on a machine without TE, although the local (non-TE) LoRA pat
 The patch is an import hook (:mod:`.import_hooks`) scoped to those modules only: while their top-level code runs,
 ``import transformer_engine...`` resolves to a placeholder whose every attribute is a class that
 raises a clear error when instantiated. Nothing else in the process sees the placeholder, so
-``safe_import`` checks elsewhere keep reporting TE as absent. Only active when TE cannot be imported.
+``safe_import`` checks elsewhere keep reporting TE as absent. Only active when TE cannot be imported:
+with TE installed, whether it imports is tried when those modules import it, not when the hook is
+installed (``init()`` imports nothing), and an importable TE reaches them as it is.
 
 :func:`import_bridge_peft` is how the package uses it: the hook is installed for the duration of
 that one import and removed afterwards (accessing ``megatron_bridge_ext.peft.LoRA`` calls it).
@@ -15,6 +17,7 @@ that one import and removed afterwards (accessing ``megatron_bridge_ext.peft.LoR
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -44,7 +47,7 @@ def te_installed() -> bool:
 
 
 def _te_importable() -> bool:
-    if importlib.util.find_spec("transformer_engine") is None:
+    if not te_installed():
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -54,11 +57,16 @@ def _te_importable() -> bool:
 
 
 def _needed() -> tuple[bool, str]:
-    """Needed whenever TE cannot be imported, also after this process imported Bridge's PEFT modules through
-    the hook: a fresh script that imports Bridge (``import megatron.bridge`` reaches ``peft/lora_layers.py``)
-    before ``megatron_bridge_ext.peft`` or ``megatron_bridge_ext.init()`` still fails."""
-    if _te_importable():
-        return False, "Transformer Engine imports; Bridge's PEFT modules load as they are"
+    """Imports nothing (``init()`` runs it before torch is imported). Not needed once TE is imported; needed
+    where it is not installed, also after this process imported Bridge's PEFT modules through the hook (a
+    fresh script that imports Bridge before ``megatron_bridge_ext.peft`` or ``init()`` still fails); and
+    needed where it is installed but not yet imported, since only importing it tells whether it works: the
+    hook tries that when Bridge's PEFT modules import it, and hands them the real TE when it imports."""
+    if "transformer_engine.pytorch" in sys.modules:
+        return False, "Transformer Engine is imported; Bridge's PEFT modules load as they are"
+    if te_installed():
+        return True, ("Transformer Engine is installed but not imported yet: Bridge's PEFT modules get it when it "
+                      "imports, the placeholder when it does not (tried when they import it)")
     return True, ("Transformer Engine is not importable and Bridge's PEFT modules (reached by `import "
                   "megatron.bridge`) import it unconditionally: call megatron_bridge_ext.init() or import "
                   "megatron_bridge_ext.peft before importing Bridge")
@@ -79,9 +87,12 @@ def import_bridge_peft() -> None:
 
 def _apply() -> Callable[[], None]:
     placeholder = te_placeholder()
+    importable = functools.cache(_te_importable)  # tried once, at the first import of TE by a target module
 
     def resolve(name: str, fromlist: tuple):
-        return placeholder if name.split(".")[0] == "transformer_engine" else None
+        if name.split(".")[0] != "transformer_engine" or importable():
+            return None
+        return placeholder
 
     return import_hooks.scoped_imports(TARGET_MODULES, resolve)
 

@@ -21,7 +21,7 @@ from megatron_bridge_ext.patches import (
     core_local_norm_sequence_parallel,
     core_training_plan_without_modelopt,
 )
-from megatron_bridge_ext.patches.base import APPLIED, NOT_NEEDED, Patch
+from megatron_bridge_ext.patches.base import APPLIED, Patch
 
 # Order matters: Bridge's PEFT modules must import before their TE detection can be corrected.
 PATCHES: tuple[Patch, ...] = (
@@ -83,16 +83,9 @@ def install_init_hooks() -> list[PatchStatus]:
     Everything here is an import hook on a Bridge module, so it works whether the script imports Bridge
     before or after, and imports nothing now.
     """
-    statuses = [_report(patch, _apply_for_init(patch)) for patch in INIT]
+    statuses = [_report(patch, patch.apply(quiet=True)) for patch in INIT]
     bridge_lora_te_norm_grad.install_check()
     return statuses
-
-
-def _apply_for_init(patch: Patch) -> tuple[str, str]:
-    """``patch.apply``, except that whether TE imports is not tried here: that would import TE and torch now."""
-    if patch is bridge_peft_without_te.PATCH and bridge_peft_without_te.te_installed():
-        return NOT_NEEDED, "Transformer Engine is installed; Bridge's PEFT modules import it as they are"
-    return patch.apply(quiet=True)
 
 
 @contextlib.contextmanager

@@ -400,3 +400,21 @@ def test_the_docs_example_runs_as_written_and_trains_as_the_recipe_run(runs, dir
         if printed != [f"{loss:E}" for loss in expected]:
             problems.append(f"the example's losses {printed} != the recipe run's {expected}")
     assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_a_session_leaves_our_warnings_visible_after_bridges_logging_setup(directory, caplog):
+    """Bridge's setup calls ``setup_logging`` with ``logger.filter_warnings`` (True by default), which puts a
+    filter dropping every WARNING record on the root logger and on every logger that exists, ours included;
+    after the session a warning of our patches must reach the logging system again."""
+    import logging
+
+    logger = logging.getLogger("megatron_bridge_ext.patches")
+    with bridge_session():
+        from megatron.bridge.training.utils.log_utils import setup_logging  # the session imports Bridge without TE
+
+        setup_logging(filter_warning=True)
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("seen after the session")
+    seen = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert_no_problems([] if seen == ["seen after the session"] else [f"records after the session: {seen}"],
+                       dist.group.WORLD)

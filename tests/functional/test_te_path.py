@@ -206,38 +206,19 @@ def test_init_fixes_bridges_own_lora_imported_after_it(tp2, tmp_path_factory):
     assert_no_problems(problems, tp2)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=0)
-        self.records = []
-
-    def emit(self, record) -> None:
-        self.records.append(record)
-
-
-def test_the_run_time_check_warns_once_without_the_fix_and_not_with_it(tp2, te_2_4, no_init_hooks, monkeypatch):
+def test_the_run_time_check_warns_once_without_the_fix_and_not_with_it(tp2, te_2_4, no_init_hooks, caplog):
     """Bridge's own LoRA on TE 2.4, two adapted layers, check installed: one WARNING naming the fix when the patch is
     not applied, none when it is."""
     bridge_lora_te_norm_grad.install_check()
     warnings = {}
-    # A logger of its own in place of the module's: earlier tests' logging setup (levels, filters, handlers,
-    # Bridge's among them) must not hide what the check says.
-    records = _Records()
-    probe = logging.Logger("megatron_bridge_ext.patches.probe", logging.WARNING)
-    probe.addHandler(records)
-    monkeypatch.setattr(bridge_lora_te_norm_grad, "log", probe)
-    disabled = logging.root.manager.disable
-    logging.disable(logging.NOTSET)
-    try:
-        for fixed in (False, True):
-            if fixed:
-                bridge_lora_te_norm_grad.PATCH.apply()
-            records.records.clear()
+    for fixed in (False, True):
+        if fixed:
+            bridge_lora_te_norm_grad.PATCH.apply()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=bridge_lora_te_norm_grad.log.name):
             for _ in range(2):
                 _run(tp2, TE_GE_2_4, "bridge", as_is=True)
-            warnings[fixed] = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
-    finally:
-        logging.disable(disabled)
+        warnings[fixed] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     problems = []
     if len(warnings[False]) != 1 or "megatron_bridge_ext.init()" not in warnings[False][0] \
             or "megatron_bridge_ext.peft.LoRA" not in warnings[False][0]:

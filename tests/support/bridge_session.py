@@ -15,7 +15,8 @@ run's last iteration; and Bridge applies ``cfg.env_vars`` to ``os.environ``, whi
 :func:`bridge_session` handles what a run leaves behind for the other tests: Megatron Core's parallel
 state is destroyed before the runs (Bridge builds its own) and rebuilt with the same tensor-parallel
 size afterwards; the environment (Bridge applies ``cfg.env_vars``, ``megatron_bridge_ext.init()``
-sets the allocator variables), logger levels, warning filters and the RNG states are restored. On a
+sets the allocator variables), logger levels and filters (Bridge's setup drops WARNING records on every
+logger by default), warning filters and the RNG states are restored. On a
 machine without CUDA the runs go through the demo's CPU emulation of Bridge's loop.
 """
 
@@ -34,17 +35,25 @@ import torch
 import torch.distributed as dist
 
 
-def _logger_levels() -> dict[str, int]:
-    loggers = {name: logger for name, logger in logging.root.manager.loggerDict.items()
-               if isinstance(logger, logging.Logger)}
-    return {"": logging.root.level, **{name: logger.level for name, logger in loggers.items()}}
+def _loggers() -> dict[str, logging.Logger]:
+    return {"": logging.root, **{name: logger for name, logger in logging.root.manager.loggerDict.items()
+                                 if isinstance(logger, logging.Logger)}}
 
 
-def _restore_logger_levels(levels: dict[str, int]) -> None:
-    for name, logger in list(logging.root.manager.loggerDict.items()):
-        if isinstance(logger, logging.Logger):
-            logger.setLevel(levels.get(name, logging.NOTSET))
-    logging.root.setLevel(levels[""])
+def _logging_state() -> dict[str, tuple[int, list]]:
+    """Each logger's level and filters (Bridge's ``setup_logging`` sets levels, and with ``filter_warnings``,
+    its default, a filter that drops WARNING records on the root and on every logger that exists)."""
+    return {name: (logger.level, list(logger.filters)) for name, logger in _loggers().items()}
+
+
+def _restore_logging_state(state: dict[str, tuple[int, list]]) -> None:
+    """Levels and filters as ``state`` has them; a logger created since gets NOTSET and loses the filters that
+    were put on every logger (those on the root now and not before)."""
+    added_everywhere = [f for f in logging.root.filters if f not in state[""][1]]
+    for name, logger in _loggers().items():
+        level, filters = state.get(name, (logging.NOTSET, [f for f in logger.filters if f not in added_everywhere]))
+        logger.setLevel(level)
+        logger.filters = list(filters)
 
 
 def timeout_minutes() -> int:
@@ -82,7 +91,7 @@ def bridge_session() -> Iterator[Session]:
         tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
         parallel_state.destroy_model_parallel()
     environ = dict(os.environ)
-    levels = _logger_levels()
+    logging_state = _logging_state()
     rng = (torch.get_rng_state(), random.getstate(), numpy.random.get_state())
     emulate = not torch.cuda.is_available()
     if emulate:
@@ -94,7 +103,7 @@ def bridge_session() -> Iterator[Session]:
     finally:
         os.environ.clear()
         os.environ.update(environ)
-        _restore_logger_levels(levels)
+        _restore_logging_state(logging_state)
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
         numpy.random.set_state(rng[2])

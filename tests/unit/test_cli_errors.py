@@ -164,3 +164,31 @@ def test_plan_names_a_misspelt_override_field_and_the_closest_one(override):
                            "Fix: did you mean model.num_layers?")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == line  # the one line, nothing logged around it
+
+
+SHAPE_KEYS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
+              "num_attention_heads": "num_attention_heads", "intermediate_size": "ffn_hidden_size",
+              "vocab_size": "vocab_size", "num_key_value_heads": "num_query_groups", "head_dim": "kv_channels"}
+
+
+@pytest.mark.parametrize("key, value", [(key, 0) for key in SHAPE_KEYS]
+                         + [("hidden_size", -4096), ("num_attention_heads", 32.5)])
+def test_plan_refuses_a_config_json_shape_below_one_before_any_build(tmp_path, key, value):
+    """Zero heads made Megatron Core divide by zero while the model was built; every shape field of
+    config.json is checked with the arguments, naming the file's key and the override that sets it."""
+    data = json.loads((DATA / "qwen3-8b" / "config.json").read_text())
+    data[key] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    done = mbx("plan", "--hf-config", str(path), "--seq", "256", "--gpu-memory", "80GiB")
+    _one_clean_line(done, f"--hf-config {path}: {key} is {value!r}.",
+                    f"Fix: set {key} to a whole number of 1 or more in the file, or override model.{SHAPE_KEYS[key]}")
+    assert done.returncode == 2 and done.stdout == ""
+
+
+def test_plan_refuses_zero_heads_from_an_override_of_a_recipe():
+    done = mbx("plan", "--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config",
+               "--gpu-memory", "80GiB", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=0",
+               "model.ffn_hidden_size=128", "model.vocab_size=1024")
+    _one_clean_line(done, "model.num_attention_heads: is 0. Fix: set it to a whole number of 1 or more")
+    assert done.returncode == 2 and done.stdout == ""

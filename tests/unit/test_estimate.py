@@ -293,3 +293,99 @@ def test_dora_with_dropout_on_transformer_engine_under_sp_is_refused():
     assert "peft.dropout" in line and "set peft.dropout=0.0" in line and "\n" not in line
     # The local spec runs it (its base linears take the dropout correction's shard).
     assert estimate(cfg, attention="local", transformer_impl="local", device="cpu").peak_bytes > 0
+
+
+def test_dora_builds_on_the_traced_cuda_device_and_adds_its_magnitude_vectors_to_lora():
+    """DoRA's adapter takes, when it is built, the norm of its base weight gathered over TP (Megatron's
+    gather allocates on the current CUDA device). The estimate builds it on the CPU as it builds LoRA
+    and traces on fake CUDA tensors: DoRA's weights are LoRA's plus one trainable magnitude per output
+    row of each adapted linear (column-parallel: this rank's rows; row-parallel: all h rows)."""
+    from megatron_bridge_ext.estimate import estimate
+
+    ests = {}
+    for kind in ("lora", "dora"):
+        shape, cfg = _tiny_kind(kind)
+        ests[kind] = estimate(cfg, attention="local", transformer_impl="local", device="cuda")
+    h, ffn, tp, layers = shape.hidden, shape.ffn, shape.tp, shape.layers
+    head_dim = h // shape.heads
+    qkv_rows = (shape.heads + 2 * shape.kv_heads) * head_dim // tp
+    fc1_rows = 2 * ffn // tp  # SwiGLU: gate and up
+    magnitudes = layers * (qkv_rows + h + fc1_rows + h)  # qkv, proj, fc1, fc2
+
+    def part(kind, name):
+        return ests[kind].component(name).bytes
+
+    assert part("dora", "weights: adapters") - part("lora", "weights: adapters") == magnitudes * BF16
+    grads = "gradients (main_grad buffer)"
+    grad_bytes = 4 if cfg.ddp.grad_reduce_in_fp32 else BF16
+    assert part("dora", grads) - part("lora", grads) == magnitudes * grad_bytes
+    assert part("dora", "weights: transformer layers") == part("lora", "weights: transformer layers")
+    # What DoRA keeps beyond LoRA per adapted linear: m / ||W_0 + s B A|| times (base + adapter output) saves the
+    # sum [s, b, out] (column-parallel: out/t columns; row-parallel under SP: s/t rows of h) and the scale [out];
+    # the division keeps the norm [out]. The norm is detached: the [out, in] matrix it is taken of is not kept.
+    s, b = shape.seq, shape.micro_batch
+    sums = s * b * qkv_rows + (s // tp) * b * h + s * b * fc1_rows + (s // tp) * b * h
+    saved = {kind: sum(est.activations_per_microbatch.values()) for kind, est in ests.items()}
+    assert saved["dora"] - saved["lora"] == layers * (sums + 2 * (qkv_rows + h + fc1_rows + h)) * BF16
+
+
+def _tied_llama(tmp_path):
+    """Llama-3-8B's config.json with tied word embeddings (as Llama-3.2-1B and Qwen3's small models have)."""
+    hf = _hf(LLAMA3_8B)
+    hf["tie_word_embeddings"] = True
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    return hf, str(path)
+
+
+def test_tied_embeddings_count_the_shared_weight_once_on_one_stage(tmp_path):
+    """With PP=1 Core's output layer allocates no weight and multiplies by the embedding's: one [V/t, h]
+    matrix for both, and the logits still have V/t columns."""
+    from megatron_bridge_ext.estimate import estimate
+
+    hf, path = _tied_llama(tmp_path)
+    cfg = configs.from_hf_config(path, configs.Layout(tp=2, dp=2, seq=512, peft="none"), ["model.num_layers=2"])
+    assert cfg.model.share_embeddings_and_output_weights
+    est = estimate(cfg)
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    assert "weights: output layer" not in {c.name for c in est.components}
+    assert est.component("weights: embedding").bytes == vocab * h // 2 * BF16
+    weights = vocab * h // 2 + 2 * _layer_params(hf, 2) + h  # shared matrix, 2 layers, the final norm
+    assert sum(c.bytes for c in est.components if c.name.startswith("weights")) == weights * BF16
+    assert est.component("gradients (main_grad buffer)").bytes == weights * 4  # full fine-tuning
+    assert est.component("logits at the loss").bytes == 512 * (vocab // 2) * BF16
+
+
+def test_tied_embeddings_keep_a_copy_on_the_last_of_two_stages(tmp_path):
+    """With PP>1 Core's last stage keeps its own copy of the shared weight as the output layer's (kept equal
+    to the first stage's by an all-reduce), so both stages hold what they hold untied."""
+    from megatron_bridge_ext.estimate import estimate
+
+    _, path = _tied_llama(tmp_path)
+    layout = configs.Layout(tp=2, pp=2, dp=2, seq=512, peft="none")
+    tied_cfg = configs.from_hf_config(path, layout, ["model.num_layers=4"])
+    assert tied_cfg.model.share_embeddings_and_output_weights
+    tied = estimate(tied_cfg)
+    untied = estimate(configs.from_hf_config(LLAMA3_8B, layout, ["model.num_layers=4"]))
+    assert tied.stage_peaks == untied.stage_peaks
+
+
+@pytest.fixture(scope="module")
+def qwen_tp2():
+    return configs.from_hf_config(QWEN3_8B, configs.Layout(tp=2, seq=1024))
+
+
+@pytest.mark.parametrize("field", list(configs.SHAPE_FIELDS))
+@pytest.mark.parametrize("value", [0, -8])
+def test_a_shape_field_below_one_is_refused_before_the_model_is_built(qwen_tp2, field, value):
+    """However the value came (a recipe's default, an override), the estimate refuses it by name before
+    Megatron Core divides by it."""
+    import copy
+
+    from megatron_bridge_ext.estimate import estimate
+
+    cfg = copy.deepcopy(qwen_tp2)
+    setattr(cfg.model, field, value)
+    with pytest.raises(Refused) as refused:
+        estimate(cfg)
+    assert refused.value.one_line() == f"model.{field}: is {value}. Fix: set it to a whole number of 1 or more"

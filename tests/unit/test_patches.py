@@ -105,6 +105,46 @@ def test_status_stays_needed_after_this_process_imported_bridge_peft_through_the
     assert "megatron_bridge_ext.init()" in result["why"]
 
 
+BROKEN_TE = """
+import os, sys
+
+os.environ["MBX_TEST_TE_TRIED"] = str(int(os.environ.get("MBX_TEST_TE_TRIED", "0")) + 1)
+import transformer_engine_torch  # the framework extension, missing here as in a TE install without its torch part
+"""
+
+
+@without_te
+def test_te_that_is_installed_but_does_not_import_is_tried_only_when_bridge_imports_it(tmp_path):
+    """A TE package that is there but fails to import (its torch extension missing): init() and the patch's
+    needed() import nothing; Bridge's PEFT modules, imported after init(), get the placeholder once their
+    import of TE is tried and fails."""
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text(BROKEN_TE)
+    result = run(f"""
+        import os
+        sys.path.insert(0, {str(tmp_path)!r})
+        import megatron_bridge_ext
+        from megatron_bridge_ext import allocator
+        from megatron_bridge_ext.patches import bridge_peft_without_te
+
+        needed = bridge_peft_without_te.PATCH.needed()[0]
+        allocator.init = lambda **options: None
+        megatron_bridge_ext.init()
+        tried_by_init = os.environ.get("MBX_TEST_TE_TRIED", "0")
+        loaded_by_init = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "megatron", "transformer_engine"))
+        from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
+        from megatron.bridge.peft import lora_layers
+
+        report(needed=needed, tried_by_init=tried_by_init, loaded_by_init=loaded_by_init,
+               tried_by_bridge=int(os.environ.get("MBX_TEST_TE_TRIED", "0")) > 0,
+               placeholder=(lora_layers.te.__doc__ or "").startswith("megatron-bridge-ext placeholder"),
+               recipe=callable(vanilla_gpt_pretrain_config))
+    """)
+    assert result["needed"] is True and result["tried_by_init"] == "0" and result["loaded_by_init"] == []
+    assert result["tried_by_bridge"] and result["placeholder"] and result["recipe"] is True
+
+
 # --------------------------------------------------------------------------------------------
 # bridge_truthful_te_detection: LoRA() on Megatron Core's tensor-parallel linears
 # --------------------------------------------------------------------------------------------
