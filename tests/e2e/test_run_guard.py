@@ -35,8 +35,15 @@ def run_session(directory: Path, tests: str, ranks: int, **env: str) -> subproce
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
     command = [sys.executable, *launcher, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(directory)]
     environ = {k: v for k, v in os.environ.items() if k not in ("MBX_TEST_HANG_S", "RANK", "WORLD_SIZE")}
-    return subprocess.run(command, cwd=directory, env=dict(environ, PYTHONPATH=str(ROOT), **env),
-                          capture_output=True, text=True, timeout=HANG_DETECTOR_S)
+    with subprocess.Popen(command, cwd=directory, env=dict(environ, PYTHONPATH=str(ROOT), **env), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=HANG_DETECTOR_S)
+        except subprocess.TimeoutExpired:  # SIGTERM: torchrun then ends its ranks (a SIGKILL would leave them)
+            process.terminate()
+            process.communicate(timeout=120)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def test_a_rank_that_fails_stops_every_rank_and_its_traceback_is_shown(tmp_path):
