@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 HANG_DETECTOR_S = 600
 
@@ -46,21 +48,22 @@ def run_session(directory: Path, tests: str, ranks: int, **env: str) -> subproce
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def test_a_rank_that_fails_stops_every_rank_and_its_traceback_is_shown(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 4], ids=["functional", "functional-tp4"])
+def test_a_rank_that_fails_stops_every_rank_and_its_traceback_is_shown(tmp_path, ranks):
     tests = """
-    def test_rank_0_fails_before_a_collective_that_rank_1_enters():
+    def test_rank_0_fails_before_a_collective_that_the_others_enter():
         if dist.get_rank() == 0:
             raise AssertionError("rank 0 failed on purpose")
-        dist.recv(torch.zeros(1), src=0)  # as the other rank waits inside Bridge's loop
+        dist.recv(torch.zeros(1), src=0)  # as the other ranks wait inside Bridge's loop
 
     def test_the_next_collective():  # rank 0 would wait here for rank 1, which waits in the test before
-        dist.recv(torch.zeros(1), src=1 - dist.get_rank())
+        dist.recv(torch.zeros(1), src=1 if dist.get_rank() == 0 else 0)
     """
-    done = run_session(tmp_path, tests, ranks=2)
+    done = run_session(tmp_path, tests, ranks=ranks)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-3000:]
-    assert "rank 0 of 2: test_session.py::test_rank_0_fails_before_a_collective_that_rank_1_enters failed" in output, \
-        output[-3000:]
+    assert f"rank 0 of {ranks}: test_session.py::test_rank_0_fails_before_a_collective_that_the_others_enter failed" \
+        in output, output[-3000:]
     assert "AssertionError: rank 0 failed on purpose" in output, output[-3000:]
 
 
