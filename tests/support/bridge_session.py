@@ -14,7 +14,10 @@ run's last iteration; and Bridge applies ``cfg.env_vars`` to ``os.environ``, whi
 
 :func:`bridge_session` handles what a run leaves behind for the other tests: Megatron Core's parallel
 state is destroyed before the runs (Bridge builds its own) and rebuilt with the same tensor-parallel
-size afterwards; the environment (Bridge applies ``cfg.env_vars``, ``megatron_bridge_ext.init()``
+size afterwards; while it is held, the groups Bridge builds time out after ``MBX_DIST_TIMEOUT_S`` like
+the test's own process group, whatever a run's ``cfg.dist.distributed_timeout_minutes`` says (a script
+run as written, such as the README's example, keeps Bridge's 10-minute default otherwise, so a rank left
+waiting in a tensor-parallel collective would wait that long); the environment (Bridge applies ``cfg.env_vars``, ``megatron_bridge_ext.init()``
 sets the allocator variables), logger levels, warning filters and the RNG states are restored. On a
 machine without CUDA the runs go through the demo's CPU emulation of Bridge's loop.
 """
@@ -22,12 +25,13 @@ machine without CUDA the runs go through the demo's CPU emulation of Bridge's lo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
 import random
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy
 import torch
@@ -50,6 +54,16 @@ def _restore_logger_levels(levels: dict[str, int]) -> None:
 def timeout_minutes() -> int:
     """The process group's timeout (``MBX_DIST_TIMEOUT_S``) in whole minutes, for Bridge's own groups."""
     return max(1, math.ceil(int(os.environ.get("MBX_DIST_TIMEOUT_S", "300")) / 60))
+
+
+def _with_test_timeout(initialize: Callable) -> Callable:
+    """Megatron Core's ``initialize_model_parallel`` building its groups with :func:`timeout_minutes`."""
+
+    @functools.wraps(initialize)
+    def initialize_model_parallel(*args, **kwargs):
+        return initialize(*args, **dict(kwargs, distributed_timeout_minutes=timeout_minutes()))
+
+    return initialize_model_parallel
 
 
 class Session:
@@ -88,10 +102,13 @@ def bridge_session() -> Iterator[Session]:
     if emulate:
         cpu_emulation.bridge_imports()
     apply_training_entry()
+    initialize = parallel_state.initialize_model_parallel
+    parallel_state.initialize_model_parallel = _with_test_timeout(initialize)
     try:
         with warnings.catch_warnings(), (cpu_emulation.bridge_loop() if emulate else contextlib.nullcontext()):
             yield Session(environ)
     finally:
+        parallel_state.initialize_model_parallel = initialize
         os.environ.clear()
         os.environ.update(environ)
         _restore_logger_levels(levels)
