@@ -21,6 +21,7 @@ Registered by ``tests/conftest.py`` (so every suite has it) and by any throwaway
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import sys
 
@@ -33,6 +34,7 @@ WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 
 _terminal: list = []  # the real stderr, duplicated before pytest captures it
+_limit: list = []  # the hang guard's seconds, read once: tests change os.environ
 
 
 def hang_seconds() -> float:
@@ -42,15 +44,15 @@ def hang_seconds() -> float:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds >= 0:
+    if not (seconds >= 0 and math.isfinite(seconds)):
         raise pytest.UsageError(f"{HANG_VARIABLE}={text!r} is not a number of seconds. "
-                                f"Fix: set it to a number >= 0 (0 turns the hang guard off), e.g. {DEFAULT_HANG_S}")
+                                f"Fix: set it to a finite number >= 0 (0 turns the hang guard off), e.g. {DEFAULT_HANG_S}")
     return seconds
 
 
 def pytest_configure(config):
-    """Keep a file on the terminal's stderr: pytest's capture redirects fd 2 while a test runs."""
-    hang_seconds()
+    """Read the hang limit; keep a file on the terminal's stderr (pytest's capture redirects fd 2 during a test)."""
+    _limit[:] = [hang_seconds()]
     if not _terminal:
         _terminal.append(os.fdopen(os.dup(sys.__stderr__.fileno()), "w", buffering=1))
 
@@ -63,7 +65,7 @@ def _say(text: str) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Arm the hang guard for this test; disarm it when the test is done."""
-    seconds = hang_seconds()
+    seconds = _limit[0]
     if seconds > 0:
         faulthandler.dump_traceback_later(seconds, exit=True, file=_terminal[0])
     try:
