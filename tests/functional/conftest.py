@@ -1,7 +1,10 @@
 """Functional tests run on every rank under ``torchrun --nproc_per_node=2 -m pytest tests/functional``.
 
 Every rank runs the same tests in the same order; collectives inside a test pair up across
-ranks. Rank 0 reports on the terminal, other ranks write ``build/functional-rank<N>.log``.
+ranks. Rank 0 reports on the terminal, other ranks write ``build/functional-rank<N>.log``. The first
+failure on any rank shows that rank's traceback on the terminal and stops the run (torchrun ends the
+other ranks), and a test that hangs has its stack dumped and its process ended: see
+``tests/support/run_guard.py`` (``MBX_TEST_HANG_S``).
 Without torchrun (plain ``pytest``) every test here is reported as skipped, with the command that
 runs them: they need two processes.
 On a machine without CUDA the test-support CPU emulation is installed before Megatron Core

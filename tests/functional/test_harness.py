@@ -23,3 +23,20 @@ def test_sequence_parallel_gather_then_scatter_round_trips(tp2):
     assert full.shape == (6, 1, 2)
     torch.testing.assert_close(full[:3], torch.arange(6.0).reshape(3, 1, 2))
     torch.testing.assert_close(scatter_to_sequence_parallel_region(full, group=tp2), local)
+
+
+def test_groups_built_inside_a_bridge_session_time_out_as_the_tests_process_group(tp2):
+    """A Bridge run's groups wait at most MBX_DIST_TIMEOUT_S (rounded up to minutes), whatever its config asks."""
+    import datetime
+
+    from megatron.core import parallel_state
+
+    from tests.support.bridge_session import bridge_session, timeout_minutes
+
+    asked = timeout_minutes() + 7  # as a script's cfg.dist.distributed_timeout_minutes would (Bridge's default: 10)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with bridge_session():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, distributed_timeout_minutes=asked)
+        timeout = parallel_state.get_tensor_model_parallel_group()._get_backend(device).options._timeout
+        parallel_state.destroy_model_parallel()
+    assert timeout == datetime.timedelta(minutes=timeout_minutes())

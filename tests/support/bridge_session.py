@@ -14,21 +14,26 @@ run's last iteration; and Bridge applies ``cfg.env_vars`` to ``os.environ``, whi
 
 :func:`bridge_session` handles what a run leaves behind for the other tests: Megatron Core's parallel
 state is destroyed before the runs (Bridge builds its own) and rebuilt with the same tensor-parallel
-size afterwards; the environment (Bridge applies ``cfg.env_vars``, ``megatron_bridge_ext.init()``
-sets the allocator variables), logger levels and filters (Bridge's setup drops WARNING records on every
-logger by default), warning filters and the RNG states are restored. On a
+size afterwards; while it is held, the groups Bridge builds time out after ``MBX_DIST_TIMEOUT_S`` like
+the test's own process group, whatever a run's ``cfg.dist.distributed_timeout_minutes`` says (a script
+run as written, such as the docs' example, keeps Bridge's 10-minute default otherwise, so a rank left
+waiting in a tensor-parallel collective would wait that long); the environment (Bridge applies
+``cfg.env_vars``, ``megatron_bridge_ext.init()`` sets the allocator variables), logger levels and filters
+(Bridge's setup drops WARNING records on every logger by default), warning filters and the RNG states are
+restored. On a
 machine without CUDA the runs go through the demo's CPU emulation of Bridge's loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
 import random
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy
 import torch
@@ -59,6 +64,16 @@ def _restore_logging_state(state: dict[str, tuple[int, list]]) -> None:
 def timeout_minutes() -> int:
     """The process group's timeout (``MBX_DIST_TIMEOUT_S``) in whole minutes, for Bridge's own groups."""
     return max(1, math.ceil(int(os.environ.get("MBX_DIST_TIMEOUT_S", "300")) / 60))
+
+
+def _with_test_timeout(initialize: Callable) -> Callable:
+    """Megatron Core's ``initialize_model_parallel`` building its groups with :func:`timeout_minutes`."""
+
+    @functools.wraps(initialize)
+    def initialize_model_parallel(*args, **kwargs):
+        return initialize(*args, **dict(kwargs, distributed_timeout_minutes=timeout_minutes()))
+
+    return initialize_model_parallel
 
 
 class Session:
@@ -97,10 +112,13 @@ def bridge_session() -> Iterator[Session]:
     if emulate:
         cpu_emulation.bridge_imports()
     apply_training_entry()
+    initialize = parallel_state.initialize_model_parallel
+    parallel_state.initialize_model_parallel = _with_test_timeout(initialize)
     try:
         with warnings.catch_warnings(), (cpu_emulation.bridge_loop() if emulate else contextlib.nullcontext()):
             yield Session(environ)
     finally:
+        parallel_state.initialize_model_parallel = initialize
         os.environ.clear()
         os.environ.update(environ)
         _restore_logging_state(logging_state)

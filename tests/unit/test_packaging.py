@@ -6,7 +6,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+# `pip wheel` of the checkout builds in its build/ folder: under pytest-xdist these tests run in one process.
+pytestmark = pytest.mark.xdist_group("in_tree_build")
 
 
 def test_wheel_ships_every_package_module_and_no_tests(tmp_path):
