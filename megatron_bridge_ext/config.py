@@ -15,11 +15,12 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from megatron_bridge_ext import recompute
+from megatron_bridge_ext.levers.recompute import attention
 from megatron_bridge_ext.findings import ACTION, ERROR, NO_EFFECT, WARNING, Finding, Refused
 from megatron_bridge_ext.overrides import unbuilt_peft
-from megatron_bridge_ext.peft import kinds, sp_lora
-from megatron_bridge_ext.peft.eligibility import ELIGIBLE_SURFACES, recompute_reason
+from megatron_bridge_ext.levers.lora_input import sp_lora
+from megatron_bridge_ext.peft import kinds
+from megatron_bridge_ext.levers.lora_input.eligibility import ELIGIBLE_SURFACES, recompute_reason
 
 WHAT = "MemoryConfig"
 
@@ -53,7 +54,7 @@ class MemoryConfig:
     """The recipe flags of megatron-bridge-ext's memory features.
 
     expandable_segments: PyTorch's ``expandable_segments:True`` allocator option via ``cfg.env_vars``
-        (set before CUDA starts, user options kept; see :mod:`megatron_bridge_ext.allocator`).
+        (set before CUDA starts, user options kept; see :mod:`megatron_bridge_ext.levers.allocator`).
     allocator_ipc: the processes share CUDA memory through IPC (colocated inference, weight sync):
         expandable segments are then left off.
     lora_sp_input: LoRA-A input under sequence parallelism: ``"regather"``, ``"shard_local"`` or
@@ -94,10 +95,10 @@ class MemoryConfig:
     def _recompute_findings(self, model) -> list[Finding]:
         out: list[Finding] = []
         modules = self.recompute_modules or []
-        unknown = [m for m in modules if m not in recompute.RECOMPUTE_MODULES]
+        unknown = [m for m in modules if m not in attention.RECOMPUTE_MODULES]
         if unknown:
             out.append(Finding("unknown_recompute_module", ERROR, "recompute_modules", f"unknown module(s) {unknown}",
-                               f"choose from {list(recompute.RECOMPUTE_MODULES)}"))
+                               f"choose from {list(attention.RECOMPUTE_MODULES)}"))
         if "moe_act" in modules and not getattr(model, "moe_grouped_gemm", False):
             out.append(Finding("moe_act_grouped_gemm", ERROR, "recompute_modules", "'moe_act' needs grouped GEMM",
                                "set model.moe_grouped_gemm=True or drop 'moe_act'"))
@@ -139,7 +140,7 @@ class MemoryConfig:
                                "cannot be combined with sequence parallelism",
                                "set model.distribute_saved_activations=False"))
         if "core_attn" in modules:
-            kind = recompute.attention_kind_from_config(model)
+            kind = attention.attention_kind_from_config(model)
             level = WARNING if kind.materialises_scores else NO_EFFECT
             out.append(Finding("core_attn_effect", level, "recompute_modules", f"core_attn: {kind.core_attn_effect()}"))
         return out
@@ -213,7 +214,7 @@ class MemoryConfig:
     def _allocator_findings(self, cfg) -> list[Finding]:
         if not self.expandable_segments:
             return []
-        from megatron_bridge_ext.allocator.apply import bridge_env_findings
+        from megatron_bridge_ext.levers.allocator.apply import bridge_env_findings
 
         return bridge_env_findings(cfg, ipc=self.allocator_ipc)[1]
 
@@ -226,7 +227,7 @@ class MemoryConfig:
         self._apply_lora(cfg, summary)
         self._apply_te_gradient_fix(cfg, summary)
         if self.expandable_segments:
-            from megatron_bridge_ext.allocator.apply import configure_bridge_env
+            from megatron_bridge_ext.levers.allocator.apply import configure_bridge_env
 
             before = dict(getattr(cfg, "env_vars", None) or {})  # Bridge 0.5.1 has no env_vars field
             configure_bridge_env(cfg, ipc=self.allocator_ipc)

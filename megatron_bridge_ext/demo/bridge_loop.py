@@ -7,7 +7,7 @@ What this module adds only observes, through Bridge's own extension points:
 * :class:`StepRecorder`: Bridge callbacks (``on_train_step_start``/``on_train_step_end``) record
   each iteration's loss (``lm loss`` as Bridge reduces it), the grad norm the optimizer returned,
   the rank's environment for the variables of ``cfg.env_vars``, and the counts of a
-  :class:`~megatron_bridge_ext.measure.RecomputeProbe` held over the whole step.
+  :class:`~megatron_bridge_ext.levers.recompute.probe.RecomputeProbe` held over the whole step.
 * :class:`MeteredForwardStep`: Bridge's ``forward_step`` with a
   :class:`~megatron_bridge_ext.measure.SavedActivationMeter` around each micro-batch's forward
   (the model forward runs inside ``forward_step``; Core's schedule runs backward afterwards).
@@ -218,7 +218,7 @@ class StepRecorder:
         return manager
 
     def _start(self, context) -> None:
-        from megatron_bridge_ext.measure import RecomputeProbe
+        from megatron_bridge_ext.levers.recompute.probe import RecomputeProbe
 
         self._probe = RecomputeProbe(context.model[0])
         self._probe.__enter__()

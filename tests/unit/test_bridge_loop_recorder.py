@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_bridge_ext.demo.bridge_loop import StepRecorder
-from megatron_bridge_ext.measure import RecomputeProbe
+from megatron_bridge_ext.levers.recompute.probe import RecomputeProbe
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megatron_bridge_ext import plan as planner
+from megatron_bridge_ext import planner
 from megatron_bridge_ext.config import MemoryConfig
 
 pytestmark = [pytest.mark.unit]

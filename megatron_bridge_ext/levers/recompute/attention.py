@@ -10,7 +10,7 @@ Megatron Core recomputes the modules named in ``recompute_modules`` when
 * fused/flash attention (TE's fused or flash backends) keeps no s x s matrix: recomputing it costs
   time for little or no memory (Bridge measured -0.01% memory for +3.85% step time on Moonlight 16B).
 
-:class:`megatron_bridge_ext.measure.RecomputeProbe` shows at run time that the flag took effect.
+:class:`megatron_bridge_ext.levers.recompute.probe.RecomputeProbe` shows at run time that the flag took effect.
 """
 
 from __future__ import annotations

@@ -360,8 +360,8 @@ def _python_line(flags: dict) -> str:
 
 
 def _expandable_in(cfg) -> bool:
-    from megatron_bridge_ext.allocator.options import effective, parse_version
-    from megatron_bridge_ext.allocator.plan import installed_torch_version
+    from megatron_bridge_ext.levers.allocator.options import effective, parse_version
+    from megatron_bridge_ext.levers.allocator.env_plan import installed_torch_version
 
     env = {k: str(v) for k, v in (getattr(cfg, "env_vars", None) or {}).items()}
     _, conf = effective(env, parse_version(installed_torch_version()))
