@@ -31,8 +31,10 @@ from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, MemoryEstimate, gib
 from megatron_bridge_ext.findings import ERROR, NO_EFFECT, Finding, Refused
+from megatron_bridge_ext.levers.lora_input import cost as lora_input_cost
+from megatron_bridge_ext.levers.parallelism import constraints as parallelism, cost as parallelism_cost
+from megatron_bridge_ext.levers.recompute import cost as recompute_cost
 from megatron_bridge_ext.overrides import PEFT_OBJECT_REASON
-from megatron_bridge_ext.peft import kinds
 
 MARGIN = 0.10
 """Share of device memory kept free without expandable segments: a caching allocator that fragments
@@ -41,8 +43,6 @@ reserved memory), and the estimate leaves out NCCL buffers, the CUDA context and
 EXPANDABLE_MARGIN = 0.03
 """Share kept free with expandable segments: no split segments, only block rounding and what the
 estimate leaves out."""
-MAX_TP = 8
-"""Largest TP the planner proposes: one NVLink node (8 GPUs); beyond it TP traffic leaves NVLink."""
 
 RECOMPUTE_CANDIDATES = ("core_attn", "layernorm", "mlp")
 LAYER_CATEGORIES = ("norms", "attention", "mlp", "lora inputs", "TE norm-output shards (contract)")
@@ -174,88 +174,6 @@ def breakdown(est: MemoryEstimate) -> dict[str, int]:
     largest = est.largest_transient
     parts.update({"buffers": est.total(BUFFERS), "transient": largest.bytes if largest else 0})
     return parts
-
-
-# ----------------------------------------------------------------------------------------------- costs
-
-def _element(est: MemoryEstimate) -> int:
-    return {"bfloat16": 2, "float16": 2, "float32": 4}[est.settings["dtype"]]
-
-
-def lora_input_collective_elements(strategy: str, *, seq: int, micro_batch: int, hidden: int, rank: int,
-                                   input_needs_grad: bool = True) -> int:
-    """Collective elements one eligible LoRA-A adapter moves per microbatch under sequence parallelism.
-
-    Counted as each collective's full (gathered) size. Bridge's path (``off``): all-gather x (s b h)
-    and, when x needs a gradient, reduce-scatter its gradient (s b h); ``regather`` all-gathers x
-    again in backward for the weight gradient; ``shard_local`` all-gathers A (r h) forward and, with
-    an input gradient, backward, and reduce-scatters A's weight gradient (r h). All three gather the
-    [s, b, r] LoRA-A output (over the rank dimension, or along the sequence for ``shard_local``).
-    The first layer's input under a frozen embedding needs no gradient.
-    """
-    sbh, sbr, rh = seq * micro_batch * hidden, seq * micro_batch * rank, rank * hidden
-    grad = 1 if input_needs_grad else 0
-    if strategy == "shard_local":
-        return sbr + rh + grad * rh + rh
-    if strategy == "regather":
-        return sbr + 2 * sbh + grad * sbh
-    return sbr + sbh + grad * sbh
-
-
-def _lora_collective_change(est: MemoryEstimate, strategy: str) -> tuple[int, str]:
-    s = est.settings
-    # One term per LoRA-A of a column-parallel layer (CanonicalLoRA: three on linear_qkv, two on linear_fc1).
-    targets = [layer for t in (s.get("lora_targets") or []) for layer in kinds.targeted_layers([t])
-               if layer in ("linear_qkv", "linear_fc1")]
-    old = s.get("lora_sp_input") or "off"
-    layers, nmb, e = s["layers_on_stage"], s["num_microbatches"], _element(est)
-    kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])
-    total = 0
-    for layer in range(layers):
-        for target in targets:
-            needs_grad = not (layer == 0 and est.stage == 0 and target == "linear_qkv")
-            total += (lora_input_collective_elements(strategy, **kwargs, input_needs_grad=needs_grad)
-                      - lora_input_collective_elements(old, **kwargs, input_needs_grad=needs_grad))
-    basis = (f"formula: per eligible adapter and microbatch, {old}: s*b*r + s*b*h (+ s*b*h with an input gradient); "
-             f"{strategy}: {'s*b*r + 3*r*h' if strategy == 'shard_local' else 's*b*r + 3*s*b*h'}; "
-             f"x {len(targets)} adapters x {layers} layers x {nmb} microbatches x {e} B")
-    return total * nmb * e, basis
-
-
-def recompute_flops_per_layer(module: str, s: dict) -> int:
-    """Forward FLOPs one layer repeats per microbatch when ``module`` is recomputed (GEMMs, 2 per MAC)."""
-    seq, b, h, tp = s["seq_length"], s["micro_batch"], s["hidden"], s["tp"]
-    if module == "core_attn":
-        heads, d = s["heads"] // tp, s["kv_channels"]
-        return 4 * b * seq * seq * heads * d  # QK^T and attention x V, full s x s (causal kernels skip about half)
-    if module == "mlp":
-        ffn = s["ffn"] // tp
-        return 2 * b * seq * h * ffn * ((2 if s["gated_linear_unit"] else 1) + 1)
-    return 0  # layernorm: no GEMM
-
-
-def _recompute_flops(est: MemoryEstimate, modules: list[str]) -> int:
-    s = est.settings
-    return sum(recompute_flops_per_layer(m, s) for m in modules) * s["layers_on_stage"] * s["num_microbatches"]
-
-
-def tp_collective_bytes(s: dict, *, tp: int, layers: int, num_microbatches: int, element: int) -> int:
-    """Bytes one rank moves per step for tensor parallelism's activations: per layer and microbatch,
-    2 all-gathers and 2 reduce-scatters of [s, b, h] forward and as many backward (all-reduces
-    without SP: the same volume), each moving (t - 1) / t of the tensor from a rank."""
-    if tp == 1:
-        return 0
-    sbh = s["seq_length"] * s["micro_batch"] * s["hidden"]
-    return 8 * sbh * element * (tp - 1) * layers * num_microbatches // tp
-
-
-def p2p_bytes(s: dict, *, pp: int, tp: int, num_microbatches: int, element: int) -> int:
-    """Bytes a pipeline stage sends per step: its output activation forward and its input's gradient
-    backward, [s/t, b, h] under SP, per microbatch (none with PP = 1)."""
-    if pp == 1:
-        return 0
-    seq = s["seq_length"] // tp if s["sequence_parallel"] else s["seq_length"]
-    return 2 * seq * s["micro_batch"] * s["hidden"] * element * num_microbatches
 
 
 # --------------------------------------------------------------------------------------------- planner
@@ -412,7 +330,7 @@ def _lora_input(planner: _Planner, state: _State) -> _State:
         return state
     cfg = copy.deepcopy(state.cfg)
     flags.apply(cfg)
-    change, basis = _lora_collective_change(state.est, "shard_local")
+    change, basis = lora_input_cost.collective_change(state.est, "shard_local")
     new = _State(cfg, planner.estimate(cfg), {**state.flags, "lora_sp_input": "shard_local"}, list(state.overrides))
     planner.add(Option(2, lever["name"], "lora_sp_input=shard_local", True, constraints=constraints,
                        cost=Cost(collective_bytes=change, published=published, basis=basis)), new)
@@ -441,7 +359,7 @@ def _recompute(planner: _Planner, state: _State) -> _State:
         if module in base or (module == "layernorm" and s["transformer_impl"] == "transformer_engine"):
             continue  # TE fuses the norms into the linears: nothing for layernorm recompute to drop
         saved = state.est.peak_bytes - estimate_with(base + [module])[1].peak_bytes
-        candidates.append((module, saved, _recompute_flops(state.est, [module])))
+        candidates.append((module, saved, recompute_cost.recompute_flops(s, [module])))
     for module, saved, _ in candidates:
         if saved <= 0:
             planner.add(Option(3, lever["name"], f"recompute {module}", False, "saves nothing here (measured)",
@@ -463,9 +381,9 @@ def _recompute(planner: _Planner, state: _State) -> _State:
         published = [lever["cost"]] if "mlp" in modules else []
         if "core_attn" in modules and s["attention"] == "fused":
             published.append(str(evidence.CORE_ATTN_FUSED))
-        cost = Cost(recomputed_flops=_recompute_flops(state.est, modules[len(base):]), published="; ".join(published),
-                    source=lever["source"] if published else "",
-                    basis="formula: forward GEMM FLOPs of the recomputed modules x layers x microbatches")
+        cost = Cost(recomputed_flops=recompute_cost.recompute_flops(state.est.settings, modules[len(base):]),
+                    published="; ".join(published), source=lever["source"] if published else "",
+                    basis=recompute_cost.BASIS)
         planner.add(Option(3, lever["name"], f"recompute_modules={modules}", True, cost=cost,
                            constraints=constraints), state)
         if planner.done():
@@ -490,14 +408,7 @@ def _parallelism(planner: _Planner, state: _State) -> _State:
         label = f"{name} {old} -> {2 * old}, DP {s['dp']} -> {max(s['dp'] // 2, 1)}"
         cfg = copy.deepcopy(state.cfg)
         setattr(cfg.model, field_name, 2 * old)
-        problems = []
-        if s["dp"] % 2:
-            problems.append(Finding("needs_gpus", ERROR, "data parallel size", f"DP={s['dp']} cannot be halved: "
-                                    f"{name} x 2 needs twice the GPUs", "add GPUs, or choose another lever"))
-        if name == "TP" and 2 * old > MAX_TP:
-            problems.append(Finding("tp_beyond_node", ERROR, "model.tensor_model_parallel_size",
-                                    f"TP={2 * old} spans more than one {MAX_TP}-GPU NVLink node",
-                                    f"keep TP <= {MAX_TP}"))
+        problems = parallelism.doubling_findings(name, old, s["dp"])
         problems += parallel_problems(cfg.model, micro_batch=cfg.train.micro_batch_size, peft=cfg.peft)
         problems += _model_errors(cfg)
         cost = Cost(published=str(figure), source=lever["source"])
@@ -509,23 +420,11 @@ def _parallelism(planner: _Planner, state: _State) -> _State:
         cfg.data_parallel_size = dp
         resized = _State(cfg, planner.estimate(cfg, data_parallel_size=dp, num_microbatches=nmb), dict(state.flags),
                          state.overrides + [f"model.{field_name}={2 * old}"])
-        cost.collective_bytes, cost.basis = _parallel_traffic_change(state.est, resized.est)
+        cost.collective_bytes, cost.basis = parallelism_cost.traffic_change(state.est.settings, resized.est.settings,
+                                                                            state.est.element_size())
         if planner.add(Option(4, lever["name"], label, True, cost=cost), resized).fits:
             return resized
     return state
-
-
-def _parallel_traffic_change(before: MemoryEstimate, after: MemoryEstimate) -> tuple[int, str]:
-    e = _element(before)
-
-    def volume(s):
-        return (tp_collective_bytes(s, tp=s["tp"], layers=s["layers_on_stage"], num_microbatches=s["num_microbatches"],
-                                    element=e)
-                + p2p_bytes(s, pp=s["pp"], tp=s["tp"], num_microbatches=s["num_microbatches"], element=e))
-
-    return volume(after.settings) - volume(before.settings), (
-        "formula: TP 8*s*b*h*e*(t-1)/t per layer and microbatch, PP 2*(s/t)*b*h*e per microbatch, on this rank's "
-        "layers, with twice the microbatches per step as DP halves")
 
 
 def _model_errors(cfg) -> list[Finding]:

@@ -378,14 +378,13 @@ def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, 
 def _peft_settings(peft) -> dict[str, Any]:
     if peft is None:
         return {"peft": None, "peft_kind": None}
-    from megatron_bridge_ext.levers.lora_input import sp_lora
+    from megatron_bridge_ext.levers.lora_input.config import strategy_in_effect
     from megatron_bridge_ext.peft import kinds
 
     return {"peft": f"{type(peft).__module__}.{type(peft).__name__}", "peft_kind": kinds.kind_of(peft),
             "lora_dim": getattr(peft, "dim", None),
             "lora_targets": list(getattr(peft, "target_modules", []) or []),
-            "lora_sp_input": getattr(peft, "strategy", None)
-            or ("regather" if getattr(peft, "sequence_parallel_input_regather", False) else sp_lora.OFF)}
+            "lora_sp_input": strategy_in_effect(peft)}
 
 
 def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, stage: int, layers: int) -> dict:

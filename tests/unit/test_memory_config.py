@@ -139,7 +139,7 @@ def test_invalid_lora_input_value_names_the_flag():
 def test_recompute_module_names_match_the_installed_megatron_core():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge_ext.levers.recompute import attention
+    from megatron_bridge_ext.levers.recompute.config import RECOMPUTE_MODULES
 
     def build(modules):
         return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, recompute_granularity="selective",
@@ -147,7 +147,7 @@ def test_recompute_module_names_match_the_installed_megatron_core():
 
     with pytest.raises(AssertionError, match="Invalid choices"):
         build(["not_a_module"])
-    for name in attention.RECOMPUTE_MODULES:
+    for name in RECOMPUTE_MODULES:
         try:
             build([name])
         except AssertionError as exc:  # an unknown name is an assertion; prerequisites raise ValueError

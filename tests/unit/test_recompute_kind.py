@@ -33,12 +33,13 @@ def test_attention_kind_from_config(spec, backend, kind):
 
 
 def test_fused_attention_makes_core_attn_a_no_effect_finding():
-    from megatron_bridge_ext.config import MemoryConfig
     from megatron_bridge_ext.findings import NO_EFFECT
+    from megatron_bridge_ext.levers.recompute.config import RecomputeConfig
 
     model = SimpleNamespace(transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec,
                             attention_backend="AttnBackend.auto")
-    findings = MemoryConfig(recompute_modules=["core_attn"])._recompute_findings(model)
+    lever = RecomputeConfig(recompute_modules=["core_attn"])
+    findings = lever.findings(model) + lever.effect_findings(model)
     assert [f.level for f in findings] == [NO_EFFECT]
     assert "little or no memory" in findings[0].message
 
@@ -80,9 +81,9 @@ def test_memory_config_and_the_plan_estimate_judge_attention_alike(spec_key, exp
     spec = _bridge_specs()[spec_key]  # first: imports Bridge's PEFT modules where TE is absent
     from megatron.bridge.recipes.gpt import vanilla_gpt_pretrain_config
 
-    from megatron_bridge_ext.config import MemoryConfig
     from megatron_bridge_ext.estimate import memory
     from megatron_bridge_ext.findings import NO_EFFECT, WARNING
+    from megatron_bridge_ext.levers.recompute.config import RecomputeConfig
 
     monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)
     model = vanilla_gpt_pretrain_config().model
@@ -91,7 +92,7 @@ def test_memory_config_and_the_plan_estimate_judge_attention_alike(spec_key, exp
     model.attention_backend = getattr(AttnBackend, backend)
     if backend == "local":
         expected = attention.UNFUSED  # Bridge swaps Core's unfused DotProductAttention into any spec
-    (finding,) = [f for f in MemoryConfig(recompute_modules=["core_attn"])._recompute_findings(model)
+    (finding,) = [f for f in RecomputeConfig(recompute_modules=["core_attn"]).effect_findings(model)
                   if f.code == "core_attn_effect"]
     assert finding.level == (NO_EFFECT if expected == attention.FUSED else WARNING)
     assert memory._attention_from(model) == ("fused" if expected == attention.FUSED else "local")

@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
 )
 
 from megatron_bridge_ext.levers.lora_input import sp_lora  # noqa: E402
+from megatron_bridge_ext.levers.lora_input.config import strategy_in_effect  # noqa: E402
 from megatron_bridge_ext.levers.lora_input.eligibility import Decision, decide_wrapper, is_te_layernorm_linear  # noqa: E402
 
 
@@ -129,10 +130,8 @@ class SequenceParallelInput:
 
     @property
     def strategy(self) -> str:
-        """The strategy in effect: the explicit one, else ``regather`` when upstream's flag is set, else ``off``."""
-        if self.sequence_parallel_input_strategy is not None:
-            return self.sequence_parallel_input_strategy
-        return sp_lora.REGATHER if getattr(self, "sequence_parallel_input_regather", False) else sp_lora.OFF
+        """The strategy in effect (:func:`~megatron_bridge_ext.levers.lora_input.config.strategy_in_effect`)."""
+        return strategy_in_effect(self)
 
     @property
     def _log(self) -> logging.Logger:
