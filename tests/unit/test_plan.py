@@ -17,7 +17,7 @@ from megatron_bridge_ext import planner
 from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.levers.lora_input import cost as lora_input_cost
 from megatron_bridge_ext.levers.parallelism import cost as parallelism_cost
-from megatron_bridge_ext.levers.recompute import cost as recompute_cost
+from megatron_bridge_ext.levers.recompute import advice as recompute_advice, cost as recompute_cost
 
 pytestmark = [pytest.mark.unit]
 
@@ -90,7 +90,7 @@ def test_needs_the_lora_input_under_sequence_parallelism():
 
 def test_needs_selective_recompute():
     shard_local = _peak(_cfg(), lora_sp_input="shard_local")
-    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(planner.RECOMPUTE_CANDIDATES))
+    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
     assert everything < shard_local
     result = _plan(_cfg(), _device_for((shard_local + everything) / 2, planner.EXPANDABLE_MARGIN))
     chosen = result.chosen
