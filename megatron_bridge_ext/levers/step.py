@@ -92,8 +92,6 @@ def breakdown(est: MemoryEstimate) -> dict[str, int]:
     return parts
 
 
-# --------------------------------------------------------------------------------------------- planner
-
 @dataclass
 class State:
     """The config with the levers applied so far, its estimate, and the flags that got it there."""
