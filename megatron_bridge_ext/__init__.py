@@ -1,7 +1,7 @@
 """megatron-bridge-ext: cut peak GPU memory in Megatron Bridge training.
 
 Importing this package is cheap: it imports neither torch nor Megatron. The features live in
-their modules (``measure``, ``peft``, ``tiny_model``, ``allocator``, ``diagnose``, ...) and the
+their modules (``levers``, ``peft``, ``estimate``, ``measure``, ``diagnose``, ...) and the
 upstream changes in ``patches``.
 """
 
@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 def init(*, nccl_ub=False, cuda_graph_impl=None, ipc=None):
     """The first line of a training script, before anything touches CUDA or imports Bridge's training modules.
 
-    1. Turns on expandable segments before CUDA starts: see :func:`megatron_bridge_ext.allocator.init`.
+    1. Turns on expandable segments before CUDA starts: see :func:`megatron_bridge_ext.levers.allocator.init`.
     2. Applies the patches Bridge's ``pretrain``/``finetune`` need to import and start, and the
        Transformer Engine norm-gradient fix for any LoRA-family PEFT, Bridge's own classes included
        (:data:`megatron_bridge_ext.patches.registry.INIT`), with its run-time check: import hooks, so
@@ -24,7 +24,7 @@ def init(*, nccl_ub=False, cuda_graph_impl=None, ipc=None):
     """
     import logging
 
-    from megatron_bridge_ext.allocator import init as _init
+    from megatron_bridge_ext.levers.allocator import init as _init
     from megatron_bridge_ext.patches.registry import install_init_hooks
 
     result = _init(nccl_ub=nccl_ub, cuda_graph_impl=cuda_graph_impl, ipc=ipc)

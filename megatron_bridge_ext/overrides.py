@@ -177,7 +177,7 @@ def unbuilt_peft(cfg) -> Optional[Finding]:
 
 
 def _build_error(target: str, cls, kwargs: dict, error: Exception) -> Finding:
-    from megatron_bridge_ext.peft.sp_lora import ChoiceError
+    from megatron_bridge_ext.levers.lora_input.sp_lora import ChoiceError
 
     if isinstance(error, ChoiceError):
         field_name = error.setting.rpartition(".")[2]

@@ -65,7 +65,7 @@ def _check(args) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_bridge_ext.peft import te_check
+    from megatron_bridge_ext.levers.lora_input import te_check
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")

@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     import os
 
     from megatron_bridge_ext import logs, run_site
-    from megatron_bridge_ext.allocator import setup_allocator
+    from megatron_bridge_ext.levers.allocator import setup_allocator
     from megatron_bridge_ext.findings import Refused
 
     command = list(args.cmd)

@@ -6,8 +6,8 @@ import json
 import os
 from typing import Any, MutableMapping, Optional
 
-from megatron_bridge_ext.allocator.options import VARIABLES, AllocatorConfigError, effective, parse_version, precedence_for
-from megatron_bridge_ext.allocator.plan import ipc_flag, plan_allocator
+from megatron_bridge_ext.levers.allocator.options import VARIABLES, AllocatorConfigError, effective, parse_version, precedence_for
+from megatron_bridge_ext.levers.allocator.env_plan import ipc_flag, plan_allocator
 from megatron_bridge_ext.findings import ERROR, Finding
 from megatron_bridge_ext.versions import package_versions
 
@@ -39,7 +39,7 @@ def describe_environment(environ: Optional[MutableMapping[str, str]] = None, *, 
 
 def _verify_after_setup(args) -> dict:
     """Apply the setup to this process, then check on the device (imports torch)."""
-    from megatron_bridge_ext.allocator import setup_allocator, verify_allocator
+    from megatron_bridge_ext.levers.allocator import setup_allocator, verify_allocator
 
     setup_allocator(nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
     return verify_allocator().to_dict()

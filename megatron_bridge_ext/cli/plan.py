@@ -233,7 +233,7 @@ def _have_matplotlib() -> bool:
 
 
 def _plan(args):
-    from megatron_bridge_ext import plan as planner
+    from megatron_bridge_ext import planner
     from megatron_bridge_ext.estimate import configs
 
     layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, seq=args.seq, micro_batch=args.micro_batch,
@@ -374,7 +374,7 @@ def plot(result, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_bridge_ext.plan import breakdown
+    from megatron_bridge_ext.planner import breakdown
 
     bars = [("as is", breakdown(result.baseline), result.usable_now)]
     bars += [(f"{o.step}: {o.label}", o.breakdown, o.usable_bytes) for o in result.options if o.applicable and o.breakdown]

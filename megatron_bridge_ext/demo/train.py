@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge_ext.demo import launch, options
-from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
+from megatron_bridge_ext.levers.recompute.probe import RecomputeProbe
+from megatron_bridge_ext.measure import SavedActivationMeter
 from megatron_bridge_ext.table import text_table
 from megatron_bridge_ext.testing import distributed, tiny_model, variants
 

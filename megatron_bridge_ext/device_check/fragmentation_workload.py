@@ -54,7 +54,7 @@ def run(mode: str) -> dict:
     setup = _prepare_environment(mode)
     import torch
 
-    from megatron_bridge_ext.allocator import verify_allocator
+    from megatron_bridge_ext.levers.allocator import verify_allocator
     from megatron_bridge_ext.diagnose import classify, parse_oom_message
 
     if not torch.cuda.is_available():

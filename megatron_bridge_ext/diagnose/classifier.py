@@ -111,7 +111,7 @@ def _expandable_from(settings) -> Optional[bool]:
     if isinstance(settings, Mapping):
         value = settings.get("expandable_segments")
         return None if value is None else bool(value)
-    from megatron_bridge_ext.allocator.options import AllocConf
+    from megatron_bridge_ext.levers.allocator.options import AllocConf
 
     return bool(AllocConf.parse(str(settings), "allocator settings").flag("expandable_segments"))
 

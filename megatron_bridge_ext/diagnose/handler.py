@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from megatron_bridge_ext.allocator import runtime
+from megatron_bridge_ext.levers.allocator import runtime
 from megatron_bridge_ext.diagnose.classifier import classify, parse_oom_message
 
 log = logging.getLogger("megatron_bridge_ext.diagnose")

@@ -18,12 +18,12 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext import recompute
 from megatron_bridge_ext.estimate import configs, static, te
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
+from megatron_bridge_ext.levers.recompute import attention as recompute_attention
 
 WHAT = "memory estimate"
 DEVICES = ("cuda", "cpu")
@@ -212,7 +212,7 @@ def _choice(value, choices, setting):
 
 def _attention_from(model) -> str:
     """What the model builds, by the rule ``MemoryConfig.validate`` uses too (one rule, one answer)."""
-    return FUSED if recompute.attention_kind_from_config(model).kind == recompute.FUSED else LOCAL
+    return FUSED if recompute_attention.attention_kind_from_config(model).kind == recompute_attention.FUSED else LOCAL
 
 
 def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches: Optional[int] = None,
@@ -222,7 +222,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
 
     ``attention``: ``"fused"`` traces a stand-in that keeps what fused (flash/cuDNN) attention keeps,
     ``"local"`` Megatron Core's unfused attention; default: what the model's layer spec and
-    ``attention_backend`` build (:func:`megatron_bridge_ext.recompute.attention_kind_from_config`).
+    ``attention_backend`` build (:func:`megatron_bridge_ext.levers.recompute.attention.attention_kind_from_config`).
     ``transformer_impl``: ``"transformer_engine"`` adds what TE's fused norm-linear keeps beyond the
     traced local spec; default ``model.transformer_impl``. ``device``: the dispatch path traced,
     ``"cuda"`` (fake CUDA tensors, no GPU needed) for GPU estimates, ``"cpu"`` to compare with CPU runs.
@@ -390,13 +390,13 @@ def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, 
 def _peft_settings(peft) -> dict[str, Any]:
     if peft is None:
         return {"peft": None, "peft_kind": None}
-    from megatron_bridge_ext.peft import kinds, sp_lora
+    from megatron_bridge_ext.levers.lora_input.config import strategy_in_effect
+    from megatron_bridge_ext.peft import kinds
 
     return {"peft": f"{type(peft).__module__}.{type(peft).__name__}", "peft_kind": kinds.kind_of(peft),
             "lora_dim": getattr(peft, "dim", None),
             "lora_targets": list(getattr(peft, "target_modules", []) or []),
-            "lora_sp_input": getattr(peft, "strategy", None)
-            or ("regather" if getattr(peft, "sequence_parallel_input_regather", False) else sp_lora.OFF)}
+            "lora_sp_input": strategy_in_effect(peft)}
 
 
 def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, stage: int, layers: int) -> dict:

@@ -64,6 +64,10 @@ class MemoryEstimate:
         transient = self.largest_transient
         return self.total(STATIC) + self.total(ACTIVATIONS) + self.total(BUFFERS) + (transient.bytes if transient else 0)
 
+    def element_size(self) -> int:
+        """Bytes per element of the activations (the ``dtype`` setting): the unit of the plan's traffic costs."""
+        return {"bfloat16": 2, "float16": 2, "float32": 4}[self.settings["dtype"]]
+
     def component(self, name: str) -> Component:
         for c in self.components:
             if c.name == name:

@@ -12,18 +12,15 @@ is running (through global module forward hooks, shared in :class:`ModuleStack`)
   issued, including the aliases Megatron Core binds at import (``dist_all_gather_func``, ...), with
   its size, phase (forward/backward) and module, so that a change in communication volume shows
   up as a number rather than as a profile to read.
-* :class:`RecomputeProbe` (:mod:`.recompute_probe`) counts checkpointed core-attention forwards
-  and their recomputation in backward.
 
 They are measurement tools: enter them around the steps to measure, not around production runs.
 """
 
 from megatron_bridge_ext.measure.collectives import CollectiveCall, CollectiveCounter
 from megatron_bridge_ext.measure.modules import ROOT, ModuleStack, module_names
-from megatron_bridge_ext.measure.recompute_probe import RecomputeProbe
 from megatron_bridge_ext.measure.saved import SavedActivationMeter, SavedActivations, default_category
 
 __all__ = [
-    "ROOT", "CollectiveCall", "CollectiveCounter", "ModuleStack", "RecomputeProbe", "SavedActivationMeter",
+    "ROOT", "CollectiveCall", "CollectiveCounter", "ModuleStack", "SavedActivationMeter",
     "SavedActivations", "default_category", "module_names",
 ]

@@ -1,12 +1,11 @@
 """PEFT: drop-in LoRA, DoRA and CanonicalLoRA with LoRA-A input under sequence parallelism.
 
-``import megatron_bridge_ext.peft`` imports nothing else. Accessing ``LoRA``, ``DoRA``,
-``CanonicalLoRA`` (or ``SequenceParallelLoRAIn``) imports Megatron Bridge's PEFT modules (on a
-machine without Transformer Engine through the ``bridge_peft_without_te`` import hook, installed
-for that import only). The autograd core in :mod:`.sp_lora` imports only torch and Megatron Core.
+``import megatron_bridge_ext.peft`` imports nothing else. Accessing ``LoRA``, ``DoRA`` or
+``CanonicalLoRA`` imports Megatron Bridge's PEFT modules (on a machine without Transformer
+Engine through the ``bridge_peft_without_te`` import hook, installed for that import only). The strategies themselves live in :mod:`megatron_bridge_ext.levers.lora_input`.
 """
 
-_LAZY = {"LoRA": "lora", "DoRA": "dora", "CanonicalLoRA": "canonical_lora", "SequenceParallelLoRAIn": "sp_input"}
+_LAZY = {"LoRA": "lora", "DoRA": "dora", "CanonicalLoRA": "canonical_lora"}
 
 
 def __getattr__(name):

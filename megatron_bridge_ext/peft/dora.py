@@ -1,8 +1,8 @@
 """Drop-in DoRA for Megatron Bridge with LoRA-A input under sequence parallelism.
 
 ``megatron_bridge_ext.peft.DoRA`` accepts every field of Bridge's ``DoRA`` plus
-``sequence_parallel_input_strategy``, applied as for our LoRA (:mod:`.sp_input`). Bridge's
-``DoRALinear`` runs unchanged: it feeds LoRA-A the base layer's input (the LayerNorm output) as
+``sequence_parallel_input_strategy``, applied as for our LoRA
+(:mod:`megatron_bridge_ext.levers.lora_input.sp_input`). Bridge's ``DoRALinear`` runs unchanged: it feeds LoRA-A the base layer's input (the LayerNorm output) as
 LoRA does, and scales base plus adapter output by m / ||W_0 + s*B*A|| (row norms). Those magnitude
 terms read weights only (LoRA-A's shards all-gathered over TP), never the input, so they put no
 condition on how LoRA-A gets it.
@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch.nn as nn
 
-from megatron_bridge_ext.peft.eligibility import is_te_layernorm_linear
-from megatron_bridge_ext.peft.sp_input import SequenceParallelInput  # first: it imports Bridge's PEFT modules
+from megatron_bridge_ext.levers.lora_input.eligibility import is_te_layernorm_linear
+from megatron_bridge_ext.levers.lora_input.sp_input import SequenceParallelInput  # first: it imports Bridge's PEFT modules
 
 from megatron.bridge.peft.dora import DoRA as BridgeDoRA
 
@@ -44,7 +44,7 @@ class DoRA(SequenceParallelInput, BridgeDoRA):
     state dicts and checkpoints as Bridge's. Use it as ``cfg.peft`` or through
     ``+peft._target_=megatron_bridge_ext.peft.DoRA`` (import :mod:`megatron_bridge_ext.peft.dora`
     first, which allowlists the package for Bridge). Eligibility is our LoRA's
-    (:mod:`megatron_bridge_ext.peft.eligibility`), plus the dropout rule of the module docstring.
+    (:mod:`megatron_bridge_ext.levers.lora_input.eligibility`), plus the dropout rule of the module docstring.
     """
 
     def _kind_reason(self, wrapper) -> Optional[str]:

@@ -7,7 +7,8 @@
 * ``sequence_parallel_input_strategy`` — ``"regather"`` or ``"shard_local"`` (None: ``"regather"``
   when the flag is set, otherwise off).
 
-How the strategy is applied (the same for our DoRA and CanonicalLoRA) is in :mod:`.sp_input`.
+How the strategy is applied (the same for our DoRA and CanonicalLoRA) is in
+:mod:`megatron_bridge_ext.levers.lora_input.sp_input`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Optional
 
 import torch.nn as nn
 
-from megatron_bridge_ext.peft import sp_lora
-from megatron_bridge_ext.peft.sp_input import SequenceParallelInput  # first: it imports Bridge's PEFT modules
+from megatron_bridge_ext.levers.lora_input import sp_lora
+from megatron_bridge_ext.levers.lora_input.sp_input import SequenceParallelInput  # first: it imports Bridge's PEFT modules
 
 from megatron.bridge.peft.lora import LoRA as BridgeLoRA  # noqa: E402
 
@@ -44,7 +45,7 @@ class LoRA(SequenceParallelInput, BridgeLoRA):
     before Bridge processes such an override or loads a saved run config. When Bridge cannot build
     it (a misspelt strategy), Bridge logs that and leaves a dict in ``cfg.peft``;
     ``MemoryConfig.validate`` and ``mbx plan`` refuse that dict with this class's error. See the module docstring
-    for the two fields it adds and :mod:`megatron_bridge_ext.peft.eligibility` for when an adapter
+    for the two fields it adds and :mod:`megatron_bridge_ext.levers.lora_input.eligibility` for when an adapter
     is eligible.
     """
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bridge_ext.measure import CollectiveCounter, SavedActivationMeter
-from megatron_bridge_ext.peft.sp_lora import REGATHER_BUFFER_NAME
+from megatron_bridge_ext.levers.lora_input.sp_lora import REGATHER_BUFFER_NAME
 
 
 def regather_buffer_bytes() -> int:

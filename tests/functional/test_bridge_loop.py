@@ -313,7 +313,7 @@ def _bridge_applies_env_vars() -> bool:
 
 
 def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs):
-    from megatron_bridge_ext.allocator.options import VARIABLES
+    from megatron_bridge_ext.levers.allocator.options import VARIABLES
 
     outcome_of(runs, "regather")
     outcome = runs["regather"]  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)

@@ -344,7 +344,7 @@ def test_lora_a_functions_with_a_frozen_weight_skip_the_weight_grad_work(tp2, st
         gather_from_tensor_model_parallel_region,
     )
 
-    from megatron_bridge_ext.peft import sp_lora
+    from megatron_bridge_ext.levers.lora_input import sp_lora
 
     x, _ = _problem(seed=106)
     gen = torch.Generator().manual_seed(107)
@@ -713,7 +713,7 @@ def test_eligibility_of_special_bases(tp2, caplog, strategy, case, base, prefix,
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_lora_a_frozen_after_transform_falls_back_to_the_gathered_path(tp2, strategy):
     """Decided eligible, then LoRA-A frozen: the adapter computes Bridge's frozen result and retains nothing."""
-    from megatron_bridge_ext.peft.eligibility import decide
+    from megatron_bridge_ext.levers.lora_input.eligibility import decide
 
     x, g = _problem(seed=104)
     results, saved = {}, {}

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from megatron_bridge_ext import recompute
-from megatron_bridge_ext.measure import RecomputeProbe, SavedActivationMeter
+from megatron_bridge_ext.levers.recompute import attention
+from megatron_bridge_ext.levers.recompute.probe import RecomputeProbe
+from megatron_bridge_ext.measure import SavedActivationMeter
 from megatron_bridge_ext.testing import tiny_model
 
 SELECTIVE_CORE_ATTN = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
@@ -54,7 +55,7 @@ def test_core_attn_recompute_drops_exactly_the_attention_internal_tensors(tp2, k
     element = 4  # float32
     s, b, t, d = shape.seq, shape.micro_batch, shape.tp, shape.hidden // shape.heads
     heads, groups = shape.heads // t, shape.kv_heads // t
-    scores = recompute.core_attn_bytes_per_layer(seq=s, micro_batch=b, heads=shape.heads, tp=t, element_size=element,
+    scores = attention.core_attn_bytes_per_layer(seq=s, micro_batch=b, heads=shape.heads, tp=t, element_size=element,
                                                  attention_dropout=dropout,
                                                  dropout_mask_element_size=_dropout_mask_element_size(torch.float32))
     causal_mask = s * s
@@ -71,4 +72,4 @@ def test_core_attn_recompute_drops_exactly_the_attention_internal_tensors(tp2, k
     assert torch.equal(plain_loss, ckpt_loss)  # dropout too: the checkpoint replays the RNG state
     assert plain_grads.keys() == ckpt_grads.keys()
     assert all(torch.equal(plain_grads[k], ckpt_grads[k]) for k in plain_grads)
-    assert recompute.attention_kind(model).kind == recompute.UNFUSED
+    assert attention.attention_kind(model).kind == attention.UNFUSED

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_bridge_ext.peft import sp_lora
+from megatron_bridge_ext.levers.lora_input import sp_lora
 from tests.support.dist_checks import all_ranks_equal as _all_ranks_equal
 from tests.support.dist_checks import max_over_ranks as _max_over_ranks
 from tests.support.dist_checks import rel_err as _rel_err

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge_ext.patches import bridge_lora_te_norm_grad
-from megatron_bridge_ext.peft import te_check
+from megatron_bridge_ext.levers.lora_input import te_check
 from tests.support.dist_checks import assert_no_problems, local_rel_err
 from tests.support.fake_te import CONTRACTS, TE_GE_2_4, FakeTELayerNormColumnParallelLinear, see_fake_te
 from tests.support.lora_blocks import B, H, KINDS, OUT, S, TP, _parallel_config, _rank_slice
@@ -148,7 +148,7 @@ def no_init_hooks():
 def _init(monkeypatch) -> None:
     """megatron_bridge_ext.init(), its allocator step left out (this process's allocator is not the subject)."""
     import megatron_bridge_ext
-    from megatron_bridge_ext import allocator
+    from megatron_bridge_ext.levers import allocator
 
     monkeypatch.setattr(allocator, "init", lambda **options: None)
     megatron_bridge_ext.init()

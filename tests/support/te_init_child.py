@@ -5,7 +5,7 @@
 Transformer Engine 2.4 is simulated (its installed version, and the fake's ``te>=2.4`` contract);
 ``init()`` runs first, then Bridge's PEFT modules import, then Bridge's own ``LoRA`` wraps the fake
 TE LayerNorm-linear (TP=2, sequence parallelism) and one forward and backward are compared with the
-dense float64 reference (:func:`megatron_bridge_ext.peft.te_check.run_one`, patch left as init() left
+dense float64 reference (:func:`megatron_bridge_ext.levers.lora_input.te_check.run_one`, patch left as init() left
 it). Writes the relative errors and what was imported when to ``OUT.json`` (rank 0).
 """
 
@@ -23,7 +23,8 @@ def main(out: str) -> None:
     from packaging.version import Version
 
     import megatron_bridge_ext
-    from megatron_bridge_ext import allocator, versions
+    from megatron_bridge_ext import versions
+    from megatron_bridge_ext.levers import allocator
 
     real = versions.installed_version
     versions.installed_version = lambda name: Version("2.4.0") if name == "transformer-engine" else real(name)
@@ -33,7 +34,7 @@ def main(out: str) -> None:
 
     from megatron.core import parallel_state
 
-    from megatron_bridge_ext.peft import te_check
+    from megatron_bridge_ext.levers.lora_input import te_check
     from megatron_bridge_ext.testing import distributed
     from tests.support.fake_te import TE_GE_2_4, FakeTELayerNormColumnParallelLinear, see_fake_te
     from tests.support.lora_blocks import B, H, OUT, S, _parallel_config

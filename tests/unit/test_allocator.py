@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_bridge_ext import allocator
-from megatron_bridge_ext.allocator import runtime as allocator_runtime
+from megatron_bridge_ext.levers import allocator
+from megatron_bridge_ext.levers.allocator import runtime as allocator_runtime
 from megatron_bridge_ext.findings import Refused
-from megatron_bridge_ext.allocator import (
+from megatron_bridge_ext.levers.allocator import (
     ALLOC_VAR,
     CUDA_VAR,
     configure_bridge_env,
@@ -27,7 +27,7 @@ from megatron_bridge_ext.allocator import (
     setup_allocator,
     verify_allocator,
 )
-from megatron_bridge_ext.allocator.options import (
+from megatron_bridge_ext.levers.allocator.options import (
     BOOLEAN_KEYS,
     AllocConf,
     AllocatorConfigError,
@@ -327,7 +327,7 @@ def test_ipc_env_value_must_be_yes_or_no():
 
 def test_setup_returns_old_and_new_values_and_logs_them(caplog):
     env = {CUDA_VAR: "max_non_split_rounding_mb:64"}
-    with caplog.at_level(logging.INFO, logger="megatron_bridge_ext.allocator"):
+    with caplog.at_level(logging.INFO, logger="megatron_bridge_ext.levers.allocator"):
         result = setup_allocator(env, torch_version=NEW)
     assert env[CUDA_VAR] == "max_non_split_rounding_mb:64," + ES
     assert result.applied == "environment" and result.expandable_segments is True
@@ -435,7 +435,7 @@ def test_init_keeps_the_users_variables_and_torch_reads_the_merge():
 
 
 def test_package_import_stays_cheap():
-    code = ("import sys, megatron_bridge_ext, megatron_bridge_ext.allocator, megatron_bridge_ext.diagnose; "
+    code = ("import sys, megatron_bridge_ext, megatron_bridge_ext.levers.allocator, megatron_bridge_ext.diagnose; "
             "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
@@ -599,7 +599,7 @@ def test_torch_that_already_read_its_settings_gets_them_through_its_real_setter(
     code = """
 import json, os, torch
 before = torch._C._accelerator_getAllocatorSettings()  # torch parses the variable now
-from megatron_bridge_ext.allocator import setup_allocator
+from megatron_bridge_ext.levers.allocator import setup_allocator
 result = setup_allocator()
 print(json.dumps({"before": before, "after": torch._C._accelerator_getAllocatorSettings(),
                   "applied": result.applied, "codes": [f.code for f in result.findings]}))

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from megatron_bridge_ext.measure import RecomputeProbe
+from megatron_bridge_ext.levers.recompute.probe import RecomputeProbe
 from megatron_bridge_ext.testing.bridge.meters import StepRecorder
 
 pytestmark = pytest.mark.unit

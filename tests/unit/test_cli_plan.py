@@ -133,7 +133,7 @@ def test_the_config_line_says_full_fine_tuning_is_the_default():
 
 def small_plan(*, gpu_memory: int, lora_sp_input: str = "off"):
     """A plan of the demo's tiny GPT (TP 2, SP, LoRA) on a device of ``gpu_memory`` bytes."""
-    from megatron_bridge_ext import plan as planner
+    from megatron_bridge_ext import planner
     from megatron_bridge_ext.peft import LoRA
     from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
 

@@ -1,7 +1,7 @@
 """The documentation: the site builds strictly, every path it names exists, the layout page lists every module.
 
 README.md and docs/ name modules and files (``megatron_bridge_ext/peft/sp_lora.py``,
-``megatron_bridge_ext.recompute.attention_kind_from_config``, ``tests/...``, ``scripts/...``,
+``megatron_bridge_ext.levers.recompute.attention.attention_kind_from_config``, ``tests/...``, ``scripts/...``,
 ``benchmarks/...``); when a module moves, the page that names it must follow, and these tests say
 which page and which name.
 """
@@ -115,14 +115,14 @@ def test_the_readmes_links_into_docs_exist():
 
 
 def test_the_reference_checks_catch_what_is_not_there():
-    assert missing_path("megatron_bridge_ext/peft/sp_lora.py") == []
+    assert missing_path("megatron_bridge_ext/levers/lora_input/sp_lora.py") == []
     assert missing_path("megatron_bridge_ext/peft/no_such_module.py") == ["megatron_bridge_ext/peft/no_such_module.py"]
     assert missing_path("scripts/{setup_env,no_such_script}.sh") == ["scripts/no_such_script.sh"]
     assert missing_path("benchmarks/*-no-such-run.json") == ["benchmarks/*-no-such-run.json"]
-    assert missing_dotted("megatron_bridge_ext.recompute.attention_kind_from_config") is None
+    assert missing_dotted("megatron_bridge_ext.levers.recompute.attention.attention_kind_from_config") is None
     assert missing_dotted("megatron_bridge_ext.peft.LoRA") is None  # a lazy export of the package
-    assert missing_dotted("megatron_bridge_ext.recompute.no_such_function") == (
-        "megatron_bridge_ext.recompute defines no no_such_function")
+    assert missing_dotted("megatron_bridge_ext.levers.recompute.attention.no_such_function") == (
+        "megatron_bridge_ext.levers.recompute.attention defines no no_such_function")
     assert missing_dotted("megatron_bridge_ext.no_such_module.x") == (
         "megatron_bridge_ext has no module or name no_such_module")
     assert "decision-order" in _anchors(ROOT / "docs" / "tools" / "diagnose.md")

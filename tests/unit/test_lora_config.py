@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_bridge_ext.peft.eligibility import ELIGIBLE_SURFACES, Decision, decide, ineligibility
+from megatron_bridge_ext.levers.lora_input.eligibility import ELIGIBLE_SURFACES, Decision, decide, ineligibility
 
 pytestmark = [pytest.mark.unit]
 
@@ -394,7 +394,7 @@ def test_the_stand_in_reads_attributes_that_bridge_and_core_really_have(ours):
 @pytest.mark.parametrize("fp8, saving", [(None, "s*b*h elements less"), ("e4m3", "s*b*h*(1-1/t) elements less")])
 def test_the_report_states_the_te_saving_with_and_without_fp8(fp8, saving):
     """Under FP8 TE keeps a quantised copy of the shard that LoRA-A cannot share: the report says (1-1/t)."""
-    from megatron_bridge_ext.peft.eligibility import retained
+    from megatron_bridge_ext.levers.lora_input.eligibility import retained
 
     wrapper = _stand_in(te=True)
     wrapper.to_wrap.config.fp8 = fp8

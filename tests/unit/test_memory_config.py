@@ -139,7 +139,7 @@ def test_invalid_lora_input_value_names_the_flag():
 def test_recompute_module_names_match_the_installed_megatron_core():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge_ext import recompute
+    from megatron_bridge_ext.levers.recompute.config import RECOMPUTE_MODULES
 
     def build(modules):
         return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, recompute_granularity="selective",
@@ -147,7 +147,7 @@ def test_recompute_module_names_match_the_installed_megatron_core():
 
     with pytest.raises(AssertionError, match="Invalid choices"):
         build(["not_a_module"])
-    for name in recompute.RECOMPUTE_MODULES:
+    for name in RECOMPUTE_MODULES:
         try:
             build([name])
         except AssertionError as exc:  # an unknown name is an assertion; prerequisites raise ValueError
@@ -280,7 +280,7 @@ def test_memory_config_refuses_each_copied_core_rule(cfg, case):
 
 
 def test_lora_recompute_rule_is_eligibility_rule(cfg):
-    """MemoryConfig asks peft.eligibility: regather warns for linear_fc1 under 'mlp' only, not for linear_qkv."""
+    """MemoryConfig asks lora_input.eligibility: regather warns for linear_fc1 under 'mlp' only, not for linear_qkv."""
     findings = MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
     lora = [f for f in findings if f.code == "lora_sp_input_recompute"]
     assert [("linear_fc1" in f.message, "linear_qkv" in f.message) for f in lora] == [(True, False)]

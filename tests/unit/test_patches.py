@@ -125,7 +125,7 @@ def test_te_that_is_installed_but_does_not_import_is_tried_only_when_bridge_impo
         import os
         sys.path.insert(0, {str(tmp_path)!r})
         import megatron_bridge_ext
-        from megatron_bridge_ext import allocator
+        from megatron_bridge_ext.levers import allocator
         from megatron_bridge_ext.patches import bridge_peft_without_te
 
         needed = bridge_peft_without_te.PATCH.needed()[0]
@@ -669,7 +669,8 @@ def test_init_wraps_bridges_adapter_wrapper_when_bridge_is_imported_after_it():
         from packaging.version import Version
 
         import megatron_bridge_ext
-        from megatron_bridge_ext import allocator, versions
+        from megatron_bridge_ext import versions
+        from megatron_bridge_ext.levers import allocator
         from megatron_bridge_ext.patches import bridge_lora_te_norm_grad as te_patch, bridge_peft_without_te
 
         real = versions.installed_version
@@ -934,7 +935,7 @@ def test_after_init_a_script_imports_bridge_and_its_recipes_without_te():
     """Without the hook `import megatron.bridge` reaches Bridge's PEFT modules, which import TE (see the first test)."""
     result = run("""
         import megatron_bridge_ext
-        from megatron_bridge_ext import allocator
+        from megatron_bridge_ext.levers import allocator
         from megatron_bridge_ext.patches import bridge_peft_without_te
 
         allocator.init = lambda **options: None
@@ -981,7 +982,7 @@ def test_upstream_leaves_a_peft_override_it_cannot_build_as_a_dict_and_goes_on()
 
 
 def test_after_init_a_misspelt_strategy_override_stops_the_run_with_one_line():
-    done = _run_script("import megatron_bridge_ext\nfrom megatron_bridge_ext import allocator\n"
+    done = _run_script("import megatron_bridge_ext\nfrom megatron_bridge_ext.levers import allocator\n"
                        "allocator.init = lambda **options: None\nmegatron_bridge_ext.init()", OVERRIDE_SCRIPT)
     assert done.returncode == 1 and "RESULT" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]

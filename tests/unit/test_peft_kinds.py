@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megatron_bridge_ext.peft import kinds
-from megatron_bridge_ext.peft.eligibility import decide_wrapper
+from megatron_bridge_ext.levers.lora_input.eligibility import decide_wrapper
 
 pytestmark = [pytest.mark.unit]
 

@@ -13,8 +13,11 @@ import os
 
 import pytest
 
-from megatron_bridge_ext import plan as planner
+from megatron_bridge_ext import planner
 from megatron_bridge_ext.config import MemoryConfig
+from megatron_bridge_ext.levers.lora_input import cost as lora_input_cost
+from megatron_bridge_ext.levers.parallelism import cost as parallelism_cost
+from megatron_bridge_ext.levers.recompute import advice as recompute_advice, cost as recompute_cost
 
 pytestmark = [pytest.mark.unit]
 
@@ -86,7 +89,7 @@ def test_needs_the_lora_input_under_sequence_parallelism():
 
 def test_needs_selective_recompute():
     shard_local = _peak(_cfg(), lora_sp_input="shard_local")
-    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(planner.RECOMPUTE_CANDIDATES))
+    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
     assert everything < shard_local
     result = _plan(_cfg(), _device_for((shard_local + everything) / 2, planner.EXPANDABLE_MARGIN))
     chosen = result.chosen
@@ -125,24 +128,25 @@ def test_lora_input_collective_elements_per_adapter():
     s, b, h, r = 1024, 2, 64, 8
     # Bridge's path gathers x and reduce-scatters its gradient; shard_local gathers A twice and
     # reduce-scatters A's gradient; all three gather the [s, b, r] LoRA-A output.
-    assert planner.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r) == s * b * r + 2 * s * b * h
-    assert planner.lora_input_collective_elements("regather", seq=s, micro_batch=b, hidden=h, rank=r) \
+    assert lora_input_cost.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r) \
+        == s * b * r + 2 * s * b * h
+    assert lora_input_cost.lora_input_collective_elements("regather", seq=s, micro_batch=b, hidden=h, rank=r) \
         == s * b * r + 3 * s * b * h
-    assert planner.lora_input_collective_elements("shard_local", seq=s, micro_batch=b, hidden=h, rank=r) \
+    assert lora_input_cost.lora_input_collective_elements("shard_local", seq=s, micro_batch=b, hidden=h, rank=r) \
         == s * b * r + 3 * r * h
-    assert planner.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r,
-                                                  input_needs_grad=False) == s * b * r + s * b * h
+    assert lora_input_cost.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r,
+                                                          input_needs_grad=False) == s * b * r + s * b * h
 
 
 def test_recompute_flops_and_tp_traffic_formulas():
     s = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "tp": 2, "heads": 8, "kv_channels": 8, "ffn": 256,
          "gated_linear_unit": True, "sequence_parallel": True}
     # Attention: Q K^T and probabilities x V, 2 FLOPs per multiply-add, 4 heads per rank.
-    assert planner.recompute_flops_per_layer("core_attn", s) == 2 * (2 * 2 * 1024 * 1024 * 4 * 8)
+    assert recompute_cost.recompute_flops_per_layer("core_attn", s) == 2 * (2 * 2 * 1024 * 1024 * 4 * 8)
     # MLP: fc1 (2 x 128 outputs per rank with SwiGLU) and fc2 (128 inputs per rank).
-    assert planner.recompute_flops_per_layer("mlp", s) == 2 * 2 * 1024 * 64 * 256 + 2 * 2 * 1024 * 128 * 64
-    assert planner.tp_collective_bytes(s, tp=1, layers=4, num_microbatches=2, element=2) == 0
-    assert planner.tp_collective_bytes(s, tp=2, layers=4, num_microbatches=2, element=2) \
+    assert recompute_cost.recompute_flops_per_layer("mlp", s) == 2 * 2 * 1024 * 64 * 256 + 2 * 2 * 1024 * 128 * 64
+    assert parallelism_cost.tp_collective_bytes(s, tp=1, layers=4, num_microbatches=2, element=2) == 0
+    assert parallelism_cost.tp_collective_bytes(s, tp=2, layers=4, num_microbatches=2, element=2) \
         == 8 * 1024 * 2 * 64 * 2 // 2 * 4 * 2
 
 
@@ -155,7 +159,7 @@ def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
                                  "linear_fc2"]}
     est = MemoryEstimate(stage=0, components=[], settings=settings, assumptions=[], activations_per_microbatch={},
                          in_flight_microbatches=1)
-    change, _ = planner._lora_collective_change(est, "shard_local")
+    change, _ = lora_input_cost.collective_change(est, "shard_local")
     s, b, h, r = 1024, 2, 64, 8
     # Five LoRA-A on column-parallel layers per layer; each trades Bridge's s*b*h gather and gradient
     # reduce-scatter for r*h-sized ones, except layer 0's three q/k/v adapters, whose input (the frozen

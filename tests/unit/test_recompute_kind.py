@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_bridge_ext import recompute
+from megatron_bridge_ext.levers.recompute import attention
 
 
 def get_gpt_layer_with_transformer_engine_spec():  # named like Megatron Core's TE spec builder
@@ -18,27 +18,28 @@ def get_gpt_layer_local_spec():  # named like Megatron Core's local spec builder
 @pytest.mark.parametrize(
     "spec, backend, kind",
     [
-        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.auto", recompute.FUSED),
-        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.flash", recompute.FUSED),
-        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.unfused", recompute.UNFUSED),
-        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.local", recompute.UNFUSED),
-        (get_gpt_layer_local_spec, "AttnBackend.auto", recompute.UNFUSED),
+        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.auto", attention.FUSED),
+        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.flash", attention.FUSED),
+        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.unfused", attention.UNFUSED),
+        (get_gpt_layer_with_transformer_engine_spec, "AttnBackend.local", attention.UNFUSED),
+        (get_gpt_layer_local_spec, "AttnBackend.auto", attention.UNFUSED),
     ],
 )
 def test_attention_kind_from_config(spec, backend, kind):
-    found = recompute.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=spec, attention_backend=backend))
+    found = attention.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=spec, attention_backend=backend))
     assert found.kind == kind
     effect = found.core_attn_effect()
-    assert ("keeps no s x s matrix" in effect) == (kind == recompute.FUSED)
+    assert ("keeps no s x s matrix" in effect) == (kind == attention.FUSED)
 
 
 def test_fused_attention_makes_core_attn_a_no_effect_finding():
-    from megatron_bridge_ext.config import MemoryConfig
     from megatron_bridge_ext.findings import NO_EFFECT
+    from megatron_bridge_ext.levers.recompute.config import RecomputeConfig
 
     model = SimpleNamespace(transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec,
                             attention_backend="AttnBackend.auto")
-    findings = MemoryConfig(recompute_modules=["core_attn"])._recompute_findings(model)
+    lever = RecomputeConfig(recompute_modules=["core_attn"])
+    findings = lever.findings(model) + lever.effect_findings(model)
     assert [f.level for f in findings] == [NO_EFFECT]
     assert "little or no memory" in findings[0].message
 
@@ -47,7 +48,7 @@ def test_fused_attention_makes_core_attn_a_no_effect_finding():
 def test_core_attn_bytes_match_korthikanti_in_16_bit(dropout, expected_factor):
     # 5*a*s^2*b bytes per layer with dropout (softmax 2, mask 1, dropout output 2), divided by t.
     s, b, a, t = 1024, 2, 32, 4
-    got = recompute.core_attn_bytes_per_layer(seq=s, micro_batch=b, heads=a, tp=t, element_size=2,
+    got = attention.core_attn_bytes_per_layer(seq=s, micro_batch=b, heads=a, tp=t, element_size=2,
                                               attention_dropout=dropout)
     assert got == expected_factor * a * s * s * b // t
 
@@ -69,8 +70,8 @@ def _bridge_specs():
 
 
 @pytest.mark.parametrize("spec_key, expected", [
-    ("bridge default", recompute.FUSED), ("bridge local", recompute.UNFUSED), ("bridge TE", recompute.FUSED),
-    ("core local ModuleSpec", recompute.UNFUSED)])
+    ("bridge default", attention.FUSED), ("bridge local", attention.UNFUSED), ("bridge TE", attention.FUSED),
+    ("core local ModuleSpec", attention.UNFUSED)])
 @pytest.mark.parametrize("backend", ["auto", "flash", "local"])
 def test_memory_config_and_the_plan_estimate_judge_attention_alike(spec_key, expected, backend, monkeypatch):
     """One rule: MemoryConfig's core_attn finding and the estimate behind ``mbx plan`` see the same attention,
@@ -80,9 +81,9 @@ def test_memory_config_and_the_plan_estimate_judge_attention_alike(spec_key, exp
     spec = _bridge_specs()[spec_key]  # first: imports Bridge's PEFT modules where TE is absent
     from megatron.bridge.recipes.gpt import vanilla_gpt_pretrain_config
 
-    from megatron_bridge_ext.config import MemoryConfig
     from megatron_bridge_ext.estimate import memory
     from megatron_bridge_ext.findings import NO_EFFECT, WARNING
+    from megatron_bridge_ext.levers.recompute.config import RecomputeConfig
 
     monkeypatch.delenv("NVTE_FLASH_ATTN", raising=False)
     model = vanilla_gpt_pretrain_config().model
@@ -90,16 +91,16 @@ def test_memory_config_and_the_plan_estimate_judge_attention_alike(spec_key, exp
         model.transformer_layer_spec = spec
     model.attention_backend = getattr(AttnBackend, backend)
     if backend == "local":
-        expected = recompute.UNFUSED  # Bridge swaps Core's unfused DotProductAttention into any spec
-    (finding,) = [f for f in MemoryConfig(recompute_modules=["core_attn"])._recompute_findings(model)
+        expected = attention.UNFUSED  # Bridge swaps Core's unfused DotProductAttention into any spec
+    (finding,) = [f for f in RecomputeConfig(recompute_modules=["core_attn"]).effect_findings(model)
                   if f.code == "core_attn_effect"]
-    assert finding.level == (NO_EFFECT if expected == recompute.FUSED else WARNING)
-    assert memory._attention_from(model) == ("fused" if expected == recompute.FUSED else "local")
+    assert finding.level == (NO_EFFECT if expected == attention.FUSED else WARNING)
+    assert memory._attention_from(model) == ("fused" if expected == attention.FUSED else "local")
 
 
 def test_bridges_default_spec_is_judged_fused_without_transformer_engine_too():
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
-    found = recompute.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=default_layer_spec,
+    found = attention.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=default_layer_spec,
                                                                  attention_backend="AttnBackend.auto"))
-    assert found.kind == recompute.FUSED, (HAVE_TE, found)
+    assert found.kind == attention.FUSED, (HAVE_TE, found)

@@ -3,7 +3,7 @@ and puts back exactly what it found, whatever order nested probes exit in."""
 
 import pytest
 
-from megatron_bridge_ext.measure import RecomputeProbe
+from megatron_bridge_ext.levers.recompute.probe import RecomputeProbe
 
 pytestmark = pytest.mark.unit
 

@@ -50,7 +50,7 @@ class StepRecorder:
         return manager
 
     def _start(self, context) -> None:
-        from megatron_bridge_ext.measure import RecomputeProbe
+        from megatron_bridge_ext.levers.recompute.probe import RecomputeProbe
 
         self._probe = RecomputeProbe(context.model[0])
         self._probe.__enter__()

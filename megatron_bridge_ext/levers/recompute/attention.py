@@ -1,4 +1,4 @@
-"""Selective activation recompute: which modules exist, what ``core_attn`` can save, and proof it ran.
+"""Selective activation recompute of ``core_attn``: which attention a model has and what recomputing it saves.
 
 Megatron Core recomputes the modules named in ``recompute_modules`` when
 ``recompute_granularity="selective"``. For ``core_attn`` the gain depends on the attention kernel:
@@ -10,7 +10,8 @@ Megatron Core recomputes the modules named in ``recompute_modules`` when
 * fused/flash attention (TE's fused or flash backends) keeps no s x s matrix: recomputing it costs
   time for little or no memory (Bridge measured -0.01% memory for +3.85% step time on Moonlight 16B).
 
-:class:`megatron_bridge_ext.measure.RecomputeProbe` shows at run time that the flag took effect.
+:class:`megatron_bridge_ext.levers.recompute.probe.RecomputeProbe` shows at run time that the flag took effect;
+:mod:`.config` lists the modules Megatron Core accepts.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-# Megatron Core 0.17-0.19's accepted ``recompute_modules`` (TransformerConfig.__post_init__).
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
 
 UNFUSED = "unfused"
 FUSED = "fused"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_bridge_ext.allocator.options import AllocConf
+from megatron_bridge_ext.levers.allocator.options import AllocConf
 from megatron_bridge_ext.evidence import COST_WITHOUT_EXPANDABLE
 from megatron_bridge_ext.findings import ACTION, ERROR, WARNING, Finding
 

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping, Optional
 
-from megatron_bridge_ext.allocator import guards
-from megatron_bridge_ext.allocator.guards import IPC_ENV, NCCL_GRAPH_REGISTER
-from megatron_bridge_ext.allocator.options import VARIABLES, AllocConf, parse_version, precedence_for
+from megatron_bridge_ext.levers.allocator import guards
+from megatron_bridge_ext.levers.allocator.guards import IPC_ENV, NCCL_GRAPH_REGISTER
+from megatron_bridge_ext.levers.allocator.options import VARIABLES, AllocConf, parse_version, precedence_for
 from megatron_bridge_ext.findings import ERROR, WARNING, Finding
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_bridge_ext.peft.sp_lora import OFF, STRATEGIES
+from megatron_bridge_ext.levers.lora_input.sp_lora import OFF, STRATEGIES
 
 ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
 

@@ -7,7 +7,7 @@ initialised, must not clobber the user's options, and does not go with a few fea
 are checked before launch.
 
 The folder follows the data: :mod:`.options` parses and renders the option strings and knows
-which variable torch reads (pure); :mod:`.guards` holds the checks; :mod:`.plan` decides what to
+which variable torch reads (pure); :mod:`.guards` holds the checks; :mod:`.env_plan` decides what to
 write (pure); :mod:`.apply` writes it (``init()``, ``mbx run``, a Bridge config's ``env_vars``);
 :mod:`.runtime` talks to a running torch; :mod:`.verify` proves the result on a device.
 
@@ -21,10 +21,10 @@ Three ways in, all backed by :func:`plan_allocator`:
 Importing this package does not import torch (it must run before torch reads the variables).
 """
 
-from megatron_bridge_ext.allocator.apply import AllocatorResult, configure_bridge_env, init, setup_allocator
-from megatron_bridge_ext.allocator.options import ALLOC_VAR, CUDA_VAR, AllocConf, AllocatorConfigError
-from megatron_bridge_ext.allocator.plan import AllocatorPlan, installed_torch_version, plan_allocator, plan_bridge_env
-from megatron_bridge_ext.allocator.verify import AllocatorVerification, verify_allocator
+from megatron_bridge_ext.levers.allocator.apply import AllocatorResult, configure_bridge_env, init, setup_allocator
+from megatron_bridge_ext.levers.allocator.options import ALLOC_VAR, CUDA_VAR, AllocConf, AllocatorConfigError
+from megatron_bridge_ext.levers.allocator.env_plan import AllocatorPlan, installed_torch_version, plan_allocator, plan_bridge_env
+from megatron_bridge_ext.levers.allocator.verify import AllocatorVerification, verify_allocator
 
 __all__ = [
     "ALLOC_VAR", "CUDA_VAR", "AllocConf", "AllocatorConfigError", "AllocatorPlan", "AllocatorResult",

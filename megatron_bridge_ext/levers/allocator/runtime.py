@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping, Optional
 
-from megatron_bridge_ext.allocator.options import VARIABLES, effective, parse_version
+from megatron_bridge_ext.levers.allocator.options import VARIABLES, effective, parse_version
 from megatron_bridge_ext.findings import ERROR, Finding
 
 EARLIER = ("call megatron_bridge_ext.init() as the first line of the training script (before anything "

@@ -35,15 +35,16 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
     gather_from_tensor_model_parallel_region,
 )
 
-from megatron_bridge_ext.peft import sp_lora  # noqa: E402
-from megatron_bridge_ext.peft.eligibility import Decision, decide_wrapper, is_te_layernorm_linear  # noqa: E402
+from megatron_bridge_ext.levers.lora_input import sp_lora  # noqa: E402
+from megatron_bridge_ext.levers.lora_input.config import strategy_in_effect  # noqa: E402
+from megatron_bridge_ext.levers.lora_input.eligibility import Decision, decide_wrapper, is_te_layernorm_linear  # noqa: E402
 
 
 class SequenceParallelLoRAIn(ColumnParallelLinear):
     """LoRA-A that consumes the local sequence shard [s/t, b, h] and returns the full [s, b, r] input of LoRA-B.
 
     Same parameters and state as the ColumnParallelLinear it replaces (only ``forward`` differs);
-    ``_mbx_strategy`` names the strategy in :data:`megatron_bridge_ext.peft.sp_lora.STRATEGIES`.
+    ``_mbx_strategy`` names the strategy in :data:`megatron_bridge_ext.levers.lora_input.sp_lora.STRATEGIES`.
     When LoRA-A is frozen nothing needs its input for a weight gradient, so it falls back to the
     gathered path, which then retains nothing.
     """
@@ -129,10 +130,8 @@ class SequenceParallelInput:
 
     @property
     def strategy(self) -> str:
-        """The strategy in effect: the explicit one, else ``regather`` when upstream's flag is set, else ``off``."""
-        if self.sequence_parallel_input_strategy is not None:
-            return self.sequence_parallel_input_strategy
-        return sp_lora.REGATHER if getattr(self, "sequence_parallel_input_regather", False) else sp_lora.OFF
+        """The strategy in effect (:func:`~megatron_bridge_ext.levers.lora_input.config.strategy_in_effect`)."""
+        return strategy_in_effect(self)
 
     @property
     def _log(self) -> logging.Logger:

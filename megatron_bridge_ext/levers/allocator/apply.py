@@ -1,7 +1,7 @@
 """Apply the allocator plan: to this process (``init()``), to a command's environment (``mbx run``),
 or to a Bridge ``ConfigContainer``'s ``env_vars``.
 
-Each way in plans with :mod:`.plan`, refuses with :class:`~megatron_bridge_ext.findings.Refused`
+Each way in plans with :mod:`.env_plan`, refuses with :class:`~megatron_bridge_ext.findings.Refused`
 before changing anything when a guard says the run cannot work, then writes and logs every change
 with its old and new value.
 """
@@ -13,9 +13,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, MutableMapping, Optional
 
-from megatron_bridge_ext.allocator import runtime
-from megatron_bridge_ext.allocator.options import VARIABLES, effective, parse_version
-from megatron_bridge_ext.allocator.plan import (
+from megatron_bridge_ext.levers.allocator import runtime
+from megatron_bridge_ext.levers.allocator.options import VARIABLES, effective, parse_version
+from megatron_bridge_ext.levers.allocator.env_plan import (
     AllocatorPlan,
     installed_torch_version,
     ipc_flag,
@@ -24,7 +24,7 @@ from megatron_bridge_ext.allocator.plan import (
 )
 from megatron_bridge_ext.findings import ACTION, ERROR, WARNING, Finding, Refused
 
-log = logging.getLogger("megatron_bridge_ext.allocator")
+log = logging.getLogger("megatron_bridge_ext.levers.allocator")
 
 WHAT = "allocator setup"
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, MutableMapping, Optional
 
-from megatron_bridge_ext.allocator.options import ALLOC_VAR, CUDA_VAR, effective, parse_version
+from megatron_bridge_ext.levers.allocator.options import ALLOC_VAR, CUDA_VAR, effective, parse_version
 
 
 @dataclass

@@ -286,7 +286,7 @@ class Strategy:
     ``output(x_local, weight, tp_group, gradient_accumulation_fusion)`` returns [s, b, r]; the grad
     of the result must be replicated across ``tp_group``, as in Bridge's adapter (LoRA-B's input
     region all-reduces it). ``inside_recompute`` says whether the strategy is worth using for an
-    adapter inside a recomputed region (see :mod:`megatron_bridge_ext.peft.eligibility`).
+    adapter inside a recomputed region (see :mod:`megatron_bridge_ext.levers.lora_input.eligibility`).
     """
 
     name: str

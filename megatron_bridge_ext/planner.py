@@ -1,0 +1,203 @@
+"""The OOM decision procedure, before launch: does a config fit, and which lever is enough if not.
+
+``plan(cfg, gpu_memory=...)`` estimates the config's per-rank peak (:mod:`.estimate`), puts
+Bridge's own estimate beside it, and, when the peak does not fit the device with a margin for
+what the estimate does not model, walks the levers of :data:`megatron_bridge_ext.evidence.LEVERS`
+in their order, each applied on top of the ones before:
+
+1. allocator: expandable segments shrink the fragmentation margin (no memory saved, no cost);
+2. LoRA-A input under sequence parallelism: ``shard_local`` (re-estimated);
+3. selective recompute: the modules that save memory here, cheapest (recomputed FLOPs per byte
+   saved) first, added one at a time (each re-estimated);
+4. parallelism: PP x 2, then TP x 2, at the cost of DP (re-estimated);
+5. CPU offloading of layer activations (a formula on the measured per-layer bytes).
+
+Each step is its lever's ``advice`` module (``megatron_bridge_ext/levers/<lever>/advice.py``): the
+options it offers, their cost (the lever's ``cost`` module) and constraints; this module loops over
+them (:data:`STEPS`) and records each option through :class:`Planner`.
+
+Each option carries its predicted peak, its cost (collective bytes per step, recomputed FLOPs per
+step, the published throughput figure where one exists) and its constraints, which come from
+``MemoryConfig.validate`` (the checks a user gets when applying the flags). The first option that
+fits is the answer, as a :class:`MemoryConfig` and as override strings that Bridge's own override
+parser turns into the same config (the PEFT change only where overrides built the PEFT; otherwise a
+note says why not and gives the ``MemoryConfig(...).apply(cfg)`` line).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_bridge_ext.config import MemoryConfig
+from megatron_bridge_ext.estimate.bridge import BridgeEstimate
+from megatron_bridge_ext.estimate.report import MemoryEstimate
+from megatron_bridge_ext.findings import ERROR, Finding, Refused
+from megatron_bridge_ext.levers.allocator import advice as allocator_advice
+from megatron_bridge_ext.levers.lora_input import advice as lora_input_advice
+from megatron_bridge_ext.levers.parallelism import advice as parallelism_advice
+from megatron_bridge_ext.levers.recompute import advice as recompute_advice
+from megatron_bridge_ext.levers.step import Option, State, breakdown
+from megatron_bridge_ext.overrides import PEFT_OBJECT_REASON
+
+MARGIN = 0.10
+"""Share of device memory kept free without expandable segments: a caching allocator that fragments
+can hold this much reserved but unusable (``mbx diagnose`` calls an OOM fragmentation from 10% of
+reserved memory), and the estimate leaves out NCCL buffers, the CUDA context and kernel workspaces."""
+EXPANDABLE_MARGIN = 0.03
+"""Share kept free with expandable segments: no split segments, only block rounding and what the
+estimate leaves out."""
+STEPS = (allocator_advice.options, lora_input_advice.options, recompute_advice.options, parallelism_advice.resize,
+         parallelism_advice.offload)
+"""The levers' advice in decision order (:data:`megatron_bridge_ext.evidence.LEVERS`), each on top of the ones before."""
+
+
+@dataclass
+class Plan:
+    """The estimate as the config stands, Bridge's beside it, and the options tried in order."""
+
+    gpu_memory: int
+    margin: float
+    expandable_margin: float
+    expandable_segments: bool
+    baseline: MemoryEstimate
+    bridge: Optional[BridgeEstimate]
+    options: list[Option]
+    notes: list[str] = field(default_factory=list)
+    """How the config's builder decided settings the user left to it (printed with the config)."""
+
+    @property
+    def usable_now(self) -> int:
+        return _usable(self.gpu_memory, self.expandable_margin if self.expandable_segments else self.margin)
+
+    @property
+    def fits_as_is(self) -> bool:
+        return self.baseline.peak_bytes <= self.usable_now
+
+    @property
+    def chosen(self) -> Optional[Option]:
+        """The answer: the first option that fits (``answer`` in the text and the JSON)."""
+        return next((o for o in self.options if o.fits), None)
+
+    def memory_config(self) -> Optional[MemoryConfig]:
+        chosen = self.chosen
+        return MemoryConfig(**chosen.flags) if chosen else None
+
+    def overrides(self) -> list[str]:
+        chosen = self.chosen
+        return list(chosen.overrides) if chosen else []
+
+    def as_dict(self) -> dict:
+        chosen = self.chosen
+        return {"gpu_memory": self.gpu_memory, "margin": self.margin, "expandable_margin": self.expandable_margin,
+                "expandable_segments": self.expandable_segments, "usable_now": self.usable_now,
+                "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict(),
+                "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
+                "options": [o.as_dict() for o in self.options], "notes": self.notes,
+                "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
+                                                       "memory_config": chosen.flags, "overrides": chosen.overrides,
+                                                       "peft_note": chosen.peft_note}}
+
+
+def _usable(gpu_memory: int, margin: float) -> int:
+    return int(gpu_memory * (1 - margin))
+
+
+class Planner:
+    """What every lever's advice records its options through: the estimate, the usable memory, the answer so far."""
+
+    def __init__(self, *, gpu_memory: int, margin: float, expandable_margin: float, expandable_segments: bool,
+                 estimate_options: dict, cfg, peft_overrides: Optional[list[str]]):
+        self.gpu_memory, self.margin, self.expandable_margin = gpu_memory, margin, expandable_margin
+        self.expandable = expandable_segments
+        self.estimate_options = estimate_options
+        self.cfg, self.peft_overrides = cfg, peft_overrides
+        self.options: list[Option] = []
+
+    def estimate(self, cfg, **overrides) -> MemoryEstimate:
+        from megatron_bridge_ext.estimate import estimate
+
+        return estimate(cfg, **{**self.estimate_options, **overrides})
+
+    def usable(self) -> int:
+        return _usable(self.gpu_memory, self.expandable_margin if self.expandable else self.margin)
+
+    def add(self, option: Option, state: State, *, peak: Optional[int] = None,
+            parts: Optional[dict[str, int]] = None) -> Option:
+        """Record ``option`` as reached from ``state`` (its flags, overrides and, when applicable, its estimate)."""
+        option.usable_bytes = self.usable()
+        option.flags = dict(state.flags)
+        option.config = state.cfg
+        flags = MemoryConfig(**state.flags) if state.flags else None
+        option.overrides = (flags.overrides(self.cfg, peft_overrides=self.peft_overrides) if flags else []) \
+            + list(state.overrides)
+        if flags and flags.peft_needs_python(self.cfg, peft_overrides=self.peft_overrides):
+            option.peft_note = (f"peft: overrides cannot change this cfg.peft ({PEFT_OBJECT_REASON}); in the training "
+                                f"script: {_python_line(state.flags)}")
+        if option.applicable:
+            option.peak_bytes = state.est.peak_bytes if peak is None else peak
+            option.breakdown = breakdown(state.est) if parts is None else parts
+        self.options.append(option)
+        return option
+
+    def done(self) -> bool:
+        return any(o.fits for o in self.options)
+
+
+def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: float = EXPANDABLE_MARGIN,
+         expandable_segments: Optional[bool] = None, estimate_options: Optional[dict] = None,
+         with_bridge: bool = True, peft_overrides: Optional[list[str]] = None) -> Plan:
+    """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits.
+
+    ``expandable_segments``: whether the run already has them (default: from ``cfg.env_vars``).
+    ``estimate_options`` are passed to :func:`megatron_bridge_ext.estimate.estimate`.
+    ``peft_overrides``: how overrides built ``cfg.peft`` on a recipe without one
+    (:attr:`megatron_bridge_ext.estimate.configs.Built.peft_overrides`); None, the default, for a
+    ``cfg.peft`` set in Python, whose changes the answer gives as a Python line instead of overrides.
+    """
+    from megatron_bridge_ext.estimate.bridge import bridge_estimate
+
+    if gpu_memory <= 0:
+        raise Refused("plan", [Finding("bad_input", ERROR, "gpu_memory", f"is {gpu_memory}",
+                                       "give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB")])
+    if expandable_segments is None:
+        expandable_segments = _expandable_in(cfg)
+    planner = Planner(gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
+                       expandable_segments=expandable_segments, estimate_options=dict(estimate_options or {}),
+                       cfg=cfg, peft_overrides=peft_overrides)
+    baseline = planner.estimate(cfg)
+    # Every later estimate keeps the baseline's DP and microbatches unless a lever changes them.
+    planner.estimate_options.update(data_parallel_size=baseline.settings["dp"],
+                                    num_microbatches=baseline.settings["num_microbatches"])
+    bridge = bridge_estimate(cfg, data_parallel_size=baseline.settings["dp"],
+                             num_microbatches=baseline.settings["num_microbatches"]) if with_bridge else None
+    result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options)
+    if result.fits_as_is:
+        return result
+    state = State(copy.deepcopy(cfg), baseline)
+    before_recompute = None
+    for step in STEPS:
+        if step is recompute_advice.options:
+            before_recompute = state.copy()
+        if step is parallelism_advice.offload:
+            state = before_recompute  # offloading excludes recompute: it replaces step 3, on top of steps 1-2
+        state = step(planner, state)
+        if planner.done():
+            break
+    return result
+
+
+def _python_line(flags: dict) -> str:
+    return "MemoryConfig(" + ", ".join(f"{k}={v!r}" for k, v in flags.items()) + ").apply(cfg)"
+
+
+def _expandable_in(cfg) -> bool:
+    from megatron_bridge_ext.levers.allocator.options import effective, parse_version
+    from megatron_bridge_ext.levers.allocator.env_plan import installed_torch_version
+
+    env = {k: str(v) for k, v in (getattr(cfg, "env_vars", None) or {}).items()}
+    _, conf = effective(env, parse_version(installed_torch_version()))
+    return bool(conf.flag("expandable_segments"))
+
+
