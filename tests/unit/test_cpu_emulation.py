@@ -28,9 +28,11 @@ def _imports_cpu_emulation(path: Path) -> bool:
     return False
 
 
-def test_only_the_cpu_runner_imports_the_emulation():
+def test_only_the_cpu_runner_and_the_gpu_check_dry_run_import_the_emulation():
     importers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _imports_cpu_emulation(p))
-    assert importers == ["testing/cpu_run.py"]  # mbx demo / bench start CPU ranks through it; no feature imports it
+    # mbx demo / bench start CPU ranks through the runner; the GPU check's peak-memory part installs it for its
+    # --dry-run on a CPU (the CPU rehearsal); no feature imports it
+    assert importers == ["device_check/peak_memory.py", "testing/cpu_run.py"]
 
 
 def test_every_way_upstream_names_a_cuda_device_lands_on_the_cpu():
