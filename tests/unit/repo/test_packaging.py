@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # `pip wheel` of the checkout builds in its build/ folder: under pytest-xdist these tests run in one process.
 pytestmark = pytest.mark.xdist_group("in_tree_build")
 

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.unit]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = "megatron_bridge_ext"
 HARNESS = ("testing", "demo")
 HARNESS_USERS = ("device_check",)

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_bridge_ext.demo import bench, train
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BENCH_PAGE = ROOT / "docs" / "levers" / "lora-input.md"
 DEMO_PAGE = ROOT / "docs" / "tools" / "demo.md"
 BRIDGE_PAGE = ROOT / "docs" / "tools" / "bridge-loop.md"

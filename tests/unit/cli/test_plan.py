@@ -17,8 +17,8 @@ from megatron_bridge_ext.cli import plan as plan_cli
 
 pytestmark = [pytest.mark.unit]
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+ROOT = Path(__file__).resolve().parents[3]
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data")
 QWEN3_8B = os.path.join(DATA, "qwen3-8b", "config.json")
 LLAMA3_8B = os.path.join(DATA, "llama-3-8b", "config.json")
 

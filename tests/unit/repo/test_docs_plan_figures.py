@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PLANS = sorted((ROOT / "benchmarks").glob("*-mbx-plan-*.txt"))
 PUBLISHED = sorted((ROOT / "benchmarks").glob("*-qwen3-8b-lora-estimate.json"))
 

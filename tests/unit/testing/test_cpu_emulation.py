@@ -15,7 +15,7 @@ from tests.support.fresh import run
 
 pytestmark = [pytest.mark.unit]
 
-PACKAGE = Path(__file__).resolve().parents[2] / "megatron_bridge_ext"
+PACKAGE = Path(__file__).resolve().parents[3] / "megatron_bridge_ext"
 
 
 def _imports_cpu_emulation(path: Path) -> bool:

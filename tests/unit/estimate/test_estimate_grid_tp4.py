@@ -13,7 +13,7 @@ import sys
 
 from tests.support.estimate_grid import points_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_tp4_estimate_equals_the_meter_on_four_ranks(tmp_path):
