@@ -1,9 +1,8 @@
-"""Bad input to every `mbx` subcommand: one line on stderr naming the setting and the fix, a non-zero exit,
-no traceback, and (demo/bench) no rank started."""
+"""The `mbx` entry point: `mbx diagnose`, `mbx run`, `--version`, and bad input to every subcommand: one line on
+stderr naming the setting and the fix, a non-zero exit, no traceback, and (demo/bench) no rank started."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -12,26 +11,107 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+from megatron_bridge_ext.cli import main
+from tests.support.cli import ALLOC, CUDA, ROOT, _one_clean_line, mbx
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.unit
 DATA = ROOT / "tests" / "data"
 
 
-def mbx(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
-    return subprocess.run([sys.executable, "-m", "megatron_bridge_ext.cli", *args], cwd=cwd, text=True,
-                          capture_output=True, env={**base, **(env or {})}, timeout=600)
+@pytest.mark.parametrize("name, kind", [("memory_stats_fragmentation.json", "fragmentation"),
+                                        ("memory_stats_capacity.json", "capacity")])
+def test_diagnose_first_line_starts_with_the_class(name, kind, capsys):
+    assert main(["diagnose", str(DATA / name)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(kind + ":")
+    assert main(["diagnose", str(DATA / name), "--json", "--total-memory", "80GiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == kind and data["metrics"]["total_memory"] == 80 << 30
 
 
-def _one_clean_line(done: subprocess.CompletedProcess, *fragments: str) -> str:
-    """The last stderr line carries the message; nothing looks like a traceback; the exit status is not 0."""
-    assert done.returncode != 0, (done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    line = done.stderr.strip().splitlines()[-1]
-    for fragment in fragments:
-        assert fragment in line, (fragment, done.stderr)
-    return line
+def test_shipped_stats_use_torch_key_names():
+    from tests.support.memstats import capacity_stats, fragmentation_stats
+
+    assert json.loads((DATA / "memory_stats_fragmentation.json").read_text()) == fragmentation_stats()
+    assert json.loads((DATA / "memory_stats_capacity.json").read_text()) == capacity_stats()
+
+
+def test_diagnose_bad_input_exits_2(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    assert main(["diagnose", str(bad)]) == 2
+    assert "expected a JSON object" in capsys.readouterr().err
+    assert main(["diagnose", str(tmp_path / "missing.json")]) == 2
+
+
+def _mbx(args, env_overrides=None):
+    env = {k: v for k, v in os.environ.items() if k not in (ALLOC, CUDA, "MBX_ALLOCATOR_IPC", "NCCL_GRAPH_REGISTER")}
+    env.update(env_overrides or {})
+    return subprocess.run([sys.executable, "-m", "megatron_bridge_ext.cli", *args], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+_PRINT_ENV = ("import json, os, sys; print(json.dumps({'alloc': os.environ.get('PYTORCH_ALLOC_CONF'), "
+              "'cuda': os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), 'argv': sys.argv[1:]})); sys.exit(int(sys.argv[1]))")
+
+
+def test_run_sets_the_variable_for_the_child_and_passes_everything_through():
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_ENV, "3", "--nproc_per_node=8", "a b", "--"])
+    assert out.returncode == 3, out.stderr
+    child = json.loads(out.stdout)
+    assert child == {"alloc": "expandable_segments:True", "cuda": None, "argv": ["3", "--nproc_per_node=8", "a b", "--"]}
+    assert "PYTORCH_ALLOC_CONF: unset -> 'expandable_segments:True'" in out.stderr
+
+
+def test_run_keeps_the_users_options():
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_ENV, "0"], {CUDA: "garbage_collection_threshold:0.6"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["cuda"] == "garbage_collection_threshold:0.6,expandable_segments:True"
+
+
+def test_run_refuses_before_starting_the_command():
+    out = _mbx(["run", "--cuda-graph-impl", "local", "--", sys.executable, "-c", "print('started')"],
+               {"NCCL_GRAPH_REGISTER": "1"})
+    assert out.returncode == 2 and "started" not in out.stdout
+    assert "NCCL_GRAPH_REGISTER" in out.stderr and "Fix:" in out.stderr
+
+
+def test_run_without_command_or_unknown_command():
+    assert _mbx(["run"]).returncode == 2
+    missing = _mbx(["run", "--", "no-such-command-mbx"])
+    assert missing.returncode == 127 and "command not found" in missing.stderr
+
+
+_PRINT_HOOKS = ("import json, os, sys; from megatron_bridge_ext.patches import bridge_lora_te_norm_grad as te; "
+                "print(json.dumps({'check': te.check_installed(), 'user': os.environ.get('MBX_TEST_USER_SITE'), "
+                "'path': os.environ.get('PYTHONPATH'), "
+                "'upstream': sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'megatron'))}))")
+
+
+@pytest.fixture
+def user_site(tmp_path):
+    """A folder with the user's own sitecustomize.py, which marks the environment when it runs."""
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['MBX_TEST_USER_SITE'] = 'ran'\n")
+    return os.pathsep.join([str(tmp_path), str(ROOT)])
+
+
+def test_run_gives_the_commands_python_the_init_hooks_and_keeps_the_users_sitecustomize(user_site):
+    from megatron_bridge_ext import run_site
+
+    plain = subprocess.run([sys.executable, "-c", _PRINT_HOOKS], env=dict(os.environ, PYTHONPATH=user_site),
+                           capture_output=True, text=True, cwd=ROOT)
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_HOOKS], {"PYTHONPATH": user_site})
+    assert out.returncode == 0 and plain.returncode == 0, out.stderr + plain.stderr
+    assert json.loads(plain.stdout) == {"check": False, "user": "ran", "path": user_site, "upstream": []}
+    assert json.loads(out.stdout) == {"check": True, "user": "ran", "path": run_site.FOLDER + os.pathsep + user_site,
+                                      "upstream": []}
+    assert f"PYTHONPATH: {run_site.FOLDER} put first (your entries kept after it)" in out.stderr
+
+
+def test_run_leaves_pythonpath_alone_when_the_user_turned_the_hooks_off(user_site):
+    out = _mbx(["run", "--", sys.executable, "-c", _PRINT_HOOKS], {"PYTHONPATH": user_site, "MBX_RUN_INIT": "0"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"check": False, "user": "ran", "path": user_site, "upstream": []}
+    assert "MBX_RUN_INIT='0': PYTHONPATH left as it is" in out.stderr
 
 
 @pytest.mark.parametrize("command", [["demo"], ["bench", "memory"]], ids=["demo", "bench"])
@@ -116,10 +196,6 @@ def test_fragmentation_with_expandable_segments_on_does_not_advise_turning_them_
     assert "expandable segments are on already" in head
 
 
-def test_env_refuses_an_unknown_cuda_graph_impl():
-    _one_clean_line(mbx("env", "--cuda-graph-impl", "bogus"), "--cuda-graph-impl", "invalid choice")
-
-
 @pytest.mark.parametrize("value, fragment", [("max_split_size_mb:abc", "torch reads a number here"),
                                              ("my_key:1", "Unrecognized key")])
 def test_run_refuses_bad_allocator_options_before_launching(value, fragment):
@@ -143,17 +219,6 @@ def test_version():
 
     done = mbx("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"megatron-bridge-ext {__version__}"
-
-
-@pytest.mark.parametrize("message, text", [
-    ("TP=3 does not divide the 32 attention heads", "s: TP=3 does not divide the 32 attention heads. Fix: f"),
-    ("ends a sentence.", "s: ends a sentence. Fix: f"),
-])
-def test_a_finding_puts_a_full_stop_before_its_fix(message, text):
-    from megatron_bridge_ext.findings import ERROR, Finding
-
-    assert Finding("c", ERROR, "s", message, "f").text() == text
-    assert Finding("c", ERROR, "s", message).text() == f"s: {message}"
 
 
 @pytest.mark.parametrize("override", ["model.num_layerz=32", "+model.num_layerz=32"])
