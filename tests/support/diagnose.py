@@ -1,4 +1,4 @@
-"""What the OOM diagnosis tests share."""
+"""What the OOM diagnosis tests share: an OOM message as torch prints it, read by the classifier and the handler."""
 
 from __future__ import annotations
 
