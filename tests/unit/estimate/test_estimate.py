@@ -1,4 +1,4 @@
-"""The memory estimate on public model shapes (tests/data/*/config.json), against hand computation.
+"""The memory estimate (`estimate(cfg)`) on public model shapes (tests/data/*/config.json), against hand computation.
 
 Every static component is recomputed here from the config.json fields with Megatron's sharding
 rules (TP shards of each linear, vocabulary split, replicated norms, LoRA adapter shapes), and the
@@ -14,20 +14,13 @@ import os
 import pytest
 
 from megatron_bridge_ext.estimate import configs
-from megatron_bridge_ext.estimate.memory import microbatches_in_flight, parallel_problems
-from megatron_bridge_ext.estimate.static import optimizer_rule
-from megatron_bridge_ext.estimate.trace import (
-    ATTENTION, CHECKPOINT_INPUTS, EMBEDDING, LOGITS_LOSS, LORA_INPUTS, MLP, NORMS, category_of,
-)
+from megatron_bridge_ext.estimate.trace import ATTENTION, LORA_INPUTS, MLP, NORMS
 from megatron_bridge_ext.findings import Refused
+from tests.support.estimate import DATA, DP, QWEN3_8B, RANK, SEQ, TP
 
 pytestmark = [pytest.mark.unit]
-
-DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
-QWEN3_8B = os.path.join(DATA, "qwen3-8b", "config.json")
 LLAMA3_8B = os.path.join(DATA, "llama-3-8b", "config.json")
 BF16 = 2
-TP, SEQ, DP, RANK = 2, 8192, 4, 16
 
 
 def _hf(path):
@@ -55,15 +48,6 @@ def _adapter_params(hf: dict, tp: int, rank: int) -> int:
     d = hf.get("head_dim", h // n)
     in_out = (h + (n + 2 * g) * d) + (n * d + h) + (h + 2 * ffn) + (ffn + h)
     return rank * in_out // tp
-
-
-@pytest.fixture(scope="module")
-def qwen_lora():
-    layout = configs.Layout(tp=TP, seq=SEQ, dp=DP, peft="lora", lora_dim=RANK, lora_alpha=32)
-    cfg = configs.from_hf_config(QWEN3_8B, layout)
-    from megatron_bridge_ext.estimate import estimate
-
-    return cfg, estimate(cfg)
 
 
 def test_static_components_of_qwen3_8b_lora_match_hand_computation(qwen_lora):
@@ -99,22 +83,6 @@ def test_lora_inputs_and_te_shards_of_qwen3_8b_match_their_shapes(qwen_lora):
     assert logits.bytes == s * b * (hf["vocab_size"] // TP) * BF16
 
 
-def test_bridge_estimate_ignores_peft_where_ours_does_not(qwen_lora):
-    from megatron_bridge_ext.estimate.bridge import bridge_estimate
-
-    cfg, est = qwen_lora
-    with_lora = bridge_estimate(cfg, data_parallel_size=DP)
-    peft, cfg.peft = cfg.peft, None
-    try:
-        without = bridge_estimate(cfg, data_parallel_size=DP)
-    finally:
-        cfg.peft = peft
-    assert with_lora.total_bytes == without.total_bytes
-    # Bridge charges every parameter 6 + 12/DP bytes; ours charges frozen ones their bf16 weight only.
-    ours_state = sum(c.bytes for c in est.components if c.kind == "static")
-    assert with_lora.components[0][1] > 3 * ours_state
-
-
 def test_first_and_last_pipeline_stage_hold_the_embedding_and_the_output_layer():
     from megatron_bridge_ext.estimate import estimate
 
@@ -138,103 +106,6 @@ def test_first_and_last_pipeline_stage_hold_the_embedding_and_the_output_layer()
     total = sum(c.bytes for c in est.components if c.name.startswith("weights")) // BF16
     assert est.component("gradients (main_grad buffer)").bytes == total * 4  # full fine-tuning
     assert est.component("optimizer states").bytes == -(-total * 12 // 2)
-
-
-def test_microbatches_in_flight_follow_the_schedules():
-    # 1F1B: stage k runs pp - k - 1 warm-up forwards, then one more before its first backward.
-    assert microbatches_in_flight(pp=4, vpp=None, num_microbatches=8, stage=0) == 4
-    assert microbatches_in_flight(pp=4, vpp=None, num_microbatches=8, stage=3) == 1
-    assert microbatches_in_flight(pp=4, vpp=None, num_microbatches=2, stage=0) == 2
-    assert microbatches_in_flight(pp=1, vpp=None, num_microbatches=16, stage=0) == 1
-    # Interleaved, stage 0: Korthikanti et al.'s pp * (1 + (pp - 1) / (pp * vpp)).
-    for pp, vpp in ((4, 2), (4, 5), (8, 3)):
-        expected = pp * (1 + (pp - 1) / (pp * vpp))
-        assert microbatches_in_flight(pp=pp, vpp=vpp, num_microbatches=64, stage=0) == pytest.approx(expected)
-
-
-def test_optimizer_rules():
-    class Adam:
-        optimizer, use_precision_aware_optimizer, use_distributed_optimizer = "adam", False, True
-
-    assert optimizer_rule(Adam, param_bytes=2, data_parallel=8, context_parallel=1).bytes_per_parameter == 12
-    assert optimizer_rule(Adam, param_bytes=2, data_parallel=8, context_parallel=2).shards == 16
-    assert optimizer_rule(Adam, param_bytes=4, data_parallel=1, context_parallel=1).bytes_per_parameter == 8
-
-    import torch
-
-    class PrecisionAware(Adam):
-        use_precision_aware_optimizer = True
-        main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype = torch.float32, torch.bfloat16, torch.bfloat16
-
-    assert optimizer_rule(PrecisionAware, param_bytes=2, data_parallel=1, context_parallel=1).bytes_per_parameter == 8
-
-    class SGD(Adam):
-        optimizer, use_distributed_optimizer = "sgd", False
-
-    rule = optimizer_rule(SGD, param_bytes=2, data_parallel=4, context_parallel=1)
-    assert (rule.bytes_per_parameter, rule.shards) == (8, 1)
-
-
-def test_impossible_parallel_sizes_name_the_setting():
-    cfg = configs.from_hf_config(QWEN3_8B, configs.Layout(tp=3, seq=8192))
-    problems = parallel_problems(cfg.model, micro_batch=1)
-    assert problems and problems[0].setting == "model.tensor_model_parallel_size"
-    assert "32 attention heads" in problems[0].message
-    from megatron_bridge_ext.estimate import estimate
-
-    with pytest.raises(Refused, match="TP=3 does not divide"):
-        estimate(cfg)
-
-
-@pytest.mark.parametrize("name, category", [
-    ("decoder.layers.3.self_attention.linear_qkv.adapter.linear_in", LORA_INPUTS),
-    ("decoder.layers.3.mlp.linear_fc2.adapter.linear_out", LORA_INPUTS),
-    ("decoder.layers.3.self_attention.q_layernorm", NORMS),
-    ("decoder.layers.3.input_layernorm", NORMS),
-    ("decoder.final_layernorm", NORMS),
-    ("decoder.layers.3.self_attention.core_attention", ATTENTION),
-    ("rotary_pos_emb", ATTENTION),
-    ("decoder.layers.3.mlp.linear_fc1", MLP),
-    ("embedding.word_embeddings", EMBEDDING),
-    ("decoder", CHECKPOINT_INPUTS),
-    ("output_layer", LOGITS_LOSS),
-    ("<root>", LOGITS_LOSS),
-])
-def test_categories_of_module_names(name, category):
-    assert category_of(name) == category
-
-
-def test_fused_attention_stand_in_keeps_what_the_fused_kernels_keep():
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from megatron_bridge_ext.estimate.standins import _FusedAttentionSaves
-    from megatron_bridge_ext.measure import SavedActivationMeter
-
-    s, b, heads, groups, d = 64, 2, 8, 2, 16
-    with FakeTensorMode():
-        q = torch.empty(s, b, heads, d, dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.empty(s, b, 2 * groups, d, dtype=torch.bfloat16, requires_grad=True)
-        k, v = kv[:, :, :groups], kv[:, :, groups:]  # v a view, made contiguous by the kernel
-        with SavedActivationMeter() as meter:
-            out = _FusedAttentionSaves.apply(q, k, v)
-    assert tuple(out.shape) == (s, b, heads * d)
-    expected = (s * b * heads * d * 2  # q
-                + s * b * 2 * groups * d * 2  # k: a view of kv keeps kv's storage
-                + s * b * groups * d * 2  # contiguous v
-                + s * b * heads * d * 2  # output
-                + b * heads * s * 4)  # fp32 log-sum-exp
-    assert meter.result().total_bytes == expected
-
-
-def test_fused_attention_stand_in_refuses_real_tensors():
-    import torch
-
-    from megatron_bridge_ext.estimate.standins import _FusedAttentionSaves
-
-    x = torch.zeros(4, 1, 2, 8)
-    with pytest.raises(RuntimeError, match="fake tensors only"):
-        _FusedAttentionSaves.apply(x, x, x)
 
 
 def test_identical_layers_save_the_same_and_split_the_layer_categories(qwen_lora):
@@ -368,24 +239,3 @@ def test_tied_embeddings_keep_a_copy_on_the_last_of_two_stages(tmp_path):
     tied = estimate(tied_cfg)
     untied = estimate(configs.from_hf_config(LLAMA3_8B, layout, ["model.num_layers=4"]))
     assert tied.stage_peaks == untied.stage_peaks
-
-
-@pytest.fixture(scope="module")
-def qwen_tp2():
-    return configs.from_hf_config(QWEN3_8B, configs.Layout(tp=2, seq=1024))
-
-
-@pytest.mark.parametrize("field", list(configs.SHAPE_FIELDS))
-@pytest.mark.parametrize("value", [0, -8])
-def test_a_shape_field_below_one_is_refused_before_the_model_is_built(qwen_tp2, field, value):
-    """However the value came (a recipe's default, an override), the estimate refuses it by name before
-    Megatron Core divides by it."""
-    import copy
-
-    from megatron_bridge_ext.estimate import estimate
-
-    cfg = copy.deepcopy(qwen_tp2)
-    setattr(cfg.model, field, value)
-    with pytest.raises(Refused) as refused:
-        estimate(cfg)
-    assert refused.value.one_line() == f"model.{field}: is {value}. Fix: set it to a whole number of 1 or more"
