@@ -1,39 +1,21 @@
-"""Our DoRA and CanonicalLoRA as configuration objects, the kinds registry, and the per-layer decision, in one
-process (no ranks).
+"""Our DoRA and CanonicalLoRA by kind, as configuration objects, and the kinds registry, in one process (no ranks).
 
 * drop-in: every field of Bridge's class with Bridge's default, plus ``sequence_parallel_input_strategy``;
 * the strategy field: validation at construction and on assignment, naming the class;
 * Bridge's config machinery: ``_target_`` instantiation and Hydra-style overrides (the latter need hydra-core);
-* :mod:`megatron_bridge_ext.peft.kinds`;
-* eligibility for a wrapper with several adapters (CanonicalLoRA's) and DoRA's own rule, on stand-ins.
+* :mod:`megatron_bridge_ext.peft.kinds`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
-import torch
-from torch import nn
 
 from megatron_bridge_ext.peft import kinds
-from megatron_bridge_ext.levers.lora_input.eligibility import decide_wrapper
+from tests.support.peft import FIELD, NEW_KINDS
 
 pytestmark = [pytest.mark.unit]
-
-FIELD = "sequence_parallel_input_strategy"
-NEW_KINDS = ("dora", "canonical_lora")
-
-
-@pytest.fixture(scope="module")
-def classes():
-    """(Bridge's class, ours) per new kind. Importing ours applies upstream patches to this process; they
-    are reverted when this module's tests are done, so that later tests find upstream unpatched."""
-    from megatron_bridge_ext.patches import revert_all
-
-    yield {kind: (kinds.bridge_class(kind), kinds.our_class(kind)) for kind in NEW_KINDS}
-    revert_all()
 
 
 def _init_fields(obj_or_cls) -> dict:
@@ -146,67 +128,3 @@ def test_target_names_and_the_layers_they_adapt():
 def test_an_unknown_kind_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match=r"--peft='qlora'.*lora, dora, canonical_lora"):
         kinds.check_kind("qlora", "--peft")
-
-
-# ------------------------------------------------------------------------------------------ one layer, several adapters
-
-
-def _adapter(*, trainable=True, dropout=False):
-    config = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2)
-    return SimpleNamespace(
-        base_linear_name="decoder.layers.0.self_attention.linear_qkv", input_is_parallel=False, tp_group=None,
-        config=config, linear_in=SimpleNamespace(weight=torch.zeros(2, 2, requires_grad=trainable)),
-        activation=nn.Identity(), dropout=nn.Dropout(0.1) if dropout else nn.Identity(), dropout_position="pre")
-
-
-def _split_wrapper(adapters: dict, te=False):
-    """CanonicalLoRA's linear_qkv wrapper as eligibility reads it: the base and its adapters by key."""
-    base = SimpleNamespace(config=SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2),
-                           sequence_parallel=True, parallel_mode="column")
-    if te:
-        base.return_layernorm_output_gathered = False
-    return SimpleNamespace(to_wrap=base, adapter=SimpleNamespace(**adapters))
-
-
-def test_the_adapters_of_a_layer_share_one_verdict_and_one_shard():
-    adapters = {"adapter_q": _adapter(), "adapter_k": _adapter(), "adapter_v": _adapter()}
-    wrapper = _split_wrapper(adapters)
-    decisions = decide_wrapper(wrapper, "shard_local", [(f"adapter.{k}", a) for k, a in adapters.items()])
-    base = "decoder.layers.0.self_attention.linear_qkv"
-    assert [(d.adapter, d.lora_a) for d in decisions] == [
-        (f"{base}.{k}", f"{base}.adapter.{k}.linear_in") for k in adapters]
-    assert {(d.strategy, d.reason) for d in decisions} == {("shard_local", "eligible")}
-    assert all("one storage for the 3 adapters" in d.retains and "s*b*h*(3-1/t)" in d.retains for d in decisions)
-
-    # One adapter refused refuses the layer: they all take the base layer's one input.
-    adapters["adapter_k"] = _adapter(trainable=False)
-    decisions = decide_wrapper(wrapper, "shard_local", [(f"adapter.{k}", a) for k, a in adapters.items()])
-    frozen = "LoRA-A is frozen (its input is not retained anyway)"
-    assert {(d.strategy, d.reason) for d in decisions} == {("off", frozen)}
-
-
-@pytest.mark.parametrize("te, dropout, retains", [
-    (False, False, "its own gathered copy of the input"),
-    (True, False, "one copy for the 3 adapters"),
-    (False, True, "its own gathered copy of the input"),
-])
-def test_the_report_says_what_a_layers_adapters_keep_on_bridges_path(te, dropout, retains):
-    adapters = [(f"adapter.{k}", _adapter(dropout=dropout)) for k in ("adapter_q", "adapter_k", "adapter_v")]
-    decisions = decide_wrapper(_split_wrapper(dict(adapters), te=te), "off", adapters)
-    assert all(retains in d.retains for d in decisions)
-
-
-def test_with_adapter_dropout_each_lora_a_keeps_its_own_dropped_shard():
-    adapters = [(f"adapter.{k}", _adapter(dropout=True)) for k in ("adapter_up", "adapter_gate")]
-    decisions = decide_wrapper(_split_wrapper(dict(adapters)), "regather", adapters)
-    assert all(d.eligible and "its own dropped sequence shard" in d.retains for d in decisions)
-
-
-@pytest.mark.parametrize("te, dropout, refused", [(True, True, True), (True, False, False), (False, True, False)])
-def test_dora_keeps_bridges_path_only_for_dropout_on_a_te_layernorm_linear(classes, te, dropout, refused):
-    from megatron_bridge_ext.peft.dora import TE_DROPOUT_REASON
-
-    wrapper = _split_wrapper({}, te=te)
-    wrapper.adapter = _adapter(dropout=dropout)
-    reason = classes["dora"][1]()._kind_reason(wrapper)
-    assert reason == (TE_DROPOUT_REASON if refused else None)
