@@ -1,6 +1,6 @@
 """The variant registry: every variant applied through MemoryConfig ends with the model config and PEFT its flags
 declare, which are the ones the demo and benchmarks set by hand before (Core's recompute fields, our class with its
-strategy or Bridge's own)."""
+strategy or Bridge's own); and the variants each PEFT kind gets by default."""
 
 from __future__ import annotations
 
@@ -71,3 +71,8 @@ def test_a_variant_is_checked_as_memory_config_checks_a_recipe():
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with pytest.raises(Refused, match="recompute_modules"):
         variants.VARIANTS["core_attn"].apply(_shape("lora"), **full)
+
+
+def test_default_variants_per_kind():
+    assert "upstream_regather" not in [v.name for v in variants.select(None, "canonical_lora")]
+    assert {"baseline", "regather", "shard_local"} <= {v.name for v in variants.select(None, "dora")}
