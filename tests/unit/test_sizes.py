@@ -79,7 +79,7 @@ def test_diagnose_explains_a_gpu_sold_as_80gb():
 def test_plan_text_speaks_gib_and_gb_only_beside_published_figures():
     """Every size of the plan is in GiB; a figure in GB appears only in brackets or in a published figure."""
     from megatron_bridge_ext.cli.plan import format_plan
-    from tests.unit.test_cli_plan import small_plan
+    from tests.unit.cli.test_plan import small_plan
 
     result = small_plan(gpu_memory=4 * 10**9)
     text = format_plan(result)

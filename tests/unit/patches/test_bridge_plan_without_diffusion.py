@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.unit]
 
 # --------------------------------------------------------------------------------------------
 # bridge_plan_without_diffusion, core_training_plan_without_modelopt: what mbx plan's process leaves out
-# (the same plan with and without them: tests/unit/test_cli_plan.py)
+# (the same plan with and without them: tests/unit/cli/test_plan.py)
 # --------------------------------------------------------------------------------------------
 
 _IMPORT_BRIDGE_AND_REPORT = """
