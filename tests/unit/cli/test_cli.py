@@ -15,6 +15,7 @@ from megatron_bridge_ext.cli import main
 from tests.support.cli import ALLOC, CUDA, ROOT, _one_clean_line, mbx
 
 pytestmark = pytest.mark.unit
+
 DATA = ROOT / "tests" / "data"
 
 

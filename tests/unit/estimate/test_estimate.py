@@ -19,6 +19,7 @@ from megatron_bridge_ext.findings import Refused
 from tests.support.estimate import DATA, DP, QWEN3_8B, RANK, SEQ, TP
 
 pytestmark = [pytest.mark.unit]
+
 LLAMA3_8B = os.path.join(DATA, "llama-3-8b", "config.json")
 BF16 = 2
 

@@ -15,6 +15,7 @@ from megatron_bridge_ext.levers.allocator.options import AllocConf
 from tests.support.allocator import ES, NEW, ROOT, _bridge_applies, _cfg, _child, codes, plan
 
 pytestmark = pytest.mark.unit
+
 OLD = "2.10.0"  # readers disagree: every set variable is written
 ANCIENT = "2.7.1"  # only PYTORCH_CUDA_ALLOC_CONF
 
