@@ -28,7 +28,7 @@ functional:
 # The accuracy claim at TP=4 (4 gloo ranks on the CPU).
 functional-tp4:
 	MBX_DIST_TIMEOUT_S=$${MBX_DIST_TIMEOUT_S:-180} $(PY) -m torch.distributed.run --standalone --nproc_per_node=4 \
-		-m pytest tests/functional/test_accuracy.py -q -p no:cacheprovider
+		-m pytest tests/functional/test_lora_input_accuracy.py -q -p no:cacheprovider
 
 e2e:
 	$(PY) -m pytest tests/e2e -q -p no:cacheprovider $(XDIST) $(DURATIONS)

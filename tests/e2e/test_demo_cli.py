@@ -53,7 +53,7 @@ def test_mbx_demo_bridge_trains_through_bridges_loop_and_reports_memory_from_ins
     assert "expandable_segments:True" in ours["environment"].get("PYTORCH_CUDA_ALLOC_CONF", "")
     assert "lm loss" in done.stderr  # Bridge's training log: these numbers come from Bridge's loop
     assert (keep / "base" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    # docs/tools/bridge-loop.md shows the committed run's tables (tests/unit/test_readme_figures.py). This run matches it:
+    # docs/tools/bridge-loop.md shows the committed run's tables (tests/unit/repo/test_docs_figures.py). This run matches it:
     # names, bytes, counts and environment exactly; losses and grad norms, which depend on the CPU's
     # floating-point kernels, within twice bridge_table.rounding_bounds() (fp32 reductions summed in another order).
     assert compare_runs(result["rows"], committed_bridge_rows()) == []

@@ -9,7 +9,7 @@ traces rank 0 on fake CPU tensors. LoRA points use our LoRA with each LoRA-A str
 Bridge's path); a few use DoRA and CanonicalLoRA. The two must be equal to the byte, in total, per category and
 per layer (all TP ranks hold the same shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
 ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.testing.cpu_run tests.support.estimate_grid
---tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/test_estimate_grid_tp4.py``).
+--tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/estimate/test_estimate_grid_tp4.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,410 @@
+"""``mbx plan``: bad input gives one line and exit status 2 before anything is built; good input prints
+the estimate beside Bridge's, the levers in order and the answer (text, JSON, plot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_bridge_ext import cli
+from megatron_bridge_ext.cli import plan as plan_cli
+
+pytestmark = [pytest.mark.unit]
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data")
+QWEN3_8B = os.path.join(DATA, "qwen3-8b", "config.json")
+LLAMA3_8B = os.path.join(DATA, "llama-3-8b", "config.json")
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert cli.main(["plan", *argv]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("mbx plan: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--recipe", "no_such_package.recipes:config"], "--recipe: cannot import 'no_such_package.recipes'"),
+    (["--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt"], "is not MODULE:FUNCTION"),
+    (["--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:no_such_recipe"], "has no function 'no_such_recipe'"),
+    (["--hf-config", "/no/such/config.json"], "no such file"),
+    (["--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config", "--dp", "4",
+      "train.global_batch_size=6"], "train.global_batch_size: 6 is not a multiple of micro-batch x DP = 2 x 4 = 8 (each step runs whole "
+                                     "microbatches on every data-parallel replica). Fix: give a multiple of 8, e.g. "
+                                     "train.global_batch_size=8"),
+])
+def test_bad_input_is_one_line(capsys, argv, expected):
+    line = _one_line_error(capsys, [*argv, "--gpu-memory", "80GiB"])
+    assert expected in line
+    assert ". Fix: " in line
+
+
+FAST_REFUSALS = [
+    (["--tp", "3"], "model.tensor_model_parallel_size: TP=3 does not divide the 32 attention heads. Fix: choose "
+                    "sizes that divide it"),
+    (["--tp", "16"], "TP=16 does not divide the 8 query groups"),
+    (["--tp", "2", "--seq", "8191"], "model.seq_length: sequence 8191 is not divisible by TP=2"),
+    (["--pp", "5"], "model.pipeline_model_parallel_size: PP=5 does not divide the 36 layers"),
+    (["--micro-batch", "0"], "--micro-batch: 0 is not a whole number of 1 or more. Fix: give e.g. --micro-batch 1"),
+    (["--tp", "-2"], "--tp: -2 is not a whole number of 1 or more"),
+    (["--lora-dim", "0"], "--lora-dim: 0 is not a whole number of 1 or more"),
+    (["--dp", "4", "--global-batch", "6"], "--global-batch: 6 is not a multiple of micro-batch x DP = 1 x 4 = 4 "
+                                           "(each step runs whole microbatches on every data-parallel replica). Fix: "
+                                           "give a multiple of 4, e.g. --global-batch 8"),
+    (["--margin", "1.5"], "--margin: 1.5 is not a share"),
+    (["--gpu-memory", "80"], "--gpu-memory: 80 has no unit. Fix: write 80GiB or 80GB"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", FAST_REFUSALS, ids=[" ".join(a) for a, _ in FAST_REFUSALS])
+def test_numbers_and_the_hf_layout_are_refused_before_torch_is_imported(argv, expected):
+    """Each refusal comes from the arguments and config.json alone, in a fresh interpreter that never imports torch."""
+    argv = ["--hf-config", QWEN3_8B, "--seq", "8192", "--gpu-memory", "80GiB", *argv]
+    code = ("import sys; from megatron_bridge_ext import cli; rc = cli.main(['plan', *sys.argv[1:]]); "
+            "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr); "
+            "sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    line, imported = done.stderr.splitlines()
+    assert line.startswith("mbx plan: ") and expected in line
+    assert imported == "torch not imported"
+
+
+def test_hf_config_needs_seq_unless_an_override_sets_it(capsys):
+    """config.json's max_position_embeddings (40960 for Qwen3-8B) is no training length: --seq is required."""
+    line = _one_line_error(capsys, ["--hf-config", QWEN3_8B, "--gpu-memory", "80GiB"])
+    assert line == ("mbx plan: --seq: required with --hf-config (config.json's max_position_embeddings is the longest "
+                    "sequence the model takes, not the training length). Fix: give the training length, e.g. --seq 4096")
+    args = cli.build_parser().parse_args(["plan", "--hf-config", QWEN3_8B, "--gpu-memory", "80GiB",
+                                          "model.seq_length=4096"])
+    assert plan_cli.check_args(args) is None and args.gpu_memory == 80 * 2**30
+
+
+def test_the_early_layout_check_says_what_the_estimate_says():
+    """The check before the build words its refusals as the estimate's parallel_problems does on the built model."""
+    from megatron_bridge_ext.estimate.memory import parallel_problems
+
+    model = SimpleNamespace(tensor_model_parallel_size=3, pipeline_model_parallel_size=5, context_parallel_size=1,
+                            seq_length=8192, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=None,
+                            vocab_size=None, sequence_parallel=True, num_layers=36, num_layers_in_first_pipeline_stage=None,
+                            num_layers_in_last_pipeline_stage=None, virtual_pipeline_model_parallel_size=None)
+    late = [f.text() for f in parallel_problems(model, micro_batch=1)]
+    for argv in (["--tp", "3", "--seq", "8192"], ["--tp", "3", "--seq", "8193"], ["--pp", "5", "--seq", "8192"]):
+        args = cli.build_parser().parse_args(["plan", "--hf-config", QWEN3_8B, "--gpu-memory", "80GiB", *argv])
+        assert plan_cli.check_args(args) in late, argv
+
+
+@pytest.mark.parametrize("command", ["plan", "diagnose", "env", "run", "patches", "demo", "bench memory"])
+def test_every_subcommand_help_ends_with_two_examples(command):
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge_ext.cli", *command.split(), "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    examples = done.stdout.split("\nexamples:\n")[1].splitlines()
+    assert len([line for line in examples if line.startswith(f"  mbx {command} ")
+                or line.strip() == f"mbx {command}" or line.startswith(f"  mbx {command}  ")]) == 2, examples
+
+
+def test_every_optional_plan_option_states_its_default():
+    parser = cli.build_parser()
+    plan_parser = next(a for a in parser._actions if a.dest == "command").choices["plan"]
+    required_group = {a.dest for g in plan_parser._mutually_exclusive_groups if g.required for a in g._group_actions}
+    for action in plan_parser._actions:
+        if action.option_strings and not action.required and action.dest not in required_group | {"help"}:
+            assert "default" in (action.help or ""), action.option_strings
+
+
+def test_the_config_line_says_full_fine_tuning_is_the_default():
+    settings = {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "sequence_parallel": False, "seq_length": 4096,
+                "micro_batch": 1, "num_microbatches": 1, "dtype": "bfloat16", "peft": None,
+                "recompute_granularity": None, "attention": "fused", "transformer_impl": "transformer_engine"}
+    line = plan_cli._settings_line(settings, peft_defaulted=True)
+    assert "full fine-tuning (the default; --peft lora for LoRA)" in line
+    assert "the default" not in plan_cli._settings_line(settings)
+
+
+def small_plan(*, gpu_memory: int, lora_sp_input: str = "off"):
+    """A plan of the demo's tiny GPT (TP 2, SP, LoRA) on a device of ``gpu_memory`` bytes."""
+    from megatron_bridge_ext import planner
+    from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=4, seq=512, micro_batch=1, vocab=128, tp=2,
+                         dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=16,
+                                  sequence_parallel_input_strategy=lora_sp_input))
+    cfg.data_parallel_size, cfg.train.global_batch_size = 2, 2
+    return planner.plan(cfg, gpu_memory=gpu_memory, expandable_segments=False)
+
+
+def test_why_an_option_does_not_apply_goes_below_a_narrow_table():
+    """LoRA-A already shard_local: step 2 is n/a, and its reason is a note under the table, not a table cell."""
+    text = plan_cli.format_plan(small_plan(gpu_memory=1, lora_sp_input="shard_local"))
+    table, notes = text.split("  step  option")[1].split("why not, constraints")
+    assert all(len(line) <= 120 for line in table.splitlines()), table
+    assert "already shard_local" not in table
+    assert "  - step 2 lora_sp_input=shard_local: n/a: already shard_local" in notes.splitlines()
+
+
+@pytest.mark.parametrize("label", ["recompute_modules=['core_attn', 'mlp']", "offload 35 of 36 layers (no recompute)",
+                                   "lora_sp_input=shard_local"])
+def test_plot_labels_wrap_between_words_only(label):
+    assert plan_cli.tick_label(label).split() == label.split()
+
+
+def test_config_json_missing_fields_is_one_line(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 128}))
+    line = _one_line_error(capsys, ["--hf-config", str(path), "--gpu-memory", "80GiB"])
+    assert "lacks num_hidden_layers, num_attention_heads, intermediate_size" in line
+
+
+def test_plot_without_matplotlib_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(plan_cli, "_have_matplotlib", lambda: False)
+    line = _one_line_error(capsys, ["--hf-config", QWEN3_8B, "--seq", "4096", "--gpu-memory", "80GiB", "--plot",
+                                    str(tmp_path / "x.png")])
+    assert 'pip install "megatron-bridge-ext[plot]"' in line
+
+
+def test_qwen3_8b_lora_json(capsys):
+    argv = ["plan", "--hf-config", QWEN3_8B, "--tp", "2", "--seq", "8192", "--peft", "lora", "--dp", "4",
+            "--gpu-memory", "80GB", "--json"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    settings = report["estimate"]["settings"]
+    assert (settings["tp"], settings["sequence_parallel"], settings["seq_length"], settings["dp"]) == (2, True, 8192, 4)
+    assert settings["peft"].endswith("LoRA") and settings["lora_sp_input"] == "off"
+    assert report["fits_as_is"] is True and report["options"] == []
+    # Bridge's own estimate charges the frozen base with gradients and optimizer states.
+    assert report["bridge_estimate"]["total_bytes"] > report["estimate"]["peak_bytes"]
+    assert report["usable_now"] == int(80e9 * (1 - report["margin"]))
+    assert "answer" in report and "chosen" not in report  # the text's word for it
+
+
+def test_text_output_walks_the_levers_and_answers(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "plan.png"
+    argv = ["plan", "--hf-config", LLAMA3_8B, "--tp", "2", "--seq", "8192", "--peft", "lora", "--dp", "2",
+            "--gpu-memory", "4GB", "--plot", str(plot), "model.num_layers=2"]
+    assert cli.main(argv) == 0
+    text, err = capsys.readouterr()
+    assert f"mbx plan: plot written to {plot}" in err.splitlines()
+    order = ["per-rank estimate", "Bridge's estimate_training_memory", "does not fit as is",
+             "levers, in the decision order", "answer:", "assumptions:"]
+    positions = [text.index(marker) for marker in order]
+    assert positions == sorted(positions)
+    steps = [line.split()[0] for line in text[positions[3]:positions[4]].splitlines()[3:] if line[:3].strip().isdigit()]
+    assert steps == sorted(steps, key=int) and steps[:2] == ["1", "2"]
+    assert "MemoryConfig(" in text or "no combination of the levers fits" in text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Recipes, overrides and the answer pasted back
+
+WITH_LORA = "tests.support.plan_recipes:vanilla_gpt_with_lora"
+VANILLA = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
+QWEN3_RECIPE = "megatron.bridge.recipes.qwen.qwen3:qwen3_8b_peft_config"
+TINY = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=8",
+        "model.vocab_size=1024", "model.share_embeddings_and_output_weights=false"]
+OUR_LORA = ["+peft._target_=megatron_bridge_ext.peft.LoRA", "+peft.sequence_parallel_input_strategy=shard_local"]
+
+
+def _json_plan(capsys, *argv) -> dict:
+    assert cli.main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_answer_pasted_into_a_run_of_a_recipe_that_sets_peft_switches_its_lora(capsys):
+    """Every option that turns on the LoRA input strategy, taken as printed (overrides through Bridge's own
+    parser on the recipe, then the MemoryConfig line where the option gives one), gives our LoRA with that
+    strategy and the recompute fields MemoryConfig.apply sets."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron_bridge_ext.config import MemoryConfig
+    from megatron_bridge_ext.peft import LoRA  # first: it imports Bridge's PEFT modules (without TE, by a hook)
+    from tests.support import plan_recipes
+
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    run = TINY + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=1024"]
+    report = _json_plan(capsys, "--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--gpu-memory", "1MB",
+                        *TINY)
+    switching = [o for o in report["options"] if o["applicable"] and o["memory_config"].get("lora_sp_input")]
+    assert switching
+    for option in switching:
+        flags = MemoryConfig(**option["memory_config"])
+        pasted = process_config_with_overrides(plan_recipes.vanilla_gpt_with_lora(),
+                                               cli_overrides=run + option["overrides"])
+        if option.get("peft_note"):
+            assert "MemoryConfig(" in option["peft_note"] and ").apply(cfg)" in option["peft_note"]
+            flags.apply(pasted)
+        expected = process_config_with_overrides(plan_recipes.vanilla_gpt_with_lora(), cli_overrides=run)
+        flags.apply(expected)
+        assert type(pasted.peft) is LoRA, option["overrides"]
+        assert pasted.peft.strategy == option["memory_config"]["lora_sp_input"]
+        assert pasted.peft.dim == plan_recipes.LORA_DIM  # the recipe's own PEFT, switched, not replaced
+        for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"):
+            assert getattr(pasted.model, name) == getattr(expected.model, name), name
+
+
+def test_peft_flag_with_the_strategy_overrides_traces_the_strategy(capsys):
+    report = _json_plan(capsys, "--recipe", VANILLA, "--tp", "2", "--seq", "1024", "--peft", "lora", "--gpu-memory",
+                        "80GB", *TINY, *OUR_LORA)
+    settings = report["estimate"]["settings"]
+    assert settings["lora_sp_input"] == "shard_local" and settings["lora_dim"] == 32  # --lora-dim's default
+
+
+@pytest.mark.parametrize("override", ["model.num_layerz=32", "+model.num_layerz=32", "++model.num_layerz=32"])
+def test_a_misspelt_field_is_named_with_the_closest_one(capsys, override):
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB", override])
+    assert line == "mbx plan: model.num_layerz: no such field of GPTModelProvider. Fix: did you mean model.num_layers?"
+
+
+def test_a_misspelt_strategy_in_an_override_stops_the_plan(capsys):
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB", *TINY,
+                                    "+peft._target_=megatron_bridge_ext.peft.LoRA",
+                                    "+peft.sequence_parallel_input_strategy=shard_lcoal"])
+    assert line.startswith("mbx plan: peft.sequence_parallel_input_strategy: 'shard_lcoal' is not valid")
+    assert "Fix: use one of 'off', 'regather', 'shard_local'" in line and "(did you mean 'shard_local'?)" in line
+
+
+def test_a_misspelt_peft_field_names_the_class_and_the_closest_field(capsys):
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB",
+                                    "+peft._target_=megatron_bridge_ext.peft.LoRA",
+                                    "+peft.sequence_parallel_input_stategy=shard_local"])
+    assert "peft.sequence_parallel_input_stategy: no such field of megatron_bridge_ext.peft.lora.LoRA" in line
+    assert line.endswith("Fix: did you mean peft.sequence_parallel_input_strategy?")
+
+
+def test_peft_overrides_on_a_recipe_that_sets_peft_are_refused_not_ignored(capsys):
+    line = _one_line_error(capsys, ["--recipe", WITH_LORA, "--gpu-memory", "80GB", *OUR_LORA])
+    assert line.startswith("mbx plan: peft: +peft._target_=megatron_bridge_ext.peft.LoRA changes nothing: cfg.peft is "
+                           "a LoRA object set in Python")
+    assert "MemoryConfig(lora_sp_input=...).apply(cfg)" in line
+
+
+def test_neither_recipe_nor_config_json_is_one_line(capsys):
+    assert "--recipe MODULE:FUNCTION or --hf-config FILE" in _one_line_error(capsys, ["--gpu-memory", "80GB"])
+
+
+@pytest.mark.parametrize("sp, expected", [([], True), (["--no-sp"], False)])
+def test_tp_on_a_recipe_turns_sequence_parallelism_on_as_with_a_config_json(capsys, sp, expected):
+    argv = ["plan", "--recipe", VANILLA, "--tp", "2", "--seq", "1024", *sp, "--gpu-memory", "80GB", *TINY]
+    assert cli.main(argv) == 0
+    config_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("config: "))
+    assert ("SP=on" in config_line) is expected
+    assert ("SP on: the default with TP > 1 (--no-sp turns it off)" in config_line) is expected
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any TCP connection fails at once, as on a machine without the hub; the attempts are recorded."""
+    import socket
+
+    attempts = []
+
+    def refuse(address, *args, **kwargs):
+        attempts.append(address)
+        raise OSError(f"no network in this test ({address})")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    return attempts
+
+
+def test_a_bridge_model_recipe_plans_offline_from_a_local_config_json(capsys, tmp_path, no_network):
+    """qwen3_8b_peft_config reads Qwen/Qwen3-8B's config from the hub; --hf-config answers that read."""
+    data = json.loads(open(QWEN3_8B).read())
+    data["num_hidden_layers"] = 3  # not the hub's 36: the layers come from this file
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    report = _json_plan(capsys, "--recipe", QWEN3_RECIPE, "--hf-config", str(path), "--tp", "2", "--seq", "1024",
+                        "--gpu-memory", "200GB")
+    settings = report["estimate"]["settings"]
+    assert (settings["num_layers"], settings["hidden"]) == (3, data["hidden_size"])
+    assert settings["tp"] == 2 and settings["sequence_parallel"] is True  # the recipe's SP=False follows --tp 2
+    assert settings["lora_dim"] == 8  # the recipe's own LoRA
+    assert no_network == []
+
+
+def test_an_unreachable_hub_fails_after_one_cache_lookup(capsys, monkeypatch):
+    """Offline, Bridge's config read is tried once from the local cache, not 4 times with network retries."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    calls = []
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        calls.append(kwargs.get("local_files_only", False))
+        raise OSError(f"{path} is not in the local cache")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(from_pretrained))
+    line = _one_line_error(capsys, ["--recipe", QWEN3_RECIPE, "--gpu-memory", "80GB"])
+    assert calls == [True]
+    assert ("reads Qwen/Qwen3-8B's config from the Hugging Face hub, which is not reachable (HF_HUB_OFFLINE is set)"
+            in line)
+    assert "Fix: add --hf-config with the model's config.json" in line
+
+
+def test_an_override_bridges_parser_skips_with_a_warning_is_refused(capsys):
+    """cfg.ft is None: Bridge cannot build the _target_, logs it, keeps a dict and goes on; the plan stops."""
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB", "+ft._target_=no_such_module.Config"])
+    assert line.startswith("mbx plan: overrides: Bridge's override parser did not apply everything: Failed to "
+                           "instantiate ft from _target_")
+    assert line.endswith("Fix: correct that override")
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan's own imports (patches bridge_plan_without_diffusion, core_training_plan_without_modelopt)
+
+LEFT_OUT = ["megatron.bridge.diffusion.models", "modelopt"]
+"""What the plan's import patches keep out of its process."""
+
+_PLAN_IN_A_FRESH_PROCESS = """
+import contextlib, io
+from megatron_bridge_ext import cli
+from megatron_bridge_ext.patches import registry
+
+if not LEAN:
+    registry.PLAN_IMPORTS = ()
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    status = cli.main(["plan", *ARGV, "--json"])
+report(status=status, plan=json.loads(out.getvalue()), imported=[name for name in LEFT_OUT if name in sys.modules],
+       hooks=[p.applied for p in registry.PATCHES])
+"""
+
+
+def _without_seconds(value):
+    """The plan's JSON less the estimate's run time (the one field two runs do not share)."""
+    if isinstance(value, dict):
+        return {k: _without_seconds(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_without_seconds(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("argv", [
+    ["--hf-config", QWEN3_8B, "--tp", "2", "--seq", "8192", "--peft", "lora", "--dp", "4", "--gpu-memory", "40GB"],
+    ["--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--gpu-memory", "1MB", *TINY],
+], ids=["readme-qwen3-8b", "recipe-with-lora"])
+def test_the_plan_is_the_same_without_the_imports_it_leaves_out(argv):
+    """The README's example and a recipe, each planned in a fresh interpreter with the plan's import patches and
+    without them: the same plan, and only the patched run kept the diffusion bridges and ModelOpt out."""
+    from tests.support.fresh import run
+
+    runs = {lean: run(f"LEAN, ARGV, LEFT_OUT = {lean!r}, {argv!r}, {LEFT_OUT!r}", _PLAN_IN_A_FRESH_PROCESS)
+            for lean in (True, False)}
+    assert [runs[lean]["status"] for lean in (True, False)] == [0, 0]
+    assert runs[True]["imported"] == [] and runs[False]["imported"] == LEFT_OUT
+    assert not any(runs[True]["hooks"])  # removed after the plan
+    assert runs[True]["plan"]["options"]  # a plan with levers, not two empty ones
+    assert _without_seconds(runs[True]["plan"]) == _without_seconds(runs[False]["plan"])

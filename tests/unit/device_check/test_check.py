@@ -1,0 +1,101 @@
+"""The device check's verdict arithmetic, its exit status and its option checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_bridge_ext.device_check import check
+
+
+def test_the_adapter_worth_is_the_gathered_input_minus_the_shard():
+    shape = {"seq": 8192, "micro_batch": 1, "hidden": 4096, "tp": 2, "dtype": "bfloat16"}
+    assert check._adapter_bytes(shape) == 8192 * 4096 * 2 // 2  # 32 MiB: the Qwen3-8B-shaped stack
+    assert check._adapter_bytes(dict(shape, tp=4, dtype="float32")) == 8192 * 4096 * 4 * 3 // 4
+
+
+LAYERS = 4
+SHAPE = {"seq": 8192, "micro_batch": 1, "hidden": 4096, "tp": 2, "dtype": "bfloat16"}
+WORTH = 8192 * 4096 * 2 // 2
+
+
+def _rows(forward_drop: int, peak_drop: int, buffer: int = 0) -> tuple[dict, dict]:
+    """A baseline row and a variant row whose figures differ by the given drops (buffer included)."""
+    base = {"shape": SHAPE, "memory_after_forward": 50 << 30, "peak_forward_backward": 70 << 30,
+            "regather_buffer_bytes": 0, "step_time_ms": 100.0, "collective_bytes_per_step": 10,
+            "saved_activation_bytes": 9 << 30}
+    row = dict(base, memory_after_forward=base["memory_after_forward"] - forward_drop + buffer,
+               peak_forward_backward=base["peak_forward_backward"] - peak_drop + buffer, regather_buffer_bytes=buffer,
+               step_time_ms=104.0)
+    return base, row
+
+
+def test_the_peak_verdict_passes_what_the_peak_holds_and_fails_the_rest():
+    adapters = 2 * LAYERS
+    passing = [
+        (adapters * WORTH, adapters * WORTH, 0),  # the peak while every retained input is alive
+        (adapters * WORTH, (adapters - 1) * WORTH, 0),  # the peak in the last layer's backward
+        (adapters * WORTH, adapters * WORTH, 8192 * 4096 * 2),  # regather: its gather buffer counted apart
+    ]
+    failing = [
+        ((adapters - 1) * WORTH, adapters * WORTH, 0),  # after forward, one adapter's input still retained
+        (adapters * WORTH, (adapters - 2) * WORTH, 0),  # the peak holds two adapters' worth too much
+        (adapters * WORTH, (adapters + 1) * WORTH, 0),  # more saved than the adapters hold: something else moved
+        (adapters * WORTH + (2 << 20), adapters * WORTH, 0),  # 2 MiB over the allowance
+    ]
+    for drops in passing:
+        assert check.judge(*_rows(*drops), LAYERS, cuda=True)[0] == check.PASS, drops
+    for drops in failing:
+        assert check.judge(*_rows(*drops), LAYERS, cuda=True)[0] == check.FAIL, drops
+
+
+def test_the_dry_verdict_wants_the_exact_saved_bytes_and_labels_timing_compute_only():
+    base, row = _rows(0, 0)
+    row["saved_activation_bytes"] = base["saved_activation_bytes"] - 2 * LAYERS * WORTH
+    status, detail = check.judge(base, row, LAYERS, cuda=False)
+    assert status == check.DRY
+    assert "compute only: collectives are free on a fake group" in detail and "x1.040" in detail
+    row["saved_activation_bytes"] += 512
+    assert check.judge(base, row, LAYERS, cuda=False)[0] == check.FAIL
+
+
+def test_failed_and_not_run_checks_make_the_exit_status_non_zero(tmp_path):
+    report = check.Check(tmp_path, dry_run=False)
+    report.verdict("a", check.PASS, "")
+    report.verdict("b", check.NA, "")
+    assert report.failed() == []
+    report.verdict("c", check.NOT_RUN, "")
+    assert [v["check"] for v in report.failed()] == ["c"]
+    assert json.loads((tmp_path / "device_check.json").read_text())["verdicts"][-1]["status"] == check.NOT_RUN
+
+
+def test_the_estimate_verdict_fails_an_estimate_off_target_or_missing():
+    peak = 40 << 30
+
+    def row(error=None, within=True, relative=0.02):
+        estimate = {"error": error} if error else {"compared_bytes": int(peak * (1 + relative)), "relative_error": relative,
+                                                   "within_target": within, "target": 0.05, "peak_bytes": peak,
+                                                   "excluded": ["optimizer states"]}
+        return {"peak_forward_backward": peak, "estimate": estimate}
+
+    assert check.judge_estimate({"baseline": row(), "shard_local": row(relative=-0.04)}, cuda=True)[0] == check.PASS
+    status, detail = check.judge_estimate({"baseline": row(), "shard_local": row(within=False, relative=0.09)}, cuda=True)
+    assert status == check.FAIL and "shard_local: +9.0%" in detail
+    status, detail = check.judge_estimate({"baseline": row(error="ImportError: no module"), "regather": row()},
+                                          cuda=False)
+    assert status == check.FAIL and "ImportError" in detail
+    assert check.judge_estimate({"baseline": {"peak_forward_backward": None}}, cuda=False)[0] == check.FAIL
+    assert check.judge_estimate({"baseline": row()}, cuda=False)[0] == check.DRY
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--budget", "10"], "--budget=10"),
+    (["--layers", "0"], "--layers=0"),
+])
+def test_device_check_refuses_bad_options_before_any_part(argv, named, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        check.main(argv + ["--out", str(tmp_path)])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "device_check.json").exists()

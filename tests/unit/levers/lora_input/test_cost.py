@@ -1,0 +1,43 @@
+"""What a LoRA-A input strategy costs in the plan: the collective elements its adapters move, derived from the shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_bridge_ext.levers.lora_input import cost as lora_input_cost
+
+pytestmark = [pytest.mark.unit]
+
+
+def test_lora_input_collective_elements_per_adapter():
+    s, b, h, r = 1024, 2, 64, 8
+    # Bridge's path gathers x and reduce-scatters its gradient; shard_local gathers A twice and
+    # reduce-scatters A's gradient; all three gather the [s, b, r] LoRA-A output.
+    assert lora_input_cost.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r) \
+        == s * b * r + 2 * s * b * h
+    assert lora_input_cost.lora_input_collective_elements("regather", seq=s, micro_batch=b, hidden=h, rank=r) \
+        == s * b * r + 3 * s * b * h
+    assert lora_input_cost.lora_input_collective_elements("shard_local", seq=s, micro_batch=b, hidden=h, rank=r) \
+        == s * b * r + 3 * r * h
+    assert lora_input_cost.lora_input_collective_elements("off", seq=s, micro_batch=b, hidden=h, rank=r,
+                                                          input_needs_grad=False) == s * b * r + s * b * h
+
+
+def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
+    from megatron_bridge_ext.estimate.report import MemoryEstimate
+
+    settings = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "lora_dim": 8, "layers_on_stage": 3,
+                "num_microbatches": 2, "dtype": "bfloat16", "lora_sp_input": "off",
+                "lora_targets": ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
+                                 "linear_fc2"]}
+    est = MemoryEstimate(stage=0, components=[], settings=settings, assumptions=[], activations_per_microbatch={},
+                         in_flight_microbatches=1)
+    change, _ = lora_input_cost.collective_change(est, "shard_local")
+    s, b, h, r = 1024, 2, 64, 8
+    # Five LoRA-A on column-parallel layers per layer; each trades Bridge's s*b*h gather and gradient
+    # reduce-scatter for r*h-sized ones, except layer 0's three q/k/v adapters, whose input (the frozen
+    # embedding's output) needs no gradient.
+    with_grad = (s * b * r + 3 * r * h) - (s * b * r + 2 * s * b * h)
+    without_grad = (s * b * r + 2 * r * h) - (s * b * r + s * b * h)
+    adapters_with_grad = 3 * 5 - 3
+    assert change == (adapters_with_grad * with_grad + 3 * without_grad) * 2 * 2  # x microbatches x bf16

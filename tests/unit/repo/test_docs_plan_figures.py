@@ -1,0 +1,72 @@
+"""The docs' estimate figures (docs/tools/plan.md) are the committed output of the commands that printed them.
+
+``benchmarks/<date>-mbx-plan-qwen3-8b-40GB.txt`` is ``mbx plan``'s output (its first line is the
+command), shown verbatim in docs/tools/plan.md; ``benchmarks/<date>-qwen3-8b-lora-estimate.json`` is written
+by ``scripts/estimate_published.py --json`` in the same run as its ``.txt``, and every figure of the
+page's table of the published peaks is re-derived here from that JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+PLANS = sorted((ROOT / "benchmarks").glob("*-mbx-plan-*.txt"))
+PUBLISHED = sorted((ROOT / "benchmarks").glob("*-qwen3-8b-lora-estimate.json"))
+
+pytestmark = pytest.mark.unit
+
+
+PLAN_PAGE = ROOT / "docs" / "tools" / "plan.md"
+
+
+def _page() -> str:
+    return PLAN_PAGE.read_text()
+
+
+@pytest.mark.parametrize("saved", PLANS, ids=[p.stem for p in PLANS])
+def test_the_plan_page_shows_the_committed_plan_output_verbatim(saved):
+    text = saved.read_text().rstrip("\n")
+    assert text.startswith("$ mbx plan ")
+    assert f"```\n{text}\n```" in _page()
+    plot = saved.with_suffix(".png")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.name in _page()
+
+
+@pytest.mark.parametrize("saved", PLANS, ids=[p.stem for p in PLANS])
+def test_the_levers_table_of_the_committed_plan_is_narrow(saved):
+    """The levers table fits 120 columns: why an option does not apply is a note below it, not a cell."""
+    text = saved.read_text()
+    table = text.split("\n  step  option")[1].split("\nwhy not, constraints")[0]
+    assert table.count("\n") >= 2 and all(len(line) <= 120 for line in ("  step  option" + table).splitlines())
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3f} GB"
+
+
+def _diff(value: float, reference: float) -> str:
+    return f"{(value - reference) / 1e9:+.3f} GB ({(value - reference) / reference:+.1%})"
+
+
+def test_the_published_peak_table_is_derived_from_the_committed_json():
+    assert len(PUBLISHED) == 1
+    records = json.loads(PUBLISHED[0].read_text())
+    assert len(records) == 2
+    page = _page()
+    for record in records:
+        published, ours, bridge = (record[k] for k in ("published_bytes", "estimate_bytes", "bridge_estimate_bytes"))
+        assert ours == record["estimate"]["peak_bytes"]
+        row = (f" | {_gb(published)} | {_gb(ours)} | {_diff(ours, published)} | {_gb(bridge)} | "
+               f"{_diff(bridge, published)} |")
+        assert row in page, row
+    saving = [records[0][k] - records[1][k] for k in ("published_bytes", "estimate_bytes", "bridge_estimate_bytes")]
+    row = (f"| saving (first - second) | {_gb(saving[0])} | {_gb(saving[1])} | {_diff(saving[1], saving[0])} | "
+           f"{_gb(saving[2])} | {_diff(saving[2], saving[0])} |")
+    assert row in page, row
+    # The .txt written in the same run shows the same rows.
+    text = PUBLISHED[0].with_suffix(".txt").read_text()
+    assert _gb(records[0]["estimate_bytes"]) in text and _gb(records[1]["estimate_bytes"]) in text

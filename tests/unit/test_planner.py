@@ -1,0 +1,268 @@
+"""The decision procedure on crafted configs: each device size is placed between two estimates so
+that exactly one lever is the first to fit.
+
+The configs are the demo's tiny GPT (bf16, SwiGLU, GQA) through ``tiny_config``, with Bridge's LoRA
+path (``off``), sequence parallelism and a long enough sequence that activations dominate. Device
+sizes come from estimates of the configs each lever leads to; what is tested is the order and the
+answer (MemoryConfig, overrides, constraints), not the estimate's numbers (the grid tests those).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_bridge_ext import planner
+from megatron_bridge_ext.config import MemoryConfig
+from megatron_bridge_ext.levers.recompute import advice as recompute_advice
+
+pytestmark = [pytest.mark.unit]
+
+
+def _cfg(*, tp=2, pp=1, dp=1, layers=4):
+    from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=layers, hidden=64, ffn=256, heads=8, kv_heads=4, seq=1024, micro_batch=2, vocab=128,
+                         tp=tp, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=16,
+                                  sequence_parallel_input_strategy="off"),
+                      pipeline_model_parallel_size=pp)
+    cfg.data_parallel_size = dp
+    cfg.train.global_batch_size = shape.micro_batch * dp * pp
+    return cfg
+
+
+def _peak(cfg, **flags) -> int:
+    from megatron_bridge_ext.estimate import estimate
+
+    if flags:
+        MemoryConfig(expandable_segments=False, **flags).apply(cfg)
+    return estimate(cfg).peak_bytes
+
+
+def _device_for(usable: float, margin: float) -> int:
+    """The device size whose usable share (after ``margin``) is ``usable``."""
+    return int(usable / (1 - margin))
+
+
+def _plan(cfg, gpu):
+    return planner.plan(cfg, gpu_memory=gpu, expandable_segments=False)
+
+
+def test_fits_as_is():
+    cfg = _cfg()
+    result = _plan(cfg, 10 * _peak(_cfg()))
+    assert result.fits_as_is and result.options == [] and result.chosen is None
+    assert result.bridge is not None and result.bridge.total_bytes > 0
+
+
+def test_fragmentation_only_is_fixed_by_expandable_segments():
+    peak = _peak(_cfg())
+    # Fits under the expandable-segments margin, not under the fragmentation margin.
+    gpu = _device_for(peak * 1.01, planner.EXPANDABLE_MARGIN)
+    assert gpu * (1 - planner.MARGIN) < peak
+    result = _plan(_cfg(), gpu)
+    assert not result.fits_as_is
+    assert [o.step for o in result.options] == [1]
+    assert result.chosen.lever == "allocator" and result.chosen.peak_bytes == peak
+    assert result.memory_config() == MemoryConfig(expandable_segments=True)
+    assert result.overrides() == []
+
+
+def test_needs_the_lora_input_under_sequence_parallelism():
+    peak, shard_local = _peak(_cfg()), _peak(_cfg(), lora_sp_input="shard_local")
+    assert shard_local < peak
+    result = _plan(_cfg(), _device_for((peak + shard_local) / 2, planner.EXPANDABLE_MARGIN))
+    assert [o.step for o in result.options] == [1, 2]
+    chosen = result.chosen
+    assert chosen.step == 2 and chosen.peak_bytes == shard_local
+    assert chosen.flags == {"expandable_segments": True, "lora_sp_input": "shard_local"}
+    # cfg.peft was set in Python: no override reaches it, and the answer says how to set it instead
+    assert not any("peft" in o for o in chosen.overrides)
+    assert chosen.peft_note.endswith("MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)")
+    assert chosen.cost.collective_bytes < 0  # shard_local moves r*h-sized tensors instead of s*b*h ones
+
+
+def test_needs_selective_recompute():
+    shard_local = _peak(_cfg(), lora_sp_input="shard_local")
+    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
+    assert everything < shard_local
+    result = _plan(_cfg(), _device_for((shard_local + everything) / 2, planner.EXPANDABLE_MARGIN))
+    chosen = result.chosen
+    assert chosen.step == 3 and chosen.flags["recompute_modules"]
+    assert [o.step for o in result.options if o.applicable][:2] == [1, 2]
+    assert chosen.cost.recomputed_flops > 0 or chosen.flags["recompute_modules"] == ["layernorm"]
+    assert "model.recompute_granularity=selective" in chosen.overrides
+
+
+def test_needs_tp_times_two_when_pp_does_not_help():
+    everything_fails = _plan(_cfg(dp=2), 1)
+    by_label = {o.label.split(",")[0]: o for o in everything_fails.options if o.step == 4}
+    pp, tp = by_label["PP 1 -> 2"], by_label["TP 2 -> 4"]
+    best_before = min(o.peak_bytes for o in everything_fails.options if o.applicable and o.step < 4)
+    # Under 1F1B the first stage holds twice the microbatches on half the layers: PP x 2 saves little here.
+    assert tp.peak_bytes < min(pp.peak_bytes, best_before)
+    result = _plan(_cfg(dp=2), _device_for((tp.peak_bytes + min(pp.peak_bytes, best_before)) / 2,
+                                           planner.EXPANDABLE_MARGIN))
+    chosen = result.chosen
+    assert chosen.step == 4 and chosen.label.startswith("TP 2 -> 4")
+    assert "model.tensor_model_parallel_size=4" in chosen.overrides
+    assert "TP 4->8: -28.4%" in chosen.cost.published
+
+
+def test_pipeline_parallelism_blocks_cpu_offloading():
+    result = _plan(_cfg(pp=2), 1)
+    assert result.chosen is None
+    offload = [o for o in result.options if o.step == 5]
+    assert len(offload) == 1 and not offload[0].applicable
+    assert [c.code for c in offload[0].constraints] == ["offload_with_pp"]
+    parallel = [o for o in result.options if o.step == 4]
+    assert parallel and all(not o.applicable and o.constraints[0].code == "needs_gpus" for o in parallel)
+
+
+def test_a_device_size_of_zero_bytes_is_refused_in_bytes():
+    """The Python API takes bytes: its refusal says so (the CLI reads units itself)."""
+    from megatron_bridge_ext.findings import Refused
+
+    with pytest.raises(Refused) as refused:
+        _plan(_cfg(), 0)
+    assert refused.value.one_line() == "gpu_memory: is 0. Fix: give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB"
+
+
+# ------------------------------------------------------------------------------------------------
+# The answer, pasted: every option's overrides through Bridge's own override parser (and, where the
+# option says overrides cannot reach cfg.peft, its MemoryConfig) give the config the option estimated.
+
+VANILLA = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
+WITH_LORA = "tests.support.plan_recipes:vanilla_gpt_with_lora"
+TINY = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=8",
+        "model.vocab_size=1024", "model.share_embeddings_and_output_weights=false"]
+OUR_LORA = ["+peft._target_=megatron_bridge_ext.peft.LoRA", "+peft.sequence_parallel_input_strategy=shard_local"]
+QWEN3_RECIPE = "megatron.bridge.recipes.qwen.qwen3:qwen3_8b_peft_config"
+QWEN3_8B = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "qwen3-8b", "config.json")
+
+
+def _layout(**kwargs):
+    from megatron_bridge_ext.estimate import configs
+
+    return configs.Layout(tp=2, seq=1024, **kwargs)
+
+
+def _walk_every_lever(layout, overrides, recipe, hf_config):
+    """The plan of the built config on a device too small for anything: every lever is evaluated."""
+    from megatron_bridge_ext.estimate import configs
+
+    built = configs.build(layout, overrides, recipe=recipe, hf_config=hf_config)
+    return built, planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
+                               peft_overrides=built.peft_overrides)
+
+
+def _pasted(layout, overrides, recipe, hf_config, built, option):
+    """The user's run: the recipe with the user's and the plan's overrides on one command line (``--peft`` is
+    among the plan's when overrides can build it), then the printed MemoryConfig where the option says so."""
+    import dataclasses
+
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from megatron_bridge_ext.estimate import configs
+
+    by_overrides = built.peft_overrides is not None
+    base = configs.build(dataclasses.replace(layout, peft=None) if by_overrides else layout, [], recipe=recipe,
+                         hf_config=hf_config).cfg
+    cfg = process_config_with_overrides(base, cli_overrides=[*overrides, *option.overrides])
+    if option.peft_note:
+        MemoryConfig(**option.flags).apply(cfg)
+    return cfg
+
+
+def _tree(cfg) -> dict:
+    """Every serialisable field of the run config (Bridge's own conversion), the allocator's env_vars aside."""
+    from omegaconf import OmegaConf
+
+    from megatron.bridge.training.utils.omegaconf_utils import create_omegaconf_dict_config
+
+    tree = OmegaConf.to_container(create_omegaconf_dict_config(cfg)[0])
+    tree.pop("env_vars", None)
+    return tree
+
+
+def _peft(cfg):
+    import dataclasses
+
+    peft = cfg.peft
+    return type(peft), {f.name: getattr(peft, f.name) for f in dataclasses.fields(peft) if f.init}
+
+
+@pytest.mark.parametrize("recipe, layout, overrides, hf_config", [
+    (VANILLA, {"peft": "lora"}, TINY, None),
+    (VANILLA, {}, TINY + ["+peft._target_=megatron.bridge.peft.lora.LoRA", "+peft.dim=8"], None),
+    (VANILLA, {"peft": "canonical_lora"}, TINY + ["+peft.dim=16"], None),
+    (WITH_LORA, {}, TINY, None),
+    (QWEN3_RECIPE, {}, ["model.num_layers=2"], QWEN3_8B),  # Bridge's own recipe, offline from config.json
+], ids=["peft-flag", "peft-by-overrides", "peft-flag-with-overrides", "recipe-sets-peft", "qwen3-recipe-sets-peft"])
+def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides, hf_config):
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    layout = _layout(**layout)
+    built, result = _walk_every_lever(layout, overrides, recipe, hf_config)
+    options = [o for o in result.options if o.applicable]
+    assert {o.step for o in options} >= {2, 3}  # the LoRA input and recompute levers were evaluated
+    for option in options:
+        pasted = _pasted(layout, overrides, recipe, hf_config, built, option)
+        assert _peft(pasted) == _peft(option.config), option.label
+        assert _tree(pasted) == _tree(option.config), option.label
+    lora = next(o for o in options if o.step == 2)
+    assert lora.config.peft.strategy == "shard_local"
+    printed_peft = [o for o in lora.overrides if o.startswith(("+peft", "++peft"))]
+    if built.peft_overrides is None:  # no override reaches the recipe's PEFT object: the note and Python line say so
+        assert printed_peft == [] and "overrides cannot change this cfg.peft" in lora.peft_note
+        assert "MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)" in lora.peft_note
+    else:
+        assert "++peft.sequence_parallel_input_strategy=shard_local" in printed_peft and lora.peft_note == ""
+
+
+def test_the_old_peft_overrides_change_nothing_on_a_recipe_that_sets_peft():
+    """Why the answer gives a Python line there: Bridge restores the recipe's PEFT object over them."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from tests.support.plan_recipes import vanilla_gpt_with_lora
+
+    import megatron_bridge_ext.peft.lora  # noqa: F401  (allowlists our _target_)
+
+    cfg = vanilla_gpt_with_lora()
+    before = cfg.peft
+    assert process_config_with_overrides(cfg, cli_overrides=OUR_LORA).peft is before
+
+
+def test_peft_flag_and_peft_overrides_build_one_peft():
+    """--peft lora plus the overrides that switch on our strategy: the plan traces the strategy."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron_bridge_ext.estimate import configs
+    from megatron_bridge_ext.peft import LoRA
+
+    built = configs.build(_layout(peft="lora", lora_dim=16), TINY + OUR_LORA, recipe=VANILLA)
+    peft = built.cfg.peft
+    assert type(peft) is LoRA and peft.strategy == "shard_local"
+    assert (peft.dim, peft.target_modules) == (16, _layout().lora_targets)  # --peft's fields, the overrides' class
+    result = planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
+                          peft_overrides=built.peft_overrides)
+    assert result.baseline.settings["lora_sp_input"] == "shard_local"
+    lora = next(o for o in result.options if o.step == 2)
+    assert not lora.applicable and "already shard_local" in lora.reason
+
+
+@pytest.mark.parametrize("layout, expected, noted", [
+    ({"tp": 2}, True, True),  # --tp given: SP follows it, as for a config.json, and the config line says so
+    ({"tp": 2, "sequence_parallel": False}, False, False),  # --no-sp
+    ({}, False, False),  # no --tp: the recipe's own TP and SP stand
+])
+def test_sequence_parallelism_follows_tp_where_tp_is_given(layout, expected, noted):
+    from megatron_bridge_ext.estimate import configs
+
+    overrides = [] if layout else ["model.tensor_model_parallel_size=2"]  # the recipe's TP 2, its SP off
+    built = configs.build(configs.Layout(**layout), overrides, recipe=WITH_LORA)
+    assert built.cfg.model.tensor_model_parallel_size == 2
+    assert built.cfg.model.sequence_parallel is expected
+    assert bool(built.notes) is noted
