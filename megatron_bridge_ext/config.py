@@ -16,6 +16,8 @@ targets, the Transformer Engine norm-gradient fix) and the override strings.
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,24 +45,62 @@ class Summary:
         return "\n".join(lines)
 
 
+_RENAMED = ("MemoryConfig.lora_sp_input is deprecated: the flag is named sequence_parallel_input_strategy, as the "
+            "field of the PEFT it sets. Fix: write MemoryConfig(sequence_parallel_input_strategy=...)")
+
+
+def _accept_former_name(cls):
+    """Let ``MemoryConfig(lora_sp_input=...)`` (the flag's former name) still build the config, with a
+    DeprecationWarning; the dataclass itself has the one field, so repr, ``fields`` and ``replace`` see one name."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *, lora_sp_input: Optional[str] = None, **flags) -> None:
+        if lora_sp_input is not None:
+            warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+            given = flags.setdefault("sequence_parallel_input_strategy", lora_sp_input)
+            if given != lora_sp_input:
+                raise ValueError(f"MemoryConfig(lora_sp_input={lora_sp_input!r}, sequence_parallel_input_strategy="
+                                 f"{given!r}) gives the one flag two values. Fix: write only "
+                                 "sequence_parallel_input_strategy")
+        init(self, **flags)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_accept_former_name
 @dataclass(kw_only=True)
 class MemoryConfig:
     """The recipe flags of megatron-bridge-ext's memory features, one lever's config each.
 
     expandable_segments, allocator_ipc: :class:`~megatron_bridge_ext.levers.allocator.config.AllocatorConfig`.
-    lora_sp_input: :class:`~megatron_bridge_ext.levers.lora_input.config.LoraInputConfig`.
+    sequence_parallel_input_strategy: :class:`~megatron_bridge_ext.levers.lora_input.config.LoraInputConfig`
+    (the same name as the field of our PEFT classes it sets).
     recompute_modules: :class:`~megatron_bridge_ext.levers.recompute.config.RecomputeConfig`.
+    lora_sp_input: the former name of sequence_parallel_input_strategy, accepted with a DeprecationWarning.
     """
 
     expandable_segments: bool = True
     allocator_ipc: bool = False
-    lora_sp_input: Optional[str] = None
+    sequence_parallel_input_strategy: Optional[str] = None
     recompute_modules: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         # Each lever refuses a bad flag on construction (ValueError naming the flag and the fix).
         _ = self.allocator, self.lora_input
         self.recompute_modules = self.recompute.recompute_modules
+
+    @property
+    def lora_sp_input(self) -> Optional[str]:
+        """The former name of ``sequence_parallel_input_strategy`` (deprecated)."""
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        return self.sequence_parallel_input_strategy
+
+    @lora_sp_input.setter
+    def lora_sp_input(self, value: Optional[str]) -> None:
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        self.sequence_parallel_input_strategy = value
 
     # The levers, read from the fields on each use: a field set after construction is seen.
     @property
@@ -69,7 +109,7 @@ class MemoryConfig:
 
     @property
     def lora_input(self) -> LoraInputConfig:
-        return LoraInputConfig(lora_sp_input=self.lora_sp_input)
+        return LoraInputConfig(sequence_parallel_input_strategy=self.sequence_parallel_input_strategy)
 
     @property
     def recompute(self) -> RecomputeConfig:

@@ -74,22 +74,22 @@ def test_fragmentation_only_is_fixed_by_expandable_segments():
 
 
 def test_needs_the_lora_input_under_sequence_parallelism():
-    peak, shard_local = _peak(_cfg()), _peak(_cfg(), lora_sp_input="shard_local")
+    peak, shard_local = _peak(_cfg()), _peak(_cfg(), sequence_parallel_input_strategy="shard_local")
     assert shard_local < peak
     result = _plan(_cfg(), _device_for((peak + shard_local) / 2, planner.EXPANDABLE_MARGIN))
     assert [o.step for o in result.options] == [1, 2]
     chosen = result.chosen
     assert chosen.step == 2 and chosen.peak_bytes == shard_local
-    assert chosen.flags == {"expandable_segments": True, "lora_sp_input": "shard_local"}
+    assert chosen.flags == {"expandable_segments": True, "sequence_parallel_input_strategy": "shard_local"}
     # cfg.peft was set in Python: no override reaches it, and the answer says how to set it instead
     assert not any("peft" in o for o in chosen.overrides)
-    assert chosen.peft_note.endswith("MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)")
+    assert chosen.peft_note.endswith("MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy='shard_local').apply(cfg)")
     assert chosen.cost.collective_bytes < 0  # shard_local moves r*h-sized tensors instead of s*b*h ones
 
 
 def test_needs_selective_recompute():
-    shard_local = _peak(_cfg(), lora_sp_input="shard_local")
-    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
+    shard_local = _peak(_cfg(), sequence_parallel_input_strategy="shard_local")
+    everything = _peak(_cfg(), sequence_parallel_input_strategy="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
     assert everything < shard_local
     result = _plan(_cfg(), _device_for((shard_local + everything) / 2, planner.EXPANDABLE_MARGIN))
     chosen = result.chosen
@@ -154,7 +154,7 @@ def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
     from megatron_bridge_ext.estimate.report import MemoryEstimate
 
     settings = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "lora_dim": 8, "layers_on_stage": 3,
-                "num_microbatches": 2, "dtype": "bfloat16", "lora_sp_input": "off",
+                "num_microbatches": 2, "dtype": "bfloat16", "sequence_parallel_input_strategy": "off",
                 "lora_targets": ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
                                  "linear_fc2"]}
     est = MemoryEstimate(stage=0, components=[], settings=settings, assumptions=[], activations_per_microbatch={},
@@ -261,11 +261,11 @@ def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, over
         assert _peft(pasted) == _peft(option.config), option.label
         assert _tree(pasted) == _tree(option.config), option.label
     lora = next(o for o in options if o.step == 2)
-    assert lora.config.peft.strategy == "shard_local"
+    assert lora.config.peft.strategy_in_effect == "shard_local"
     printed_peft = [o for o in lora.overrides if o.startswith(("+peft", "++peft"))]
     if built.peft_overrides is None:  # no override reaches the recipe's PEFT object: the note and Python line say so
         assert printed_peft == [] and "overrides cannot change this cfg.peft" in lora.peft_note
-        assert "MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)" in lora.peft_note
+        assert "MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy='shard_local').apply(cfg)" in lora.peft_note
     else:
         assert "++peft.sequence_parallel_input_strategy=shard_local" in printed_peft and lora.peft_note == ""
 
@@ -292,11 +292,11 @@ def test_peft_flag_and_peft_overrides_build_one_peft():
 
     built = configs.build(_layout(peft="lora", lora_dim=16), TINY + OUR_LORA, recipe=VANILLA)
     peft = built.cfg.peft
-    assert type(peft) is LoRA and peft.strategy == "shard_local"
+    assert type(peft) is LoRA and peft.strategy_in_effect == "shard_local"
     assert (peft.dim, peft.target_modules) == (16, _layout().lora_targets)  # --peft's fields, the overrides' class
     result = planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
                           peft_overrides=built.peft_overrides)
-    assert result.baseline.settings["lora_sp_input"] == "shard_local"
+    assert result.baseline.settings["sequence_parallel_input_strategy"] == "shard_local"
     lora = next(o for o in result.options if o.step == 2)
     assert not lora.applicable and "already shard_local" in lora.reason
 

@@ -40,7 +40,7 @@ def collective_change(est, strategy: str) -> tuple[int, str]:
     # One term per LoRA-A of a column-parallel layer (CanonicalLoRA: three on linear_qkv, two on linear_fc1).
     targets = [layer for t in (s.get("lora_targets") or []) for layer in kinds.targeted_layers([t])
                if layer in COLUMN_PARALLEL]
-    old = s.get("lora_sp_input") or sp_lora.OFF
+    old = s.get("sequence_parallel_input_strategy") or sp_lora.OFF
     layers, nmb, e = s["layers_on_stage"], s["num_microbatches"], est.element_size()
     kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])
     total = 0
