@@ -17,6 +17,7 @@ from megatron_bridge_ext.findings import ERROR, NO_EFFECT, WARNING, Finding
 from megatron_bridge_ext.levers.change import Change
 from megatron_bridge_ext.levers.lora_input import sp_lora
 from megatron_bridge_ext.levers.lora_input.eligibility import ELIGIBLE_SURFACES, recompute_reason
+from megatron_bridge_ext.overrides import hydra_value
 from megatron_bridge_ext.peft import kinds
 
 PEFT_FIELD = "sequence_parallel_input_strategy"
@@ -115,3 +116,20 @@ class LoraInputConfig:
             if previous != strategy:  # None -> "off" changes nothing a user would notice
                 changes.append(Change(f"peft.{PEFT_FIELD}", previous, strategy))
         return changes
+
+    @staticmethod
+    def overrides(changes: list[Change], cfg, *, peft_overrides: Optional[list[str]]) -> list[str]:
+        """The Bridge overrides that make :meth:`apply`'s ``changes`` to ``cfg.peft``, where overrides can.
+
+        Overrides reach ``cfg.peft`` only where they built it: ``peft_overrides`` are the ones that built
+        it beyond the user's own. Our class as ``_target_`` where the class changes, then
+        ``peft_overrides`` (their ``_target_`` dropped when ours replaces it; ``++`` sets or adds), then
+        each field set. ``peft_overrides`` None (a PEFT object set in Python, which Bridge's override
+        parser cannot change): none.
+        """
+        if peft_overrides is None:
+            return []
+        swapped = any(c.field == "peft" for c in changes)
+        out = [f"++peft._target_={kinds.public_target(kinds.kind_of(cfg.peft))}"] if swapped else []
+        out += [o for o in peft_overrides if not (swapped and o.startswith("++peft._target_="))]
+        return out + [f"++{c.field}={hydra_value(c.new)}" for c in changes if c.field != "peft"]
