@@ -9,13 +9,15 @@ PEFT object set in Python). ``validate`` also refuses a ``cfg.peft`` that Bridge
 left a dict (a ``_target_`` it could not build, e.g. a misspelt strategy), with the class's own error.
 
 ``MemoryConfig`` composes the levers' own configs (:mod:`megatron_bridge_ext.levers`): each lever
-owns its flags, checks and application; this module adds what concerns the PEFT as a whole (its
-targets, the Transformer Engine norm-gradient fix) and the override strings.
+owns its flags, checks, application and override strings; this module adds what concerns the PEFT
+as a whole (its targets, the Transformer Engine norm-gradient fix) and joins the levers in order.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,24 +45,62 @@ class Summary:
         return "\n".join(lines)
 
 
+_RENAMED = ("MemoryConfig.lora_sp_input is deprecated: the flag is named sequence_parallel_input_strategy, as the "
+            "field of the PEFT it sets. Fix: write MemoryConfig(sequence_parallel_input_strategy=...)")
+
+
+def _accept_former_name(cls):
+    """Let ``MemoryConfig(lora_sp_input=...)`` (the flag's former name) still build the config, with a
+    DeprecationWarning; the dataclass itself has the one field, so repr, ``fields`` and ``replace`` see one name."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *, lora_sp_input: Optional[str] = None, **flags) -> None:
+        if lora_sp_input is not None:
+            warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+            given = flags.setdefault("sequence_parallel_input_strategy", lora_sp_input)
+            if given != lora_sp_input:
+                raise ValueError(f"MemoryConfig(lora_sp_input={lora_sp_input!r}, sequence_parallel_input_strategy="
+                                 f"{given!r}) gives the one flag two values. Fix: write only "
+                                 "sequence_parallel_input_strategy")
+        init(self, **flags)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_accept_former_name
 @dataclass(kw_only=True)
 class MemoryConfig:
     """The recipe flags of megatron-bridge-ext's memory features, one lever's config each.
 
     expandable_segments, allocator_ipc: :class:`~megatron_bridge_ext.levers.allocator.config.AllocatorConfig`.
-    lora_sp_input: :class:`~megatron_bridge_ext.levers.lora_input.config.LoraInputConfig`.
+    sequence_parallel_input_strategy: :class:`~megatron_bridge_ext.levers.lora_input.config.LoraInputConfig`
+    (the same name as the field of our PEFT classes it sets).
     recompute_modules: :class:`~megatron_bridge_ext.levers.recompute.config.RecomputeConfig`.
+    lora_sp_input: the former name of sequence_parallel_input_strategy, accepted with a DeprecationWarning.
     """
 
     expandable_segments: bool = True
     allocator_ipc: bool = False
-    lora_sp_input: Optional[str] = None
+    sequence_parallel_input_strategy: Optional[str] = None
     recompute_modules: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         # Each lever refuses a bad flag on construction (ValueError naming the flag and the fix).
         _ = self.allocator, self.lora_input
         self.recompute_modules = self.recompute.recompute_modules
+
+    @property
+    def lora_sp_input(self) -> Optional[str]:
+        """The former name of ``sequence_parallel_input_strategy`` (deprecated)."""
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        return self.sequence_parallel_input_strategy
+
+    @lora_sp_input.setter
+    def lora_sp_input(self, value: Optional[str]) -> None:
+        warnings.warn(_RENAMED, DeprecationWarning, stacklevel=2)
+        self.sequence_parallel_input_strategy = value
 
     # The levers, read from the fields on each use: a field set after construction is seen.
     @property
@@ -69,7 +109,7 @@ class MemoryConfig:
 
     @property
     def lora_input(self) -> LoraInputConfig:
-        return LoraInputConfig(lora_sp_input=self.lora_sp_input)
+        return LoraInputConfig(sequence_parallel_input_strategy=self.sequence_parallel_input_strategy)
 
     @property
     def recompute(self) -> RecomputeConfig:
@@ -104,37 +144,29 @@ class MemoryConfig:
     def overrides(self, cfg, *, peft_overrides: Optional[list[str]] = None) -> list[str]:
         """Bridge command-line overrides that make ``cfg`` what :meth:`apply` makes it, the allocator aside.
 
-        Each model field :meth:`apply` would change becomes ``model.<field>=<value>`` (recompute
-        fields, the full-recompute ones it clears included). ``cfg.peft`` is reachable by overrides
-        only where overrides built it on a ``cfg.peft`` of None: ``peft_overrides`` are the ones that
-        built it beyond the user's own (``mbx plan --peft``'s, or []), repeated first (``++`` sets or
-        adds), then our class as ``_target_`` and the strategy where :meth:`apply` changes them. With
-        ``peft_overrides`` None (a PEFT object set in Python) the PEFT is left out:
-        :meth:`peft_needs_python` says whether it changes.
-        The allocator is not an override: launch with ``mbx run -- torchrun ...`` (or call
+        Each lever gives the overrides of its own changes, joined in lever order:
+        :meth:`RecomputeConfig.overrides <megatron_bridge_ext.levers.recompute.config.RecomputeConfig.overrides>`
+        (``model.<field>=<value>``), then
+        :meth:`LoraInputConfig.overrides <megatron_bridge_ext.levers.lora_input.config.LoraInputConfig.overrides>`
+        (``cfg.peft``, reachable by overrides only where overrides built it on a ``cfg.peft`` of None:
+        ``peft_overrides`` are the ones that built it beyond the user's own, ``mbx plan --peft``'s or [];
+        with None, a PEFT object set in Python, it is left out and :meth:`peft_needs_python` says whether
+        it changes). The allocator is not an override: launch with ``mbx run -- torchrun ...`` (or call
         ``megatron_bridge_ext.init()`` first), which sets it before CUDA starts.
         """
-        from megatron_bridge_ext.overrides import hydra_value
-
-        changes = self._dry_run(cfg)
-        out = [f"{c.field}={hydra_value(c.new)}" for c in changes if c.field.startswith("model.")]
-        if peft_overrides is None:
-            return out
-        peft = {c.field: c.new for c in changes if c.field.split(".")[0] == "peft"}
-        if "peft" in peft:  # the class changes: ours, named as a public target
-            out.append(f"++peft._target_={kinds.public_target(kinds.kind_of(cfg.peft))}")
-        out += [o for o in peft_overrides if not ("peft" in peft and o.startswith("++peft._target_="))]
-        return out + [f"++{name}={hydra_value(new)}" for name, new in peft.items() if name != "peft"]
+        recompute_changes, lora_input_changes = self._dry_run(cfg)
+        return (self.recompute.overrides(recompute_changes)
+                + self.lora_input.overrides(lora_input_changes, cfg, peft_overrides=peft_overrides))
 
     def peft_needs_python(self, cfg, *, peft_overrides: Optional[list[str]] = None) -> bool:
         """Whether :meth:`apply` changes ``cfg.peft`` in a way :meth:`overrides` cannot express."""
-        return peft_overrides is None and any(c.field.split(".")[0] == "peft" for c in self._dry_run(cfg))
+        return peft_overrides is None and bool(self._dry_run(cfg)[1])
 
-    def _dry_run(self, cfg) -> list[Change]:
-        """The model and PEFT changes :meth:`apply` would make to ``cfg``, made on a copy."""
+    def _dry_run(self, cfg) -> tuple[list[Change], list[Change]]:
+        """The recompute and LoRA-input changes :meth:`apply` would make to ``cfg``, made on a copy."""
         self.validate(cfg)
         copied = copy.deepcopy(cfg)
-        return self.recompute.apply(copied.model) + self.lora_input.apply(copied)
+        return self.recompute.apply(copied.model), self.lora_input.apply(copied)
 
 
 def _target_findings(cfg) -> list[Finding]:

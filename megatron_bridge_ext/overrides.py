@@ -124,7 +124,8 @@ _LEFT_OUT_REASON = "Bridge's override parser leaves callables out of the overrid
 
 def _left_out_fix(path: str) -> str:
     if path == "peft":
-        return ("set it in the training script: megatron_bridge_ext.config.MemoryConfig(lora_sp_input=...).apply(cfg) "
+        return ("set it in the training script: "
+                "megatron_bridge_ext.config.MemoryConfig(sequence_parallel_input_strategy=...).apply(cfg) "
                 "switches a LoRA-family cfg.peft to ours with that strategy (mbx plan evaluates it as a lever)")
     return f"set cfg.{path} in the training script"
 

@@ -266,7 +266,8 @@ def _settings_line(s: dict, *, peft_defaulted: bool = False) -> str:
     """The config in one line; ``peft_defaulted``: no --peft was given, so say that full fine-tuning is the default."""
     kind = {"dora": "DoRA", "canonical_lora": "CanonicalLoRA"}.get(s.get("peft_kind"), "LoRA")
     if s.get("peft"):
-        peft = f"{kind} r={s['lora_dim']} on {','.join(s['lora_targets'])}, LoRA-A input {s['lora_sp_input']}"
+        peft = (f"{kind} r={s['lora_dim']} on {','.join(s['lora_targets'])}, "
+                f"sequence_parallel_input_strategy={s['sequence_parallel_input_strategy']}")
     else:
         peft = "full fine-tuning" + (" (the default; --peft lora for LoRA)" if peft_defaulted else "")
     recompute = s["recompute_granularity"] or "none"

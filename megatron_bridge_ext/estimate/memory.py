@@ -396,7 +396,7 @@ def _peft_settings(peft) -> dict[str, Any]:
     return {"peft": f"{type(peft).__module__}.{type(peft).__name__}", "peft_kind": kinds.kind_of(peft),
             "lora_dim": getattr(peft, "dim", None),
             "lora_targets": list(getattr(peft, "target_modules", []) or []),
-            "lora_sp_input": strategy_in_effect(peft)}
+            "sequence_parallel_input_strategy": strategy_in_effect(peft)}
 
 
 def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, stage: int, layers: int) -> dict:

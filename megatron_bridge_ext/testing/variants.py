@@ -1,9 +1,10 @@
 """The one registry of memory-feature variants that the demo, the benchmarks, the device check and the tests run.
 
 A variant is one choice of features applied to the same tiny model, weights and data, declared as flags:
-``lora_sp_input`` and ``recompute_modules`` are :class:`~megatron_bridge_ext.config.MemoryConfig`'s, and
-``upstream_regather`` is Bridge's own ``LoRA(sequence_parallel_input_regather=True)``. Every variant is
-applied the way a user applies it: Bridge's PEFT of the shape's kind (``TinyGPTShape.peft``), then
+``sequence_parallel_input_strategy`` and ``recompute_modules`` are
+:class:`~megatron_bridge_ext.config.MemoryConfig`'s, and ``upstream_regather`` is Bridge's own
+``LoRA(sequence_parallel_input_regather=True)``. Every variant is applied the way a user applies it:
+Bridge's PEFT of the shape's kind (``TinyGPTShape.peft``), then
 ``MemoryConfig(...).apply``, which swaps in our PEFT class and sets Megatron Core's recompute fields;
 nothing here sets those fields itself. Each feature adds its entry here, and every table of the demo and
 benchmarks gains its row; a command picks its variants from here by name.
@@ -42,8 +43,9 @@ class _TinyContainer:
 class Variant:
     name: str
     description: str
-    lora_sp_input: Optional[str] = None
-    """``MemoryConfig.lora_sp_input``: our PEFT class of the same kind with this strategy; None keeps Bridge's."""
+    sequence_parallel_input_strategy: Optional[str] = None
+    """``MemoryConfig.sequence_parallel_input_strategy``: our PEFT class of the same kind with this strategy;
+    None keeps Bridge's."""
     recompute_modules: Optional[tuple[str, ...]] = None
     """``MemoryConfig.recompute_modules``: selective recompute of these modules; None leaves recompute alone."""
     upstream_regather: bool = False
@@ -53,12 +55,13 @@ class Variant:
 
     def memory_config(self, *, expandable_segments: bool = True):
         """The MemoryConfig of the variant's flags; None when it sets none (Bridge's PEFT as configured)."""
-        if self.lora_sp_input is None and self.recompute_modules is None:
+        if self.sequence_parallel_input_strategy is None and self.recompute_modules is None:
             return None
         from megatron_bridge_ext.config import MemoryConfig
 
         modules = list(self.recompute_modules) if self.recompute_modules is not None else None
-        return MemoryConfig(expandable_segments=expandable_segments, lora_sp_input=self.lora_sp_input,
+        return MemoryConfig(expandable_segments=expandable_segments,
+                            sequence_parallel_input_strategy=self.sequence_parallel_input_strategy,
                             recompute_modules=modules)
 
     def apply_to_bridge(self, cfg):
@@ -113,12 +116,12 @@ UPSTREAM_REGATHER = Variant(
 REGATHER = Variant(
     name="regather",
     description="our regather: LoRA-A keeps the shard, all-gathers it again in backward",
-    lora_sp_input="regather",
+    sequence_parallel_input_strategy="regather",
 )
 SHARD_LOCAL = Variant(
     name="shard_local",
     description="our shard-local LoRA-A: gathers the r x h weight and the s x b x r hidden, never the input",
-    lora_sp_input="shard_local",
+    sequence_parallel_input_strategy="shard_local",
 )
 CORE_ATTN = Variant(
     name="core_attn",
@@ -128,7 +131,7 @@ CORE_ATTN = Variant(
 SHARD_LOCAL_CORE_ATTN = Variant(
     name="shard_local+core_attn",
     description="shard-local LoRA-A input and core_attn recompute together",
-    lora_sp_input="shard_local",
+    sequence_parallel_input_strategy="shard_local",
     recompute_modules=("core_attn",),
 )
 

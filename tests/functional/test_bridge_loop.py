@@ -73,7 +73,7 @@ def plan(directory: str) -> list[Planned]:
             base, train_iters=FINETUNE_ITERATIONS, save=save and f"{directory}/{save}",
             load=load and f"{directory}/{load}", ckpt_step=RESUME_STEP if load else None, dtype=dtype)
 
-    regather, shard_local = dict(lora_sp_input="regather"), dict(lora_sp_input="shard_local")
+    regather, shard_local = dict(sequence_parallel_input_strategy="regather"), dict(sequence_parallel_input_strategy="shard_local")
     return [
         Planned("base", "pretrain", lambda: recipe.pretrain_config(base)),
         Planned("bridge", "finetune", finetune(save="bridge"), meter=True),
@@ -81,7 +81,7 @@ def plan(directory: str) -> list[Planned]:
                 user_env_vars=dict([USER_ALLOCATOR_OPTION])),
         Planned("shard_local", "finetune", finetune(save="shard_local"), shard_local, meter=True),
         Planned("shard_local+core_attn", "finetune", finetune(),
-                dict(lora_sp_input="shard_local", recompute_modules=["core_attn"]), meter=True),
+                dict(sequence_parallel_input_strategy="shard_local", recompute_modules=["core_attn"]), meter=True),
         # resumed at iteration 2 from a LoRA checkpoint: iterations 3 and 4
         Planned("bridge <- bridge", "finetune", finetune(load="bridge"), keep_gradients=True),
         Planned("shard_local <- shard_local", "finetune", finetune(load="shard_local"), shard_local),

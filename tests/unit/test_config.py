@@ -49,7 +49,7 @@ def _errors(flags: MemoryConfig, cfg) -> str:
 def test_apply_sets_recompute_peft_and_reports_every_change(cfg):
     from megatron_bridge_ext.peft import LoRA
 
-    summary = MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"]).apply(cfg)
+    summary = MemoryConfig(sequence_parallel_input_strategy="shard_local", recompute_modules=["core_attn"]).apply(cfg)
 
     assert cfg.model.recompute_granularity == "selective"
     assert cfg.model.recompute_modules == ["core_attn"]
@@ -106,13 +106,13 @@ def test_each_invalid_combination_is_refused_with_its_fix(cfg, flags, model_fiel
 
 def test_lora_input_without_a_lora_peft_is_refused(cfg):
     cfg.peft = None
-    assert "needs a LoRA PEFT config" in _errors(MemoryConfig(lora_sp_input="regather"), cfg)
+    assert "needs a LoRA PEFT config" in _errors(MemoryConfig(sequence_parallel_input_strategy="regather"), cfg)
 
 
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False)])
 def test_lora_input_without_sequence_parallelism_says_it_has_no_effect(cfg, tp, sp):
     cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel = tp, sp
-    findings = MemoryConfig(lora_sp_input="shard_local").validate(cfg)
+    findings = MemoryConfig(sequence_parallel_input_strategy="shard_local").validate(cfg)
     assert any(f.level == NO_EFFECT and "no effect" in f.message for f in findings)
 
 
@@ -132,8 +132,8 @@ def test_allocator_guard_refuses_a_conflicting_nccl_graph_register(cfg):
 
 
 def test_invalid_lora_input_value_names_the_flag():
-    with pytest.raises(ValueError, match="lora_sp_input"):
-        MemoryConfig(lora_sp_input="sharded")
+    with pytest.raises(ValueError, match="sequence_parallel_input_strategy"):
+        MemoryConfig(sequence_parallel_input_strategy="sharded")
 
 
 def test_recompute_module_names_match_the_installed_megatron_core():
@@ -173,7 +173,7 @@ def test_overrides_reproduce_apply_where_overrides_built_the_peft(bridge, kind):
     bridge_target = f"{kinds.bridge_class(kind).__module__}.{kinds.class_name(kind)}"
     users = [f"+peft._target_={bridge_target}", "+peft.dim=16", "+peft.alpha=8", "model.tensor_model_parallel_size=2",
              "model.sequence_parallel=true", "model.recompute_method=uniform"]
-    flags = MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"], expandable_segments=False)
+    flags = MemoryConfig(sequence_parallel_input_strategy="shard_local", recompute_modules=["core_attn"], expandable_segments=False)
 
     applied = process_config_with_overrides(bridge[0](), cli_overrides=users)
     printed = flags.overrides(applied, peft_overrides=[])
@@ -182,7 +182,7 @@ def test_overrides_reproduce_apply_where_overrides_built_the_peft(bridge, kind):
     overridden = process_config_with_overrides(bridge[0](), cli_overrides=users + printed)
 
     assert _peft_fields(overridden.peft) == _peft_fields(applied.peft)
-    assert type(overridden.peft) is kinds.our_class(kind) and overridden.peft.strategy == "shard_local"
+    assert type(overridden.peft) is kinds.our_class(kind) and overridden.peft.strategy_in_effect == "shard_local"
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"):
         assert getattr(overridden.model, name) == getattr(applied.model, name), name
     assert "model.recompute_method=null" in printed  # Megatron Core refuses a method with selective recompute
@@ -194,7 +194,7 @@ def test_overrides_leave_out_a_peft_object_set_in_python_and_say_so(bridge, cfg,
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     cfg.peft = kinds.bridge_class(kind)(dim=16, alpha=32)
-    flags = MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"], expandable_segments=False)
+    flags = MemoryConfig(sequence_parallel_input_strategy="shard_local", recompute_modules=["core_attn"], expandable_segments=False)
     printed = flags.overrides(cfg)
     assert flags.peft_needs_python(cfg)
     assert printed == ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"]
@@ -212,7 +212,7 @@ def test_validate_refuses_a_peft_that_bridges_parser_left_a_dict(bridge):
     overrides = ["+peft._target_=megatron_bridge_ext.peft.LoRA", "+peft.sequence_parallel_input_strategy=shard_lcoal"]
     cfg = process_config_with_overrides(bridge[0](), cli_overrides=overrides)
     assert isinstance(cfg.peft, dict)  # Bridge's behaviour: it goes on with the dict
-    for flags in (MemoryConfig(expandable_segments=False), MemoryConfig(lora_sp_input="shard_local")):
+    for flags in (MemoryConfig(expandable_segments=False), MemoryConfig(sequence_parallel_input_strategy="shard_local")):
         with pytest.raises(Refused) as info:
             flags.apply(cfg)
         line = info.value.one_line()
@@ -227,7 +227,7 @@ def test_validate_changes_and_logs_nothing(cfg, caplog):
     cfg.env_vars = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"}
     before_env, before_model = dict(cfg.env_vars), copy.deepcopy(vars(cfg.model))
     with caplog.at_level(logging.INFO, logger="megatron_bridge_ext"):
-        MemoryConfig(lora_sp_input="shard_local", recompute_modules=["core_attn"]).validate(cfg)
+        MemoryConfig(sequence_parallel_input_strategy="shard_local", recompute_modules=["core_attn"]).validate(cfg)
     assert cfg.env_vars == before_env
     assert cfg.model.recompute_modules == before_model["recompute_modules"]
     assert not [r for r in caplog.records if "cfg.env_vars" in r.getMessage()]
@@ -281,14 +281,14 @@ def test_memory_config_refuses_each_copied_core_rule(cfg, case):
 
 def test_lora_recompute_rule_is_eligibility_rule(cfg):
     """MemoryConfig asks lora_input.eligibility: regather warns for linear_fc1 under 'mlp' only, not for linear_qkv."""
-    findings = MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
-    lora = [f for f in findings if f.code == "lora_sp_input_recompute"]
+    findings = MemoryConfig(sequence_parallel_input_strategy="regather", recompute_modules=["mlp"]).validate(cfg)
+    lora = [f for f in findings if f.code == "sequence_parallel_input_strategy_recompute"]
     assert [("linear_fc1" in f.message, "linear_qkv" in f.message) for f in lora] == [(True, False)]
     cfg.peft.target_modules = ["linear_qkv"]
-    findings = MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
-    assert not [f for f in findings if f.code == "lora_sp_input_recompute"]
-    assert not [f for f in MemoryConfig(lora_sp_input="shard_local", recompute_modules=["mlp"]).validate(cfg)
-                if f.code == "lora_sp_input_recompute"]
+    findings = MemoryConfig(sequence_parallel_input_strategy="regather", recompute_modules=["mlp"]).validate(cfg)
+    assert not [f for f in findings if f.code == "sequence_parallel_input_strategy_recompute"]
+    assert not [f for f in MemoryConfig(sequence_parallel_input_strategy="shard_local", recompute_modules=["mlp"]).validate(cfg)
+                if f.code == "sequence_parallel_input_strategy_recompute"]
 
 
 @pytest.mark.parametrize("te_version", [None, "2.3.0", "2.8.0"])
@@ -405,23 +405,23 @@ def test_replacing_bridges_regather_flag_is_reported(bridge, cfg):
     if "sequence_parallel_input_regather" not in {f.name for f in __import__("dataclasses").fields(bridge[1])}:
         pytest.skip("this Bridge has no sequence_parallel_input_regather")
     cfg.peft = bridge[1](dim=16, alpha=32, target_modules=["linear_qkv"], sequence_parallel_input_regather=True)
-    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+    summary = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(cfg)
     changed = {c.field: c for c in summary.changes}
     flag = changed["peft.sequence_parallel_input_regather"]
     assert (flag.old, flag.new) == (True, False) and "shard_local" in flag.note
     strategy = changed["peft.sequence_parallel_input_strategy"]
     assert (strategy.old, strategy.new) == ("regather", "shard_local")
-    assert cfg.peft.strategy == "shard_local" and cfg.peft.sequence_parallel_input_regather is False
+    assert cfg.peft.strategy_in_effect == "shard_local" and cfg.peft.sequence_parallel_input_regather is False
 
 
 def test_off_turns_our_strategy_off_and_says_so(cfg):
     from megatron_bridge_ext.peft import LoRA
 
     cfg.peft = LoRA(dim=16, alpha=32, sequence_parallel_input_strategy="shard_local")
-    summary = MemoryConfig(lora_sp_input="off", expandable_segments=False).apply(cfg)
+    summary = MemoryConfig(sequence_parallel_input_strategy="off", expandable_segments=False).apply(cfg)
     (change,) = [c for c in summary.changes if c.field == "peft.sequence_parallel_input_strategy"]
     assert (change.old, change.new) == ("shard_local", "off")
-    assert cfg.peft.strategy == "off"
+    assert cfg.peft.strategy_in_effect == "off"
 
 
 def test_apply_on_our_own_lora_changes_only_the_strategy(cfg):
@@ -429,8 +429,8 @@ def test_apply_on_our_own_lora_changes_only_the_strategy(cfg):
 
     ours = LoRA(dim=16, alpha=32, target_modules=["linear_qkv"], sequence_parallel_input_strategy="regather")
     cfg.peft = ours
-    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
-    assert cfg.peft is ours and ours.strategy == "shard_local"
+    summary = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(cfg)
+    assert cfg.peft is ours and ours.strategy_in_effect == "shard_local"
     assert [(c.field, c.old, c.new) for c in summary.changes] == [
         ("peft.sequence_parallel_input_strategy", "regather", "shard_local")]
 
@@ -453,11 +453,11 @@ def test_apply_keeps_the_peft_kind_and_every_field(cfg, kind, ours):
 
     cfg.peft = before = _bridge_peft(kind)
     fields = {f.name: getattr(before, f.name) for f in dataclasses.fields(before) if f.init}
-    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
+    summary = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(cfg)
 
     assert type(cfg.peft) is kinds.our_class(kind) and type(cfg.peft).__name__ == ours
     assert {name: getattr(cfg.peft, name) for name in fields} == fields
-    assert cfg.peft.strategy == "shard_local"
+    assert cfg.peft.strategy_in_effect == "shard_local"
     changed = {c.field: (c.old, c.new) for c in summary.changes}
     assert changed["peft"] == (f"{type(before).__module__}.{ours}", f"megatron_bridge_ext.peft.{ours}")
     assert changed["peft.sequence_parallel_input_strategy"] == ("off", "shard_local")
@@ -471,23 +471,23 @@ def test_apply_to_our_own_dora_changes_only_the_strategy(cfg):
     from megatron_bridge_ext.peft import DoRA
 
     cfg.peft = ours = DoRA(dim=16, sequence_parallel_input_strategy="regather")
-    summary = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False).apply(cfg)
-    assert cfg.peft is ours and ours.strategy == "shard_local"
+    summary = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(cfg)
+    assert cfg.peft is ours and ours.strategy_in_effect == "shard_local"
     assert [(c.field, c.old, c.new) for c in summary.changes] == [
         ("peft.sequence_parallel_input_strategy", "regather", "shard_local")]
 
 
 def test_a_peft_outside_the_lora_family_is_refused_naming_the_kinds(cfg):
     cfg.peft = object()
-    message = _errors(MemoryConfig(lora_sp_input="regather"), cfg)
-    assert "lora_sp_input" in message and all(name in message for name in ("LoRA", "DoRA", "CanonicalLoRA"))
+    message = _errors(MemoryConfig(sequence_parallel_input_strategy="regather"), cfg)
+    assert "sequence_parallel_input_strategy" in message and all(name in message for name in ("LoRA", "DoRA", "CanonicalLoRA"))
 
 
 def test_canonical_targets_get_the_recompute_rule_of_their_layers(cfg):
     """linear_fc1_up/gate are linear_fc1's adapters: regather warns for them under 'mlp', not for q/k/v."""
     cfg.peft = _bridge_peft("canonical_lora")
-    findings = [f for f in MemoryConfig(lora_sp_input="regather", recompute_modules=["mlp"]).validate(cfg)
-                if f.code == "lora_sp_input_recompute"]
+    findings = [f for f in MemoryConfig(sequence_parallel_input_strategy="regather", recompute_modules=["mlp"]).validate(cfg)
+                if f.code == "sequence_parallel_input_strategy_recompute"]
     assert [("linear_fc1" in f.message, "linear_qkv" in f.message) for f in findings] == [(True, False)]
 
 
@@ -496,7 +496,7 @@ def test_canonical_targets_get_the_recompute_rule_of_their_layers(cfg):
 def test_a_part_of_the_config_instead_of_the_container_is_one_clear_refusal(cfg, part, method):
     before = repr(getattr(cfg, part))
     with pytest.raises(Refused) as info:
-        getattr(MemoryConfig(lora_sp_input="shard_local"), method)(getattr(cfg, part))
+        getattr(MemoryConfig(sequence_parallel_input_strategy="shard_local"), method)(getattr(cfg, part))
     text = info.value.one_line()
     assert f"MemoryConfig.{method}(cfg) takes Bridge's ConfigContainer" in text
     assert type(getattr(cfg, part)).__name__ in text and f"{method}(cfg), not cfg.model" in text
@@ -512,7 +512,7 @@ def test_hugging_face_target_names_are_refused_with_the_megatron_names(cfg, kind
     cfg.peft = kinds.bridge_class(kind)(dim=16, target_modules=["linear_proj"])
     cfg.peft.target_modules = targets  # CanonicalLoRA checks its names at construction; set them afterwards
     with pytest.raises(Refused) as info:
-        MemoryConfig(lora_sp_input="shard_local").apply(cfg)
+        MemoryConfig(sequence_parallel_input_strategy="shard_local").apply(cfg)
     (error,) = info.value.findings
     assert error.setting == "peft.target_modules" and str(targets) in error.message
     expected = [*hf[kind][:1], "*.layers.0.*." + hf[kind][1], *hf[kind][2:]]
@@ -528,12 +528,28 @@ def test_hugging_face_target_names_are_refused_with_the_megatron_names(cfg, kind
 ])
 def test_megatron_target_names_and_wildcards_pass(cfg, kind, targets):
     cfg.peft = kinds.bridge_class(kind)(dim=16, target_modules=targets)
-    findings = MemoryConfig(lora_sp_input="shard_local").validate(cfg)
+    findings = MemoryConfig(sequence_parallel_input_strategy="shard_local").validate(cfg)
     assert not [f for f in findings if f.setting == "peft.target_modules"], findings
 
 
 def test_a_target_that_names_no_megatron_module_is_a_no_effect_finding(cfg):
     cfg.peft.target_modules = ["linear_qkv", "linear_qvk"]
-    findings = MemoryConfig(lora_sp_input="shard_local").validate(cfg)
+    findings = MemoryConfig(sequence_parallel_input_strategy="shard_local").validate(cfg)
     (found,) = [f for f in findings if f.setting == "peft.target_modules"]
     assert found.level == NO_EFFECT and "['linear_qvk']" in found.message and "linear_fc2" in found.fix
+
+
+def test_the_former_flag_name_still_configures_with_a_deprecation_warning_naming_the_new_one(cfg):
+    with pytest.warns(DeprecationWarning, match=r"Fix: write MemoryConfig\(sequence_parallel_input_strategy=\.\.\.\)"):
+        former = MemoryConfig(lora_sp_input="shard_local", expandable_segments=False)
+    assert former == MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False)
+    with pytest.warns(DeprecationWarning, match="sequence_parallel_input_strategy"):
+        assert former.lora_sp_input == "shard_local"
+    summary = former.apply(cfg)
+    assert "peft.sequence_parallel_input_strategy: 'off' -> 'shard_local'" in [str(c) for c in summary.changes]
+
+
+def test_the_former_and_the_new_flag_name_with_two_values_are_refused():
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="two values. Fix: write only "
+                                                                           "sequence_parallel_input_strategy"):
+        MemoryConfig(lora_sp_input="regather", sequence_parallel_input_strategy="shard_local")

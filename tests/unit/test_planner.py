@@ -72,22 +72,22 @@ def test_fragmentation_only_is_fixed_by_expandable_segments():
 
 
 def test_needs_the_lora_input_under_sequence_parallelism():
-    peak, shard_local = _peak(_cfg()), _peak(_cfg(), lora_sp_input="shard_local")
+    peak, shard_local = _peak(_cfg()), _peak(_cfg(), sequence_parallel_input_strategy="shard_local")
     assert shard_local < peak
     result = _plan(_cfg(), _device_for((peak + shard_local) / 2, planner.EXPANDABLE_MARGIN))
     assert [o.step for o in result.options] == [1, 2]
     chosen = result.chosen
     assert chosen.step == 2 and chosen.peak_bytes == shard_local
-    assert chosen.flags == {"expandable_segments": True, "lora_sp_input": "shard_local"}
+    assert chosen.flags == {"expandable_segments": True, "sequence_parallel_input_strategy": "shard_local"}
     # cfg.peft was set in Python: no override reaches it, and the answer says how to set it instead
     assert not any("peft" in o for o in chosen.overrides)
-    assert chosen.peft_note.endswith("MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)")
+    assert chosen.peft_note.endswith("MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy='shard_local').apply(cfg)")
     assert chosen.cost.collective_bytes < 0  # shard_local moves r*h-sized tensors instead of s*b*h ones
 
 
 def test_needs_selective_recompute():
-    shard_local = _peak(_cfg(), lora_sp_input="shard_local")
-    everything = _peak(_cfg(), lora_sp_input="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
+    shard_local = _peak(_cfg(), sequence_parallel_input_strategy="shard_local")
+    everything = _peak(_cfg(), sequence_parallel_input_strategy="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
     assert everything < shard_local
     result = _plan(_cfg(), _device_for((shard_local + everything) / 2, planner.EXPANDABLE_MARGIN))
     chosen = result.chosen
@@ -213,11 +213,11 @@ def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, over
         assert _peft(pasted) == _peft(option.config), option.label
         assert _tree(pasted) == _tree(option.config), option.label
     lora = next(o for o in options if o.step == 2)
-    assert lora.config.peft.strategy == "shard_local"
+    assert lora.config.peft.strategy_in_effect == "shard_local"
     printed_peft = [o for o in lora.overrides if o.startswith(("+peft", "++peft"))]
     if built.peft_overrides is None:  # no override reaches the recipe's PEFT object: the note and Python line say so
         assert printed_peft == [] and "overrides cannot change this cfg.peft" in lora.peft_note
-        assert "MemoryConfig(expandable_segments=True, lora_sp_input='shard_local').apply(cfg)" in lora.peft_note
+        assert "MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy='shard_local').apply(cfg)" in lora.peft_note
     else:
         assert "++peft.sequence_parallel_input_strategy=shard_local" in printed_peft and lora.peft_note == ""
 
@@ -244,11 +244,11 @@ def test_peft_flag_and_peft_overrides_build_one_peft():
 
     built = configs.build(_layout(peft="lora", lora_dim=16), TINY + OUR_LORA, recipe=VANILLA)
     peft = built.cfg.peft
-    assert type(peft) is LoRA and peft.strategy == "shard_local"
+    assert type(peft) is LoRA and peft.strategy_in_effect == "shard_local"
     assert (peft.dim, peft.target_modules) == (16, _layout().lora_targets)  # --peft's fields, the overrides' class
     result = planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
                           peft_overrides=built.peft_overrides)
-    assert result.baseline.settings["lora_sp_input"] == "shard_local"
+    assert result.baseline.settings["sequence_parallel_input_strategy"] == "shard_local"
     lora = next(o for o in result.options if o.step == 2)
     assert not lora.applicable and "already shard_local" in lora.reason
 
@@ -266,3 +266,16 @@ def test_sequence_parallelism_follows_tp_where_tp_is_given(layout, expected, not
     assert built.cfg.model.tensor_model_parallel_size == 2
     assert built.cfg.model.sequence_parallel is expected
     assert bool(built.notes) is noted
+
+
+def test_each_strategys_description_names_the_collectives_its_price_counts():
+    """The strategy registry's words and the plan's count agree: a size the description names once is counted once
+    (seq x micro-batch 1000, hidden 10**6 and rank 1 keep s*b*h, r*h and s*b*r apart in the total)."""
+    from megatron_bridge_ext.levers.lora_input import sp_lora
+
+    for name, strategy in sp_lora.STRATEGIES.items():
+        total = lora_input_cost.lora_input_collective_elements(name, seq=1000, micro_batch=1, hidden=10**6, rank=1)
+        sbh, rest = divmod(total, 10**9)
+        rh, sbr = divmod(rest, 10**6)
+        named = {size: strategy.communicates.count(f"({size}") for size in ("s*b*h", "r*h", "s*b*r")}
+        assert named == {"s*b*h": sbh, "r*h": rh, "s*b*r": sbr // 1000}, (name, strategy.communicates)

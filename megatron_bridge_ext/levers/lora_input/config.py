@@ -1,9 +1,10 @@
 """The LoRA-input lever's flag, its checks, how it sets a Bridge PEFT config and which strategy is in effect.
 
-``lora_sp_input`` (a :class:`~megatron_bridge_ext.config.MemoryConfig` flag) becomes the PEFT field
-``sequence_parallel_input_strategy`` of our LoRA, DoRA or CanonicalLoRA; :func:`strategy_in_effect`
-is the one rule that says which strategy a PEFT config runs, for the PEFT itself, the checks and
-the estimate.
+``sequence_parallel_input_strategy`` is one name from end to end: the
+:class:`~megatron_bridge_ext.config.MemoryConfig` flag, the field of our LoRA, DoRA and
+CanonicalLoRA it sets, the override ``++peft.sequence_parallel_input_strategy=...``, the estimate's
+setting and the plan's option. :func:`strategy_in_effect` is the one rule that says which strategy
+a PEFT config runs, for the PEFT itself, the checks and the estimate.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from megatron_bridge_ext.findings import ERROR, NO_EFFECT, WARNING, Finding
 from megatron_bridge_ext.levers.change import Change
 from megatron_bridge_ext.levers.lora_input import sp_lora
 from megatron_bridge_ext.levers.lora_input.eligibility import ELIGIBLE_SURFACES, recompute_reason
+from megatron_bridge_ext.overrides import hydra_value
 from megatron_bridge_ext.peft import kinds
 
 PEFT_FIELD = "sequence_parallel_input_strategy"
-"""The field of our PEFT classes that holds the strategy."""
+"""The name of the strategy everywhere: this lever's flag and the field of our PEFT classes."""
 UPSTREAM_FLAG = "sequence_parallel_input_regather"
 """Bridge's own flag (>= 0.6), which asks for ``regather``."""
 
@@ -40,59 +42,62 @@ def is_lora_family(peft) -> bool:
 
 @dataclass(kw_only=True)
 class LoraInputConfig:
-    """``lora_sp_input``: ``"regather"``, ``"shard_local"`` or ``"off"`` for a LoRA-family ``cfg.peft``,
-    which becomes our class of the same kind; None leaves ``cfg.peft`` alone."""
+    """``sequence_parallel_input_strategy``: ``"regather"``, ``"shard_local"`` or ``"off"`` for a LoRA-family
+    ``cfg.peft``, which becomes our class of the same kind with that field; None leaves ``cfg.peft`` alone."""
 
-    lora_sp_input: Optional[str] = None
+    sequence_parallel_input_strategy: Optional[str] = None
 
     def __post_init__(self) -> None:
-        sp_lora.check_choice(self.lora_sp_input, "MemoryConfig.lora_sp_input", allow_none=True)
+        sp_lora.check_choice(self.sequence_parallel_input_strategy, f"MemoryConfig.{PEFT_FIELD}", allow_none=True)
 
     def findings(self, cfg, model_after_recompute) -> list[Finding]:
         """The checks against ``cfg``; ``model_after_recompute`` has the recompute fields the model will have."""
-        if self.lora_sp_input is None:
+        strategy = self.sequence_parallel_input_strategy
+        if strategy is None:
             return []
         model = cfg.model
         if cfg.peft is None or not is_lora_family(cfg.peft):
-            return [Finding("lora_sp_input_needs_lora", ERROR, "lora_sp_input",
+            return [Finding(f"{PEFT_FIELD}_needs_lora", ERROR, PEFT_FIELD,
                             "needs a LoRA PEFT config (LoRA, DoRA or CanonicalLoRA), found "
                             f"{type(cfg.peft).__name__}",
                             "set cfg.peft to Bridge's or megatron_bridge_ext.peft's LoRA, DoRA or CanonicalLoRA, or "
-                            "leave lora_sp_input=None")]
-        if self.lora_sp_input == sp_lora.OFF:
+                            f"leave {PEFT_FIELD}=None")]
+        if strategy == sp_lora.OFF:
             return []
         out = []
         if getattr(model, "tensor_model_parallel_size", 1) <= 1 or not getattr(model, "sequence_parallel", False):
-            out.append(Finding("lora_sp_input_no_sp", NO_EFFECT, "lora_sp_input",
-                               f"{self.lora_sp_input} has no effect with TP={model.tensor_model_parallel_size} "
+            out.append(Finding(f"{PEFT_FIELD}_no_sp", NO_EFFECT, PEFT_FIELD,
+                               f"{strategy} has no effect with TP={model.tensor_model_parallel_size} "
                                f"and sequence_parallel={model.sequence_parallel}: there is no gathered input to avoid",
-                               "enable model.sequence_parallel with TP > 1, or leave lora_sp_input=None"))
+                               f"enable model.sequence_parallel with TP > 1, or leave {PEFT_FIELD}=None"))
         return out + self._recompute_findings(cfg.peft, model_after_recompute)
 
     def _recompute_findings(self, peft, model) -> list[Finding]:
         """The eligibility rule for adapters inside recomputed regions, on the model as it will be configured."""
+        strategy = self.sequence_parallel_input_strategy
         targets = kinds.targeted_layers(getattr(peft, "target_modules", None) or ELIGIBLE_SURFACES)
         out = []
         for surface in ELIGIBLE_SURFACES:
             if surface not in targets:
                 continue
-            reason = recompute_reason(model, surface, self.lora_sp_input)
+            reason = recompute_reason(model, surface, strategy)
             if reason:
-                out.append(Finding("lora_sp_input_recompute", WARNING, "lora_sp_input",
-                                   f"{self.lora_sp_input} is not used for {surface}: {reason}",
-                                   "use lora_sp_input='shard_local'"))
+                out.append(Finding(f"{PEFT_FIELD}_recompute", WARNING, PEFT_FIELD,
+                                   f"{strategy} is not used for {surface}: {reason}",
+                                   f"use {PEFT_FIELD}='shard_local'"))
         return out
 
     def apply(self, cfg) -> list[Change]:
         """Make ``cfg.peft`` our class of the same kind (every field kept) and set its strategy."""
-        if self.lora_sp_input is None:
+        strategy = self.sequence_parallel_input_strategy
+        if strategy is None:
             return []
         old = cfg.peft
         upstream_flag = bool(getattr(old, UPSTREAM_FLAG, False))
         ours = kinds.our_class(kinds.kind_of(old))
         changes = []
         if not isinstance(old, ours):
-            if self.lora_sp_input == sp_lora.OFF and not upstream_flag:
+            if strategy == sp_lora.OFF and not upstream_flag:
                 return []  # Bridge's class without the flag already takes the gathered input
             # Copies: the new object shares no mutable field (target lists, CanonicalLoRA's mapping) with the old.
             values = {f.name: copy.deepcopy(getattr(old, f.name))
@@ -105,10 +110,26 @@ class LoraInputConfig:
         previous = strategy_in_effect(old)
         if upstream_flag:
             object.__setattr__(cfg.peft, UPSTREAM_FLAG, False)
-            changes.append(Change(f"peft.{UPSTREAM_FLAG}", True, False,
-                                  f"replaced by {PEFT_FIELD}={self.lora_sp_input!r}"))
-        if getattr(cfg.peft, PEFT_FIELD) != self.lora_sp_input:
-            setattr(cfg.peft, PEFT_FIELD, self.lora_sp_input)
-            if previous != self.lora_sp_input:  # None -> "off" changes nothing a user would notice
-                changes.append(Change(f"peft.{PEFT_FIELD}", previous, self.lora_sp_input))
+            changes.append(Change(f"peft.{UPSTREAM_FLAG}", True, False, f"replaced by {PEFT_FIELD}={strategy!r}"))
+        if getattr(cfg.peft, PEFT_FIELD) != strategy:
+            setattr(cfg.peft, PEFT_FIELD, strategy)
+            if previous != strategy:  # None -> "off" changes nothing a user would notice
+                changes.append(Change(f"peft.{PEFT_FIELD}", previous, strategy))
         return changes
+
+    @staticmethod
+    def overrides(changes: list[Change], cfg, *, peft_overrides: Optional[list[str]]) -> list[str]:
+        """The Bridge overrides that make :meth:`apply`'s ``changes`` to ``cfg.peft``, where overrides can.
+
+        Overrides reach ``cfg.peft`` only where they built it: ``peft_overrides`` are the ones that built
+        it beyond the user's own. Our class as ``_target_`` where the class changes, then
+        ``peft_overrides`` (their ``_target_`` dropped when ours replaces it; ``++`` sets or adds), then
+        each field set. ``peft_overrides`` None (a PEFT object set in Python, which Bridge's override
+        parser cannot change): none.
+        """
+        if peft_overrides is None:
+            return []
+        swapped = any(c.field == "peft" for c in changes)
+        out = [f"++peft._target_={kinds.public_target(kinds.kind_of(cfg.peft))}"] if swapped else []
+        out += [o for o in peft_overrides if not (swapped and o.startswith("++peft._target_="))]
+        return out + [f"++{c.field}={hydra_value(c.new)}" for c in changes if c.field != "peft"]

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-from megatron_bridge_ext.levers.lora_input import sp_lora
+from megatron_bridge_ext.levers.lora_input import collectives
+from megatron_bridge_ext.levers.lora_input.collectives import OFF
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 """The base layers whose LoRA-A's take a sequence-parallel input."""
-FORMULAS = {sp_lora.SHARD_LOCAL: "s*b*r + 3*r*h", sp_lora.REGATHER: "s*b*r + 3*s*b*h"}
-"""Per eligible adapter and microbatch, with an input gradient (the counts of :func:`lora_input_collective_elements`)."""
 
 
 def lora_input_collective_elements(strategy: str, *, seq: int, micro_batch: int, hidden: int, rank: int,
                                    input_needs_grad: bool = True) -> int:
     """Collective elements one eligible LoRA-A adapter moves per microbatch under sequence parallelism.
 
-    Counted as each collective's full (gathered) size. Bridge's path (``off``): all-gather x (s b h)
-    and, when x needs a gradient, reduce-scatter its gradient (s b h); ``regather`` all-gathers x
-    again in backward for the weight gradient; ``shard_local`` all-gathers A (r h) forward and, with
-    an input gradient, backward, and reduce-scatters A's weight gradient (r h). All three gather the
-    [s, b, r] LoRA-A output (over the rank dimension, or along the sequence for ``shard_local``).
-    The first layer's input under a frozen embedding needs no gradient.
+    The strategy's collectives (:data:`.collectives.COLLECTIVES`, ``off`` being Bridge's path), each
+    counted at its full (gathered) size. The first layer's input under a frozen embedding needs no
+    gradient.
     """
-    sbh, sbr, rh = seq * micro_batch * hidden, seq * micro_batch * rank, rank * hidden
-    grad = 1 if input_needs_grad else 0
-    if strategy == sp_lora.SHARD_LOCAL:
-        return sbr + rh + grad * rh + rh
-    if strategy == sp_lora.REGATHER:
-        return sbr + 2 * sbh + grad * sbh
-    return sbr + sbh + grad * sbh
+    elements = {"s*b*r": seq * micro_batch * rank, "s*b*h": seq * micro_batch * hidden, "r*h": rank * hidden}
+    return sum(n * elements[size]
+               for size, n in collectives.counts(strategy, input_needs_grad=input_needs_grad).items())
 
 
 def collective_change(est, strategy: str) -> tuple[int, str]:
@@ -40,7 +32,7 @@ def collective_change(est, strategy: str) -> tuple[int, str]:
     # One term per LoRA-A of a column-parallel layer (CanonicalLoRA: three on linear_qkv, two on linear_fc1).
     targets = [layer for t in (s.get("lora_targets") or []) for layer in kinds.targeted_layers([t])
                if layer in COLUMN_PARALLEL]
-    old = s.get("lora_sp_input") or sp_lora.OFF
+    old = s.get("sequence_parallel_input_strategy") or OFF
     layers, nmb, e = s["layers_on_stage"], s["num_microbatches"], est.element_size()
     kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])
     total = 0
@@ -49,7 +41,8 @@ def collective_change(est, strategy: str) -> tuple[int, str]:
             needs_grad = not (layer == 0 and est.stage == 0 and target == "linear_qkv")
             total += (lora_input_collective_elements(strategy, **kwargs, input_needs_grad=needs_grad)
                       - lora_input_collective_elements(old, **kwargs, input_needs_grad=needs_grad))
-    basis = (f"formula: per eligible adapter and microbatch, {old}: s*b*r + s*b*h (+ s*b*h with an input gradient); "
-             f"{strategy}: {FORMULAS[strategy]}; "
+    basis = (f"formula: per eligible adapter and microbatch, {old}: {collectives.formula(old, input_needs_grad=False)} "
+             f"(+ {collectives.input_grad_formula(old)} with an input gradient); "
+             f"{strategy}: {collectives.formula(strategy)}; "
              f"x {len(targets)} adapters x {layers} layers x {nmb} microbatches x {e} B")
     return total * nmb * e, basis

@@ -44,19 +44,21 @@ class SequenceParallelLoRAIn(ColumnParallelLinear):
     """LoRA-A that consumes the local sequence shard [s/t, b, h] and returns the full [s, b, r] input of LoRA-B.
 
     Same parameters and state as the ColumnParallelLinear it replaces (only ``forward`` differs);
-    ``_mbx_strategy`` names the strategy in :data:`megatron_bridge_ext.levers.lora_input.sp_lora.STRATEGIES`.
+    ``sequence_parallel_input_strategy`` names its strategy in
+    :data:`megatron_bridge_ext.levers.lora_input.sp_lora.STRATEGIES` (the PEFT's field of that name, as decided
+    for this adapter).
     When LoRA-A is frozen nothing needs its input for a weight gradient, so it falls back to the
     gathered path, which then retains nothing.
     """
 
-    _mbx_strategy: str = sp_lora.REGATHER
+    sequence_parallel_input_strategy: str = sp_lora.REGATHER
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
         if not weight.requires_grad:
             gathered = gather_from_sequence_parallel_region(input_, group=self.tp_group)
             return gather_from_tensor_model_parallel_region(gathered.matmul(weight.t()), group=self.tp_group), None
-        strategy = sp_lora.STRATEGIES[self._mbx_strategy]
+        strategy = sp_lora.STRATEGIES[self.sequence_parallel_input_strategy]
         return strategy.output(input_, weight, self.tp_group, bool(self.gradient_accumulation_fusion)), None
 
 
@@ -97,7 +99,7 @@ def enable_sp_input(wrapper: AdapterWrapper, adapters: list[ParallelLinearAdapte
     for adapter in adapters:
         adapter.disable_sequence_parallel_comm = True
         adapter.linear_in.__class__ = SequenceParallelLoRAIn
-        adapter.linear_in._mbx_strategy = strategy
+        adapter.linear_in.sequence_parallel_input_strategy = strategy
     if is_te_layernorm_linear(wrapper.to_wrap):
         wrapper.to_wrap.return_layernorm_output_gathered = False
 
@@ -129,8 +131,9 @@ class SequenceParallelInput:
         super().__setattr__(name, value)
 
     @property
-    def strategy(self) -> str:
-        """The strategy in effect (:func:`~megatron_bridge_ext.levers.lora_input.config.strategy_in_effect`)."""
+    def strategy_in_effect(self) -> str:
+        """What ``sequence_parallel_input_strategy`` resolves to: None is ``off``, or ``regather`` under
+        upstream's flag (:func:`~megatron_bridge_ext.levers.lora_input.config.strategy_in_effect`)."""
         return strategy_in_effect(self)
 
     @property
@@ -151,17 +154,18 @@ class SequenceParallelInput:
         adapters = [] if already or not isinstance(result, AdapterWrapper) else adapters_of(result)
         if not adapters:
             return result
-        reason = self._kind_reason(result) if self.strategy != sp_lora.OFF else None
-        decisions = decide_wrapper(result, self.strategy, adapters, reason)
+        strategy = self.strategy_in_effect
+        reason = self._kind_reason(result) if strategy != sp_lora.OFF else None
+        decisions = decide_wrapper(result, strategy, adapters, reason)
         self._decisions.update((d.adapter, d) for d in decisions)
         decision = decisions[0]
         if decision.eligible:
             enable_sp_input(result, [a for _, a in adapters], decision.strategy)
             self._log.debug("LoRA-A input under SP: %s uses %s", ", ".join(d.adapter for d in decisions),
                             decision.strategy)
-        elif self.strategy != sp_lora.OFF and decision.reason not in self._logged_reasons:
+        elif strategy != sp_lora.OFF and decision.reason not in self._logged_reasons:
             self._logged_reasons.add(decision.reason)
-            self._log.info("LoRA-A input under SP (%s) not used: %s (logged once per reason)", self.strategy,
+            self._log.info("LoRA-A input under SP (%s) not used: %s (logged once per reason)", strategy,
                            decision.describe())
         return result
 
@@ -169,10 +173,10 @@ class SequenceParallelInput:
         bridge_truthful_te_detection.PATCH.apply()  # Bridge's TE check must be right before it matches modules
         bridge_lora_te_norm_grad.PATCH.apply()  # adapters left on Bridge's gathered path need it with TE >= 2.4
         result = super().__call__(model, training=training)
-        if self.strategy != sp_lora.OFF:
+        if self.strategy_in_effect != sp_lora.OFF:
             used = sum(d.eligible for d in self._decisions.values())
             self._log.info("LoRA-A input under SP (%s): applied to %d of %d adapters (%s.report() lists each)",
-                           self.strategy, used, len(self._decisions), type(self).__name__)
+                           self.strategy_in_effect, used, len(self._decisions), type(self).__name__)
         return result
 
     def report(self) -> list[Decision]:

@@ -33,10 +33,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed
 
-OFF = "off"
-"""LoRA-A takes the gathered input, as in Megatron Bridge (the one spelling of "no strategy")."""
-REGATHER = "regather"
-SHARD_LOCAL = "shard_local"
+from megatron_bridge_ext.levers.lora_input import collectives
+from megatron_bridge_ext.levers.lora_input.collectives import OFF, REGATHER, SHARD_LOCAL
 
 REGATHER_BUFFER_NAME = "mbx_lora_regather"
 """Name of the gathered-input buffer in Megatron Core's global memory buffer (never retained)."""
@@ -292,19 +290,20 @@ class Strategy:
     name: str
     output: Callable[..., torch.Tensor]
     retains: str
-    communicates: str
     inside_recompute: bool
+
+    @property
+    def communicates(self) -> str:
+        """Its collectives per adapter and microbatch, from the table the plan's cost counts
+        (:data:`megatron_bridge_ext.levers.lora_input.collectives.COLLECTIVES`)."""
+        return collectives.describe(self.name)
 
 
 STRATEGIES: dict[str, Strategy] = {
     REGATHER: Strategy(
-        REGATHER, _regather_output, retains="the input shard s*b*h/t",
-        communicates="all-gather of x (s*b*h) in forward and again in backward, reduce-scatter of its grad",
-        inside_recompute=False),
+        REGATHER, _regather_output, retains="the input shard s*b*h/t", inside_recompute=False),
     SHARD_LOCAL: Strategy(
-        SHARD_LOCAL, shard_local_lora_a, retains="the input shard s*b*h/t",
-        communicates="all-gathers of A (r*h) and of the rank-r output (s*b*r), reduce-scatter of A's grad (r*h)",
-        inside_recompute=True),
+        SHARD_LOCAL, shard_local_lora_a, retains="the input shard s*b*h/t", inside_recompute=True),
 }
 """The LoRA-A input strategies under sequence parallelism, by name."""
 

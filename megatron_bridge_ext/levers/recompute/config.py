@@ -14,6 +14,7 @@ from typing import Optional
 from megatron_bridge_ext.findings import ERROR, NO_EFFECT, WARNING, Finding
 from megatron_bridge_ext.levers.change import Change
 from megatron_bridge_ext.levers.recompute import attention
+from megatron_bridge_ext.overrides import hydra_value
 
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out")
 """Megatron Core 0.17-0.19's accepted ``recompute_modules`` (TransformerConfig.__post_init__)."""
@@ -102,6 +103,12 @@ class RecomputeConfig:
             changes.append(Change("model.recompute_modules", old_modules, new_modules,
                                   f"kept the model's {kept}" if kept else ""))
         return changes
+
+    @staticmethod
+    def overrides(changes: list[Change]) -> list[str]:
+        """The Bridge overrides that make :meth:`apply`'s ``changes``: ``model.<field>=<value>`` each, the
+        full-recompute fields it clears included."""
+        return [f"{c.field}={hydra_value(c.new)}" for c in changes]
 
 
 def module_list(value, setting: str) -> list[str]:

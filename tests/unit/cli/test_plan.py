@@ -131,7 +131,7 @@ def test_the_config_line_says_full_fine_tuning_is_the_default():
     assert "the default" not in plan_cli._settings_line(settings)
 
 
-def small_plan(*, gpu_memory: int, lora_sp_input: str = "off"):
+def small_plan(*, gpu_memory: int, sequence_parallel_input_strategy: str = "off"):
     """A plan of the demo's tiny GPT (TP 2, SP, LoRA) on a device of ``gpu_memory`` bytes."""
     from megatron_bridge_ext import planner
     from megatron_bridge_ext.peft import LoRA
@@ -140,22 +140,22 @@ def small_plan(*, gpu_memory: int, lora_sp_input: str = "off"):
     shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=4, seq=512, micro_batch=1, vocab=128, tp=2,
                          dtype="bfloat16", swiglu=True)
     cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=16,
-                                  sequence_parallel_input_strategy=lora_sp_input))
+                                  sequence_parallel_input_strategy=sequence_parallel_input_strategy))
     cfg.data_parallel_size, cfg.train.global_batch_size = 2, 2
     return planner.plan(cfg, gpu_memory=gpu_memory, expandable_segments=False)
 
 
 def test_why_an_option_does_not_apply_goes_below_a_narrow_table():
     """LoRA-A already shard_local: step 2 is n/a, and its reason is a note under the table, not a table cell."""
-    text = plan_cli.format_plan(small_plan(gpu_memory=1, lora_sp_input="shard_local"))
+    text = plan_cli.format_plan(small_plan(gpu_memory=1, sequence_parallel_input_strategy="shard_local"))
     table, notes = text.split("  step  option")[1].split("why not, constraints")
     assert all(len(line) <= 120 for line in table.splitlines()), table
     assert "already shard_local" not in table
-    assert "  - step 2 lora_sp_input=shard_local: n/a: already shard_local" in notes.splitlines()
+    assert "  - step 2 sequence_parallel_input_strategy=shard_local: n/a: already shard_local" in notes.splitlines()
 
 
 @pytest.mark.parametrize("label", ["recompute_modules=['core_attn', 'mlp']", "offload 35 of 36 layers (no recompute)",
-                                   "lora_sp_input=shard_local"])
+                                   "sequence_parallel_input_strategy=shard_local"])
 def test_plot_labels_wrap_between_words_only(label):
     assert plan_cli.tick_label(label).split() == label.split()
 
@@ -181,7 +181,7 @@ def test_qwen3_8b_lora_json(capsys):
     report = json.loads(capsys.readouterr().out)
     settings = report["estimate"]["settings"]
     assert (settings["tp"], settings["sequence_parallel"], settings["seq_length"], settings["dp"]) == (2, True, 8192, 4)
-    assert settings["peft"].endswith("LoRA") and settings["lora_sp_input"] == "off"
+    assert settings["peft"].endswith("LoRA") and settings["sequence_parallel_input_strategy"] == "off"
     assert report["fits_as_is"] is True and report["options"] == []
     # Bridge's own estimate charges the frozen base with gradients and optimizer states.
     assert report["bridge_estimate"]["total_bytes"] > report["estimate"]["peak_bytes"]
@@ -237,7 +237,7 @@ def test_the_answer_pasted_into_a_run_of_a_recipe_that_sets_peft_switches_its_lo
     run = TINY + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=1024"]
     report = _json_plan(capsys, "--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--gpu-memory", "1MB",
                         *TINY)
-    switching = [o for o in report["options"] if o["applicable"] and o["memory_config"].get("lora_sp_input")]
+    switching = [o for o in report["options"] if o["applicable"] and o["memory_config"].get("sequence_parallel_input_strategy")]
     assert switching
     for option in switching:
         flags = MemoryConfig(**option["memory_config"])
@@ -249,7 +249,7 @@ def test_the_answer_pasted_into_a_run_of_a_recipe_that_sets_peft_switches_its_lo
         expected = process_config_with_overrides(plan_recipes.vanilla_gpt_with_lora(), cli_overrides=run)
         flags.apply(expected)
         assert type(pasted.peft) is LoRA, option["overrides"]
-        assert pasted.peft.strategy == option["memory_config"]["lora_sp_input"]
+        assert pasted.peft.strategy_in_effect == option["memory_config"]["sequence_parallel_input_strategy"]
         assert pasted.peft.dim == plan_recipes.LORA_DIM  # the recipe's own PEFT, switched, not replaced
         for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"):
             assert getattr(pasted.model, name) == getattr(expected.model, name), name
@@ -259,7 +259,7 @@ def test_peft_flag_with_the_strategy_overrides_traces_the_strategy(capsys):
     report = _json_plan(capsys, "--recipe", VANILLA, "--tp", "2", "--seq", "1024", "--peft", "lora", "--gpu-memory",
                         "80GB", *TINY, *OUR_LORA)
     settings = report["estimate"]["settings"]
-    assert settings["lora_sp_input"] == "shard_local" and settings["lora_dim"] == 32  # --lora-dim's default
+    assert settings["sequence_parallel_input_strategy"] == "shard_local" and settings["lora_dim"] == 32  # --lora-dim's default
 
 
 @pytest.mark.parametrize("override", ["model.num_layerz=32", "+model.num_layerz=32", "++model.num_layerz=32"])
@@ -288,7 +288,7 @@ def test_peft_overrides_on_a_recipe_that_sets_peft_are_refused_not_ignored(capsy
     line = _one_line_error(capsys, ["--recipe", WITH_LORA, "--gpu-memory", "80GB", *OUR_LORA])
     assert line.startswith("mbx plan: peft: +peft._target_=megatron_bridge_ext.peft.LoRA changes nothing: cfg.peft is "
                            "a LoRA object set in Python")
-    assert "MemoryConfig(lora_sp_input=...).apply(cfg)" in line
+    assert "MemoryConfig(sequence_parallel_input_strategy=...).apply(cfg)" in line
 
 
 def test_neither_recipe_nor_config_json_is_one_line(capsys):

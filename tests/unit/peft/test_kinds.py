@@ -33,7 +33,7 @@ def test_every_bridge_field_is_accepted_with_bridges_default(classes, kind):
     want, got = _init_fields(bridge), _init_fields(ours)
     assert {name: got[name] for name in want} == want
     assert set(got) - set(want) == {FIELD} and got[FIELD] is None
-    assert ours().strategy == "off" and ours().report() == []
+    assert ours().strategy_in_effect == "off" and ours().report() == []
 
 
 def test_bridge_fields_pass_through(classes):
@@ -68,10 +68,10 @@ def test_the_strategy_is_checked_on_assignment_too(classes, kind):
     peft = classes[kind][1](sequence_parallel_input_strategy="regather")
     with pytest.raises(ValueError, match=FIELD):
         peft.sequence_parallel_input_strategy = "shard-local"
-    assert peft.strategy == "regather"
+    assert peft.strategy_in_effect == "regather"
     for value, effective in (("shard_local", "shard_local"), ("off", "off"), (None, "off")):
         peft.sequence_parallel_input_strategy = value
-        assert peft.strategy == effective
+        assert peft.strategy_in_effect == effective
 
 
 # ------------------------------------------------------------------------------------------ Bridge's config machinery
@@ -86,7 +86,7 @@ def test_a_target_dict_instantiates_ours(classes, kind):
     peft = instantiate({"_target_": f"megatron_bridge_ext.peft.{ours.__name__}", "target_modules": targets, "dim": 16,
                         FIELD: "shard_local"})
     assert type(peft) is ours
-    assert (peft.target_modules, peft.dim, peft.strategy) == (targets, 16, "shard_local")
+    assert (peft.target_modules, peft.dim, peft.strategy_in_effect) == (targets, 16, "shard_local")
 
 
 @pytest.mark.parametrize("kind", NEW_KINDS)
@@ -102,7 +102,7 @@ def test_hydra_target_override_creates_ours(classes, kind):
     cfg = process_config_with_overrides(RunConfig(), cli_overrides=[
         f"+peft._target_=megatron_bridge_ext.peft.{ours.__name__}", "+peft.dim=8", f"+peft.{FIELD}=regather"])
     assert type(cfg.peft) is ours
-    assert (cfg.peft.dim, cfg.peft.strategy) == (8, "regather")
+    assert (cfg.peft.dim, cfg.peft.strategy_in_effect) == (8, "regather")
 
 
 # ------------------------------------------------------------------------------------------ kinds

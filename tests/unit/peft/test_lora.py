@@ -63,7 +63,7 @@ def test_bridge_fields_pass_through(ours):
 )
 def test_strategy_resolution(ours, regather_flag, strategy, effective):
     lora = ours(sequence_parallel_input_regather=regather_flag, sequence_parallel_input_strategy=strategy)
-    assert lora.strategy == effective
+    assert lora.strategy_in_effect == effective
 
 
 @pytest.mark.parametrize("strategy", ["shard_local", "off"])
@@ -73,7 +73,7 @@ def test_the_upstream_flag_and_another_strategy_are_refused_not_resolved(ours, s
     lora = ours(sequence_parallel_input_strategy=strategy)
     with pytest.raises(ValueError, match="Fix: drop sequence_parallel_input_regather"):
         lora.sequence_parallel_input_regather = True
-    assert lora.strategy == strategy
+    assert lora.strategy_in_effect == strategy
 
 
 @pytest.mark.parametrize("bad", ["no", "False", 0, 1, None])
@@ -106,13 +106,13 @@ def test_an_invalid_strategy_is_refused_on_assignment_too(ours):
     lora = ours(sequence_parallel_input_strategy="regather")
     with pytest.raises(ValueError, match=FIELD):
         lora.sequence_parallel_input_strategy = "shard-local"
-    assert lora.strategy == "regather"
+    assert lora.strategy_in_effect == "regather"
     lora.sequence_parallel_input_strategy = "shard_local"
-    assert lora.strategy == "shard_local"
+    assert lora.strategy_in_effect == "shard_local"
     lora.sequence_parallel_input_strategy = "off"
-    assert lora.strategy == "off"
+    assert lora.strategy_in_effect == "off"
     lora.sequence_parallel_input_strategy = None
-    assert lora.strategy == "off"
+    assert lora.strategy_in_effect == "off"
 
 
 # ------------------------------------------------------------------------------------------ Bridge's config machinery
@@ -130,7 +130,7 @@ def test_a_target_dict_instantiates_our_lora(ours, target):
         {"_target_": target, "target_modules": ["linear_qkv", "linear_fc1"], "dim": 16, "alpha": 32, FIELD: "shard_local"}
     )
     assert type(lora) is ours
-    assert (lora.target_modules, lora.dim, lora.alpha, lora.strategy) == (["linear_qkv", "linear_fc1"], 16, 32, "shard_local")
+    assert (lora.target_modules, lora.dim, lora.alpha, lora.strategy_in_effect) == (["linear_qkv", "linear_fc1"], 16, 32, "shard_local")
 
 
 def test_a_target_dict_with_an_invalid_strategy_fails_naming_the_field(ours):
@@ -199,7 +199,7 @@ def test_hydra_target_override_creates_our_lora(ours):
         ["+peft._target_=megatron_bridge_ext.peft.LoRA", "+peft.dim=8", f"+peft.{FIELD}=shard_local"],
     )
     assert type(cfg.peft) is ours
-    assert (cfg.peft.dim, cfg.peft.strategy) == (8, "shard_local")
+    assert (cfg.peft.dim, cfg.peft.strategy_in_effect) == (8, "shard_local")
 
 
 def test_hydra_overrides_cannot_change_an_existing_peft_object(ours):

@@ -31,8 +31,8 @@ def _declared_config(variant: variants.Variant) -> dict:
 def _declared_peft(variant: variants.Variant, shape: tiny_model.TinyGPTShape):
     """The PEFT the flags ask for, built directly: ours with the strategy, else Bridge's (with its regather flag)."""
     fields = tiny_model.peft_fields(shape)
-    if variant.lora_sp_input is not None:
-        return kinds.our_class(shape.peft)(**fields, sequence_parallel_input_strategy=variant.lora_sp_input)
+    if variant.sequence_parallel_input_strategy is not None:
+        return kinds.our_class(shape.peft)(**fields, sequence_parallel_input_strategy=variant.sequence_parallel_input_strategy)
     extra = {"sequence_parallel_input_regather": True} if variant.upstream_regather else {}
     return kinds.bridge_class(shape.peft)(**fields, **extra)
 

@@ -27,7 +27,7 @@ def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
     from megatron_bridge_ext.estimate.report import MemoryEstimate
 
     settings = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "lora_dim": 8, "layers_on_stage": 3,
-                "num_microbatches": 2, "dtype": "bfloat16", "lora_sp_input": "off",
+                "num_microbatches": 2, "dtype": "bfloat16", "sequence_parallel_input_strategy": "off",
                 "lora_targets": ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
                                  "linear_fc2"]}
     est = MemoryEstimate(stage=0, components=[], settings=settings, assumptions=[], activations_per_microbatch={},
@@ -41,3 +41,16 @@ def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
     without_grad = (s * b * r + 2 * r * h) - (s * b * r + s * b * h)
     adapters_with_grad = 3 * 5 - 3
     assert change == (adapters_with_grad * with_grad + 3 * without_grad) * 2 * 2  # x microbatches x bf16
+
+
+def test_each_strategys_description_names_the_collectives_its_price_counts():
+    """The strategy registry's words and the plan's count agree: a size the description names once is counted once
+    (seq x micro-batch 1000, hidden 10**6 and rank 1 keep s*b*h, r*h and s*b*r apart in the total)."""
+    from megatron_bridge_ext.levers.lora_input import sp_lora
+
+    for name, strategy in sp_lora.STRATEGIES.items():
+        total = lora_input_cost.lora_input_collective_elements(name, seq=1000, micro_batch=1, hidden=10**6, rank=1)
+        sbh, rest = divmod(total, 10**9)
+        rh, sbr = divmod(rest, 10**6)
+        named = {size: strategy.communicates.count(f"({size}") for size in ("s*b*h", "r*h", "s*b*r")}
+        assert named == {"s*b*h": sbh, "r*h": rh, "s*b*r": sbr // 1000}, (name, strategy.communicates)
