@@ -221,11 +221,12 @@ def _bridge(cfg, wanted: bool, **sizes) -> tuple[Optional[BridgeEstimate], Optio
 
 def layout_of(cfg) -> dict:
     """The parallel sizes, sequence, micro-batch and expert count of ``cfg`` as set (no estimate needed)."""
+    from megatron_bridge_ext.estimate.configs import default_expert_tp
+
     model = cfg.model
-    tp = model.tensor_model_parallel_size
-    return {"tp": tp, "pp": model.pipeline_model_parallel_size, "cp": model.context_parallel_size or 1,
-            "ep": getattr(model, "expert_model_parallel_size", 1) or 1,
-            "etp": getattr(model, "expert_tensor_parallel_size", None) or tp,
+    tp, ep = model.tensor_model_parallel_size, getattr(model, "expert_model_parallel_size", 1) or 1
+    return {"tp": tp, "pp": model.pipeline_model_parallel_size, "cp": model.context_parallel_size or 1, "ep": ep,
+            "etp": getattr(model, "expert_tensor_parallel_size", None) or default_expert_tp(tp, ep),
             "dp": getattr(cfg, "data_parallel_size", None), "sequence_parallel": bool(model.sequence_parallel),
             "seq_length": model.seq_length, "micro_batch": cfg.train.micro_batch_size,
             "num_moe_experts": getattr(model, "num_moe_experts", None),

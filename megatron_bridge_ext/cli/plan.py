@@ -262,14 +262,20 @@ def expert_problem(*, ep: int, etp, tp: int, cp: int, dp, experts, bias: bool = 
 
     Core's rules (Megatron Core 0.19): ``parallel_state.initialize_model_parallel`` makes the world
     TP x PP x CP x DP and refuses a world that ETP x EP x PP does not divide (the expert layers'
-    grid; their DP is what is left), so TP x CP x DP must be a multiple of ETP x EP (ETP defaults to
-    TP); ``transformer/moe/moe_layer.py`` ``BaseMoELayer.__init__`` asserts that EP divides the
-    experts; ``TransformerConfig.__post_init__`` refuses EP > 1 without experts and, for MoE with
-    ``add_bias_linear``, ETP other than 1. ``names`` maps ``ep``, ``etp`` and ``dp`` to the settings
-    the user wrote; ``dp`` None leaves the grid rule to the check after the build.
+    grid; their DP is what is left), so TP x CP x DP must be a multiple of ETP x EP;
+    ``transformer/moe/moe_layer.py`` ``BaseMoELayer.__init__`` asserts that EP divides the experts;
+    ``TransformerConfig.__post_init__`` refuses EP > 1 without experts and, for MoE with
+    ``add_bias_linear``, ETP other than 1. An unset ETP is
+    :func:`megatron_bridge_ext.estimate.configs.default_expert_tp`. ``names`` maps ``ep``, ``etp`` and
+    ``dp`` to the settings the user wrote; ``dp`` None leaves the grid rule to the check after the build.
     """
-    etp_text = f"ETP={etp}" if etp else f"ETP={tp} (TP's, the default)"
-    etp = etp or tp
+    from megatron_bridge_ext.estimate.configs import default_expert_tp
+
+    if not etp:
+        etp = default_expert_tp(tp, ep)
+        etp_text = f"ETP={etp} (the default with EP{'>' if ep > 1 else '='}1)"
+    else:
+        etp_text = f"ETP={etp}"
     if ep > 1 and not experts:
         return _bad(names["ep"], f"EP={ep} needs a mixture-of-experts model, and this one has no experts",
                     f"drop {names['ep']} (or set it to 1)")

@@ -428,13 +428,18 @@ EXPERT_REFUSALS = [
      "128, e.g. --ep 2"),
     (QWEN3_8B, ["--ep", "2", "--dp", "2"], "--ep: EP=2 needs a mixture-of-experts model, and this one has no experts. "
                                             "Fix: drop --ep (or set it to 1)"),
-    # TP 4 x DP 1 = 4 GPUs per stage, ETP (= TP) 4 x EP 4 = 16: DP must be a multiple of 16 / gcd(4, 16) = 4
-    (QWEN3_30B_A3B, ["--tp", "4", "--ep", "4"],
+    # TP 4 x DP 1 = 4 GPUs per stage, ETP 4 x EP 4 = 16: DP must be a multiple of 16 / gcd(4, 16) = 4
+    (QWEN3_30B_A3B, ["--tp", "4", "--ep", "4", "--etp", "4"],
      "--dp: TP x CP x DP = 4 x 1 x 1 = 4 is not a multiple of ETP x EP = 4 x 4 = 16"),
+    # an unset ETP is 1 with EP > 1 (Bridge's finalize): 2 GPUs per stage, a grid of 1 x 8
+    (QWEN3_30B_A3B, ["--tp", "2", "--ep", "8"],
+     "--dp: TP x CP x DP = 2 x 1 x 1 = 2 is not a multiple of ETP x EP = 1 x 8 = 8 (each pipeline stage's GPUs must "
+     "split into whole expert-parallel groups; ETP=1 (the default with EP>1)). Fix: make DP a multiple of 4, e.g. "
+     "--dp 4, or choose a smaller EP or ETP"),
     # ETP 1: 2 x 1 x 1 = 2 GPUs, 1 x 4 = 4: DP a multiple of 4 / gcd(2, 4) = 2
     (QWEN3_30B_A3B, ["--tp", "2", "--ep", "4", "--etp", "1"], "Fix: make DP a multiple of 2, e.g. --dp 2"),
     # the override wins over the flag, and CP counts: 2 x 2 x 2 = 8 is not a multiple of 2 x 8 = 16
-    (QWEN3_30B_A3B, ["--tp", "2", "--dp", "2", "--ep", "2", "model.expert_model_parallel_size=8",
+    (QWEN3_30B_A3B, ["--tp", "2", "--dp", "2", "--ep", "2", "--etp", "2", "model.expert_model_parallel_size=8",
                      "model.context_parallel_size=2"], "= 2 x 2 x 2 = 8 is not a multiple of ETP x EP = 2 x 8 = 16"),
 ]
 
@@ -456,15 +461,18 @@ def test_expert_sizes_core_refuses_are_refused_before_torch_is_imported(config, 
 
 EXPERT_LAYOUTS = [
     # (tp, cp, dp, ep, etp, experts, bias) -> accepted by Core's rules
-    ((4, 1, 4, 4, None, 128, False), True),   # 16 GPUs per stage = ETP 4 x EP 4
-    ((4, 1, 2, 4, None, 128, False), False),  # 8 GPUs, a 16-GPU expert grid
+    ((4, 1, 4, 4, 4, 128, False), True),      # 16 GPUs per stage = ETP 4 x EP 4
+    ((4, 1, 2, 4, 4, 128, False), False),     # 8 GPUs, a 16-GPU expert grid
     ((4, 1, 1, 4, 1, 128, False), True),      # ETP 1: 4 GPUs = 1 x 4
+    ((4, 1, 1, 4, None, 128, False), True),   # unset ETP with EP > 1: 1 (Bridge's finalize)
+    ((2, 1, 1, 4, None, 128, False), False),  # 2 GPUs, a grid of 1 x 4
     ((2, 2, 2, 8, 1, 128, False), True),      # CP counts: 8 GPUs = 1 x 8
     ((2, 1, 2, 8, 1, 128, False), False),     # without CP, 4 GPUs
     ((1, 1, 8, 8, None, 60, False), False),   # 8 does not divide 60 experts
     ((1, 1, 4, 4, None, 60, False), True),
-    ((2, 1, 2, 2, None, 128, True), False),   # MoE bias needs ETP 1
-    ((2, 1, 2, 2, 1, 128, True), True),
+    ((2, 1, 2, 2, 2, 128, True), False),      # MoE bias needs ETP 1
+    ((2, 1, 2, 1, None, 128, True), False),   # unset ETP with EP 1: TP's 2
+    ((2, 1, 2, 2, None, 128, True), True),    # unset ETP with EP 2: 1
     ((1, 1, 2, 2, None, None, False), False),  # EP without experts
     ((8, 1, 1, 1, None, None, False), True),   # a dense model: ETP = TP divides TP x CP x DP
 ]
@@ -479,11 +487,11 @@ def test_expert_layout_rules(sizes, accepted):
 
 
 def test_gpt_oss_builds_offline_and_its_biased_experts_need_etp_1(capsys, no_network):
-    """GPT-OSS's provider (built from the local config.json, no hub) has biased linear layers: ETP, which defaults to
-    TP, must be 1 there (Megatron Core's TransformerConfig), which only the built model tells."""
-    line = _one_line_error(capsys, ["--hf-config", GPT_OSS_120B, "--tp", "4", "--ep", "4", "--dp", "4", "--seq",
-                                    "8192", "--gpu-memory", "80GB"])
-    assert line == ("mbx plan: --etp: ETP=4 (TP's, the default) with biased linear layers (model.add_bias_linear): "
+    """GPT-OSS's provider (built from the local config.json, no hub) has biased linear layers: ETP, which is TP without
+    EP, must be 1 there (Megatron Core's TransformerConfig), which only the built model tells."""
+    line = _one_line_error(capsys, ["--hf-config", GPT_OSS_120B, "--tp", "4", "--dp", "4", "--seq", "8192",
+                                    "--gpu-memory", "80GB"])
+    assert line == ("mbx plan: --etp: ETP=4 (the default with EP=1) with biased linear layers (model.add_bias_linear): "
                     "Megatron Core supports MoE bias only with ETP=1. Fix: set --etp 1")
     assert no_network == []
 
@@ -507,7 +515,7 @@ def test_a_moe_plan_shows_bridges_figure_and_our_refusal_in_one_line(capsys):
                         "estimate_training_memory"]
     assert "Bridge's estimate_training_memory for the same config, per rank" in text
     assert "routed expert parameters and optimizer" in text
-    assert "config: TP=4 PP=1 CP=1 EP=4 ETP=4 DP=4 SP=on, seq 8192, micro-batch 1, 128 experts (top-8)" in text
+    assert "config: TP=4 PP=1 CP=1 EP=4 ETP=1 DP=4 SP=on, seq 8192, micro-batch 1, 128 experts (top-8)" in text
     assert "fits: no verdict" in text and "fits as is" not in text and "answer:" not in text
 
 
@@ -562,3 +570,16 @@ def test_a_moe_plan_whose_bridge_estimate_fails_says_both_in_a_line_each(capsys,
     assert FAILED in text.splitlines()
     assert len([line for line in text.splitlines() if line.startswith("our estimate: not modelled: ")]) == 1
     assert "component" not in text  # no table at all
+
+
+def test_an_unset_expert_tp_is_1_with_ep_as_bridge_finalizes_it(capsys):
+    """Bridge's finalize sets an unset ETP to 1 when EP > 1 (not Megatron Core's TP): the layout the plan prints and
+    checks is that one, and Bridge's figure for it is the figure of --etp 1, not of --etp 4."""
+    reports = {}
+    for etp in ([], ["--etp", "1"], ["--etp", "4"]):
+        status, out = _moe_plan(capsys, "--ep", "4", "--dp", "4", "--json", *etp)
+        assert status == plan_cli.NOT_MODELLED_STATUS
+        reports[tuple(etp)] = json.loads(out)
+    assert [reports[k]["layout"]["etp"] for k in reports] == [1, 1, 4]
+    figures = [reports[k]["bridge_estimate"]["total_bytes"] for k in reports]
+    assert figures[0] == figures[1] != figures[2]
