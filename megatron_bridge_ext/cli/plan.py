@@ -22,7 +22,8 @@ mbx plan --recipe megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_c
     --json model.num_layers=32 model.hidden_size=4096 model.num_attention_heads=32 model.ffn_hidden_size=14336 \\
     model.vocab_size=128256 model.share_embeddings_and_output_weights=false
 """
-POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "ep": 4, "etp": 1, "seq": 4096, "micro_batch": 1, "global_batch": 128, "lora_dim": 32}
+POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "ep": 4, "etp": 1, "seq": 4096, "micro_batch": 1, "global_batch": 128,
+                 "lora_dim": 32}
 """The whole-number options, each 1 or more (checked before anything is imported), with an example value."""
 EXPERT_FIELDS = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_tensor_parallel_size",
                  "tp": "model.tensor_model_parallel_size", "cp": "model.context_parallel_size"}
@@ -30,7 +31,7 @@ EXPERT_FIELDS = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_
 HF_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """Where a Hugging Face config.json states its number of routed experts (Qwen-MoE, Mixtral/GPT-OSS, DeepSeek)."""
 NOT_MODELLED_STATUS = 3
-"""Exit status of a plan printed without our estimate (the config is fine, but there is no fits/does-not-fit verdict)."""
+"""Exit status of a plan printed without our estimate (the config is fine, but no fits/does-not-fit verdict)."""
 
 
 def add_parser(sub, make_parser) -> None:
@@ -56,7 +57,7 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--ep", type=int, help="expert model parallel size of a mixture-of-experts model: divides its "
                                           "experts (default: recipe; 1 with --hf-config)")
     p.add_argument("--etp", type=int, help="expert tensor parallel size: the TP of the expert layers (default: "
-                                           "recipe; TP with --hf-config)")
+                                           "recipe; with --hf-config 1 when EP > 1, as Bridge sets it, else TP)")
     p.add_argument("--seq", type=int, help="sequence length (default: recipe; required with --hf-config alone, whose "
                                            "max_position_embeddings is the longest the model takes, not a training "
                                            "length)")
@@ -111,7 +112,10 @@ def command(args) -> int:
             result = _plan(args)
     except Refused as refused:
         return _fail(refused.one_line())
-    if args.plot and result.baseline is not None:
+    if args.plot and result.baseline is None:
+        print(f"mbx plan: no plot written to {args.plot}: its bars are our estimate's, which does not model this "
+              "config", file=sys.stderr)
+    elif args.plot:
         plot(result, args.plot)
         print(f"mbx plan: plot written to {args.plot}", file=sys.stderr)
     if args.json:
@@ -340,9 +344,9 @@ def _plan(args):
     from megatron_bridge_ext import planner
     from megatron_bridge_ext.estimate import configs
 
-    layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, seq=args.seq, micro_batch=args.micro_batch,
-                            global_batch=args.global_batch, sequence_parallel=args.sp, peft=args.peft,
-                            lora_dim=args.lora_dim, lora_alpha=args.lora_dim)
+    layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, seq=args.seq,
+                            micro_batch=args.micro_batch, global_batch=args.global_batch, sequence_parallel=args.sp,
+                            peft=args.peft, lora_dim=args.lora_dim, lora_alpha=args.lora_dim)
     built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
     expandable = None if args.recipe else False
     _check_global_batch(built.cfg)
@@ -383,7 +387,8 @@ def _check_experts(cfg, *, names: dict) -> None:
     problem = expert_problem(ep=getattr(model, "expert_model_parallel_size", 1) or 1,
                              etp=getattr(model, "expert_tensor_parallel_size", None),
                              tp=model.tensor_model_parallel_size, cp=model.context_parallel_size or 1,
-                             dp=getattr(cfg, "data_parallel_size", None), experts=getattr(model, "num_moe_experts", None),
+                             dp=getattr(cfg, "data_parallel_size", None),
+                             experts=getattr(model, "num_moe_experts", None),
                              bias=bool(getattr(model, "add_bias_linear", False)), names=names)
     if problem:
         raise Refused("mbx plan input", [problem])

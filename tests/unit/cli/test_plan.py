@@ -583,3 +583,20 @@ def test_an_unset_expert_tp_is_1_with_ep_as_bridge_finalizes_it(capsys):
     assert [reports[k]["layout"]["etp"] for k in reports] == [1, 1, 4]
     figures = [reports[k]["bridge_estimate"]["total_bytes"] for k in reports]
     assert figures[0] == figures[1] != figures[2]
+
+
+def test_a_recipes_expert_layout_is_checked_once_built(capsys):
+    """Without --hf-config the experts are known only once the recipe is built: the same rule, naming the field."""
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB", *TINY, "model.num_moe_experts=4",
+                                    "model.expert_model_parallel_size=3"])
+    assert line == ("mbx plan: model.expert_model_parallel_size: EP=3 does not divide the 4 experts (each EP rank holds "
+                    "a whole share). Fix: choose an EP that divides 4, e.g. model.expert_model_parallel_size=2")
+
+
+def test_a_moe_plan_writes_no_plot_and_says_so(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    status = cli.main(["plan", *MOE_ARGV, "--ep", "4", "--dp", "4", "--plot", str(path)])
+    err = capsys.readouterr().err
+    assert status == plan_cli.NOT_MODELLED_STATUS and not path.exists()
+    assert f"mbx plan: no plot written to {path}: its bars are our estimate's" in err
