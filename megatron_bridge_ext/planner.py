@@ -32,6 +32,7 @@ from typing import Optional
 
 from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
+from megatron_bridge_ext.estimate.memory import NotModelled
 from megatron_bridge_ext.estimate.report import MemoryEstimate
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.allocator import advice as allocator_advice
@@ -55,25 +56,35 @@ STEPS = (allocator_advice.options, lora_input_advice.options, recompute_advice.o
 
 @dataclass
 class Plan:
-    """The estimate as the config stands, Bridge's beside it, and the options tried in order."""
+    """The estimate as the config stands, Bridge's beside it, and the options tried in order.
+
+    ``baseline`` is None when our estimate does not model the config (``refused`` says why): Bridge's
+    figure is then the only one, and the plan has no verdict and no levers. ``bridge_error`` says why
+    Bridge's estimate failed, when it did (``bridge`` is then None).
+    """
 
     gpu_memory: int
     margin: float
     expandable_margin: float
     expandable_segments: bool
-    baseline: MemoryEstimate
+    baseline: Optional[MemoryEstimate]
     bridge: Optional[BridgeEstimate]
     options: list[Option]
     notes: list[str] = field(default_factory=list)
     """How the config's builder decided settings the user left to it (printed with the config)."""
+    refused: Optional[Refused] = None
+    bridge_error: Optional[str] = None
+    layout: dict = field(default_factory=dict)
+    """The config's parallel sizes and shape as set (:func:`layout_of`), for a plan without our estimate."""
 
     @property
     def usable_now(self) -> int:
         return _usable(self.gpu_memory, self.expandable_margin if self.expandable_segments else self.margin)
 
     @property
-    def fits_as_is(self) -> bool:
-        return self.baseline.peak_bytes <= self.usable_now
+    def fits_as_is(self) -> Optional[bool]:
+        """Whether our estimate's peak fits; None without our estimate (Bridge's is not PEFT-aware: no verdict)."""
+        return None if self.baseline is None else self.baseline.peak_bytes <= self.usable_now
 
     @property
     def chosen(self) -> Optional[Option]:
@@ -92,8 +103,10 @@ class Plan:
         chosen = self.chosen
         return {"gpu_memory": self.gpu_memory, "margin": self.margin, "expandable_margin": self.expandable_margin,
                 "expandable_segments": self.expandable_segments, "usable_now": self.usable_now,
-                "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict(),
+                "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict() if self.baseline else None,
+                "estimate_refused": [f.to_dict() for f in self.refused.findings] if self.refused else None,
                 "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
+                "bridge_estimate_error": self.bridge_error, "layout": self.layout,
                 "options": [o.as_dict() for o in self.options], "notes": self.notes,
                 "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
                                                        "memory_config": chosen.flags, "overrides": chosen.overrides,
@@ -156,8 +169,6 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     (:attr:`megatron_bridge_ext.estimate.configs.Built.peft_overrides`); None, the default, for a
     ``cfg.peft`` set in Python, whose changes the answer gives as a Python line instead of overrides.
     """
-    from megatron_bridge_ext.estimate.bridge import bridge_estimate
-
     if gpu_memory <= 0:
         raise Refused("plan", [Finding("bad_input", ERROR, "gpu_memory", f"is {gpu_memory}",
                                        "give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB")])
@@ -166,13 +177,19 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     planner = Planner(gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
                        expandable_segments=expandable_segments, estimate_options=dict(estimate_options or {}),
                        cfg=cfg, peft_overrides=peft_overrides)
-    baseline = planner.estimate(cfg)
+    try:
+        baseline = planner.estimate(cfg)
+    except NotModelled as refused:
+        bridge, error = _bridge(cfg, with_bridge)
+        return Plan(gpu_memory, margin, expandable_margin, expandable_segments, None, bridge, [], refused=refused,
+                    bridge_error=error, layout=layout_of(cfg))
     # Every later estimate keeps the baseline's DP and microbatches unless a lever changes them.
     planner.estimate_options.update(data_parallel_size=baseline.settings["dp"],
                                     num_microbatches=baseline.settings["num_microbatches"])
-    bridge = bridge_estimate(cfg, data_parallel_size=baseline.settings["dp"],
-                             num_microbatches=baseline.settings["num_microbatches"]) if with_bridge else None
-    result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options)
+    bridge, error = _bridge(cfg, with_bridge, data_parallel_size=baseline.settings["dp"],
+                            num_microbatches=baseline.settings["num_microbatches"])
+    result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options,
+                  bridge_error=error, layout=layout_of(cfg))
     if result.fits_as_is:
         return result
     state = State(copy.deepcopy(cfg), baseline)
@@ -186,6 +203,35 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
         if planner.done():
             break
     return result
+
+
+def _bridge(cfg, wanted: bool, **sizes) -> tuple[Optional[BridgeEstimate], Optional[str]]:
+    """Bridge's estimate, or why it failed as one line (its exception's type and first line): a failure of
+    Bridge's formula (some recipes leave fields it reads unset) leaves the rest of the plan standing."""
+    from megatron_bridge_ext.estimate.bridge import bridge_estimate
+
+    if not wanted:
+        return None, None
+    try:
+        return bridge_estimate(cfg, **sizes), None
+    except Exception as error:  # upstream code: any exception type is possible
+        text = str(error).strip()
+        return None, f"{type(error).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+
+
+def layout_of(cfg) -> dict:
+    """The parallel sizes, sequence, micro-batch and expert count of ``cfg`` as set (no estimate needed)."""
+    from megatron_bridge_ext.estimate.configs import default_expert_tp
+
+    model = cfg.model
+    tp, ep = model.tensor_model_parallel_size, getattr(model, "expert_model_parallel_size", 1) or 1
+    return {"tp": tp, "pp": model.pipeline_model_parallel_size, "cp": model.context_parallel_size or 1, "ep": ep,
+            "etp": getattr(model, "expert_tensor_parallel_size", None) or default_expert_tp(tp, ep),
+            "dp": getattr(cfg, "data_parallel_size", None), "sequence_parallel": bool(model.sequence_parallel),
+            "seq_length": model.seq_length, "micro_batch": cfg.train.micro_batch_size,
+            "num_moe_experts": getattr(model, "num_moe_experts", None),
+            "moe_router_topk": getattr(model, "moe_router_topk", None) if getattr(model, "num_moe_experts", None)
+            else None}
 
 
 def _python_line(flags: dict) -> str:

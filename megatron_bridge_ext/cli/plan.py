@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import sys
 import textwrap
 import warnings
@@ -21,8 +22,16 @@ mbx plan --recipe megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_c
     --json model.num_layers=32 model.hidden_size=4096 model.num_attention_heads=32 model.ffn_hidden_size=14336 \\
     model.vocab_size=128256 model.share_embeddings_and_output_weights=false
 """
-POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "seq": 4096, "micro_batch": 1, "global_batch": 128, "lora_dim": 32}
+POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "ep": 4, "etp": 1, "seq": 4096, "micro_batch": 1, "global_batch": 128,
+                 "lora_dim": 32}
 """The whole-number options, each 1 or more (checked before anything is imported), with an example value."""
+EXPERT_FIELDS = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_tensor_parallel_size",
+                 "tp": "model.tensor_model_parallel_size", "cp": "model.context_parallel_size"}
+"""The model fields of the sizes the expert-parallel rules read, as overrides name them."""
+HF_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where a Hugging Face config.json states its number of routed experts (Qwen-MoE, Mixtral/GPT-OSS, DeepSeek)."""
+NOT_MODELLED_STATUS = 3
+"""Exit status of a plan printed without our estimate (the config is fine, but no fits/does-not-fit verdict)."""
 
 
 def add_parser(sub, make_parser) -> None:
@@ -45,6 +54,10 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--pp", type=int, help="pipeline parallel size (default: recipe; 1 with --hf-config)")
     p.add_argument("--dp", type=int, help="data parallel size, divides the distributed optimizer's states "
                                           "(default: recipe, else 1)")
+    p.add_argument("--ep", type=int, help="expert model parallel size of a mixture-of-experts model: divides its "
+                                          "experts (default: recipe; 1 with --hf-config)")
+    p.add_argument("--etp", type=int, help="expert tensor parallel size: the TP of the expert layers (default: "
+                                           "recipe; with --hf-config 1 when EP > 1, as Bridge sets it, else TP)")
     p.add_argument("--seq", type=int, help="sequence length (default: recipe; required with --hf-config alone, whose "
                                            "max_position_embeddings is the longest the model takes, not a training "
                                            "length)")
@@ -99,7 +112,10 @@ def command(args) -> int:
             result = _plan(args)
     except Refused as refused:
         return _fail(refused.one_line())
-    if args.plot:
+    if args.plot and result.baseline is None:
+        print(f"mbx plan: no plot written to {args.plot}: its bars are our estimate's, which does not model this "
+              "config", file=sys.stderr)
+    elif args.plot:
         plot(result, args.plot)
         print(f"mbx plan: plot written to {args.plot}", file=sys.stderr)
     if args.json:
@@ -107,7 +123,7 @@ def command(args) -> int:
     else:
         print(format_plan(result, command_line=" ".join(["mbx plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"]
                           else None, peft_defaulted=args.peft is None and bool(args.hf_config) and not args.recipe))
-    return 0
+    return 0 if result.baseline is not None else NOT_MODELLED_STATUS
 
 
 def _fail(line: str) -> int:
@@ -133,6 +149,8 @@ def check_args(args) -> str | None:
     problem = _number_problem(args) or _global_batch_problem(
         args.global_batch, args.micro_batch or (1 if args.hf_config else None),
         args.dp or (1 if args.hf_config else None), setting="--global-batch")
+    if problem is None:
+        problem = _expert_flags_problem(args)
     if problem is None and args.hf_config:
         problem = _hf_problem(args)
     return problem.text() if problem else None
@@ -187,7 +205,7 @@ def _hf_problem(args):
         data = read_hf_config(args.hf_config)
     except Refused as refused:
         return refused.findings[0]
-    shape = _hf_shape_problem(args, data)
+    shape = _hf_shape_problem(args, data) or _hf_expert_problem(args, data)
     if shape:
         return shape
     if args.seq is None and not args.recipe and not _overridden(args.overrides, "model.seq_length"):
@@ -214,6 +232,96 @@ def _hf_problem(args):
     return None
 
 
+def _override_int(overrides, key: str):
+    """The value an override gives ``key`` (the last one wins, as in Bridge's parser) if it is a whole number,
+    else None (a value that is not one is left to Bridge's parser)."""
+    values = [o.split("=", 1)[1] for o in overrides or () if "=" in o and o.lstrip("+~").split("=", 1)[0] == key]
+    try:
+        return int(values[-1]) if values else None
+    except ValueError:
+        return None
+
+
+def _expert_sizes(args) -> dict:
+    """EP, ETP, TP and CP as the run will have them where they are known before the build (overrides win)."""
+    sizes = {"ep": args.ep, "etp": args.etp, "tp": args.tp, "cp": None}
+    for name, field in EXPERT_FIELDS.items():
+        value = _override_int(args.overrides, field)
+        if value is not None:
+            sizes[name] = value
+    return sizes
+
+
+def _expert_flags_problem(args):
+    """An EP or ETP override below 1 (the flags are checked with the other whole numbers)."""
+    for name, value in _expert_sizes(args).items():
+        if name in ("ep", "etp") and value is not None and value < 1:
+            return _bad(EXPERT_FIELDS[name], f"{value} is not a whole number of 1 or more",
+                        f"give e.g. {EXPERT_FIELDS[name]}={POSITIVE_INTS[name]}")
+    return None
+
+
+def expert_problem(*, ep: int, etp, tp: int, cp: int, dp, experts, bias: bool = False, names: dict):
+    """What Megatron Core refuses of an expert-parallel layout, as one finding, or None.
+
+    Core's rules (Megatron Core 0.19): ``parallel_state.initialize_model_parallel`` makes the world
+    TP x PP x CP x DP and refuses a world that ETP x EP x PP does not divide (the expert layers'
+    grid; their DP is what is left), so TP x CP x DP must be a multiple of ETP x EP;
+    ``transformer/moe/moe_layer.py`` ``BaseMoELayer.__init__`` asserts that EP divides the experts;
+    ``TransformerConfig.__post_init__`` refuses EP > 1 without experts and, for MoE with
+    ``add_bias_linear``, ETP other than 1. An unset ETP is
+    :func:`megatron_bridge_ext.estimate.configs.default_expert_tp`. ``names`` maps ``ep``, ``etp`` and
+    ``dp`` to the settings the user wrote; ``dp`` None leaves the grid rule to the check after the build.
+    """
+    from megatron_bridge_ext.estimate.configs import default_expert_tp
+
+    if not etp:
+        etp = default_expert_tp(tp, ep)
+        etp_text = f"ETP={etp} (the default with EP{'>' if ep > 1 else '='}1)"
+    else:
+        etp_text = f"ETP={etp}"
+    if ep > 1 and not experts:
+        return _bad(names["ep"], f"EP={ep} needs a mixture-of-experts model, and this one has no experts",
+                    f"drop {names['ep']} (or set it to 1)")
+    if experts and experts % ep:
+        fit = max(d for d in range(1, ep + 1) if experts % d == 0)
+        return _bad(names["ep"], f"EP={ep} does not divide the {experts} experts (each EP rank holds a whole share)",
+                    f"choose an EP that divides {experts}, e.g. {_as_setting(names['ep'], fit)}")
+    if experts and bias and etp > 1:
+        return _bad(names["etp"], f"{etp_text} with biased linear layers (model.add_bias_linear): Megatron Core "
+                                  "supports MoE bias only with ETP=1", f"set {_as_setting(names['etp'], 1)}")
+    grid = etp * ep
+    if dp is None or (tp * cp * dp) % grid == 0:
+        return None
+    step = grid // math.gcd(tp * cp, grid)
+    return _bad(names["dp"], f"TP x CP x DP = {tp} x {cp} x {dp} = {tp * cp * dp} is not a multiple of ETP x EP = "
+                             f"{etp} x {ep} = {grid} (each pipeline stage's GPUs must split into whole expert-parallel "
+                             f"groups; {etp_text})",
+                f"make DP a multiple of {step}, e.g. {_as_setting(names['dp'], step * math.ceil(dp / step))}, or "
+                "choose a smaller EP or ETP")
+
+
+def _as_setting(name: str, value) -> str:
+    return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
+
+
+def _hf_experts(data: dict):
+    return next((data[key] for key in HF_EXPERT_KEYS if data.get(key)), None)
+
+
+def _hf_expert_problem(args, data: dict):
+    """The expert-parallel rules on config.json's experts and the sizes known before the build."""
+    if _overridden(args.overrides, "model.num_moe_experts"):
+        return None
+    sizes = _expert_sizes(args)
+    alone = not args.recipe  # a recipe's own sizes are known after the build (checked then)
+    if sizes["ep"] is None and not alone:
+        return None
+    names = {"ep": _written(args, "ep"), "etp": _written(args, "etp"), "dp": "--dp"}
+    return expert_problem(ep=sizes["ep"] or 1, etp=sizes["etp"], tp=sizes["tp"] or 1, cp=sizes["cp"] or 1,
+                          dp=(args.dp or 1) if alone else None, experts=_hf_experts(data), names=names)
+
+
 def _hf_shape_problem(args, data: dict):
     """A shape field of config.json below 1 (the estimate's rule), unless an override sets the field."""
     from megatron_bridge_ext.estimate.configs import SHAPE_FIELDS, bad_shape, shape_fix
@@ -236,12 +344,13 @@ def _plan(args):
     from megatron_bridge_ext import planner
     from megatron_bridge_ext.estimate import configs
 
-    layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, seq=args.seq, micro_batch=args.micro_batch,
-                            global_batch=args.global_batch, sequence_parallel=args.sp, peft=args.peft,
-                            lora_dim=args.lora_dim, lora_alpha=args.lora_dim)
+    layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, seq=args.seq,
+                            micro_batch=args.micro_batch, global_batch=args.global_batch, sequence_parallel=args.sp,
+                            peft=args.peft, lora_dim=args.lora_dim, lora_alpha=args.lora_dim)
     built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
     expandable = None if args.recipe else False
     _check_global_batch(built.cfg)
+    _check_experts(built.cfg, names={"ep": _written(args, "ep"), "etp": _written(args, "etp"), "dp": "--dp"})
     if args.expandable_segments is not None:
         expandable = args.expandable_segments == "on"
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl)) if v}
@@ -258,6 +367,29 @@ def _check_global_batch(cfg) -> None:
 
     problem = _global_batch_problem(cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                     getattr(cfg, "data_parallel_size", None), setting="train.global_batch_size")
+    if problem:
+        raise Refused("mbx plan input", [problem])
+
+
+def _written(args, name: str) -> str:
+    """The setting to name for ``name``: its override when one sets it (overrides win), its model field when a
+    recipe may have set it, else its flag."""
+    if _overridden(args.overrides, EXPERT_FIELDS[name]) or (args.recipe and getattr(args, name) is None):
+        return EXPERT_FIELDS[name]
+    return f"--{name}"
+
+
+def _check_experts(cfg, *, names: dict) -> None:
+    """The built config's expert-parallel layout (a recipe's, a flag's or an override's) against Core's rules."""
+    from megatron_bridge_ext.findings import Refused
+
+    model = cfg.model
+    problem = expert_problem(ep=getattr(model, "expert_model_parallel_size", 1) or 1,
+                             etp=getattr(model, "expert_tensor_parallel_size", None),
+                             tp=model.tensor_model_parallel_size, cp=model.context_parallel_size or 1,
+                             dp=getattr(cfg, "data_parallel_size", None),
+                             experts=getattr(model, "num_moe_experts", None),
+                             bias=bool(getattr(model, "add_bias_linear", False)), names=names)
     if problem:
         raise Refused("mbx plan input", [problem])
 
@@ -285,28 +417,16 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
 
     Every size is in GiB; GB appear only beside figures published in GB.
     """
-    from megatron_bridge_ext.table import text_table
-
     est = result.baseline
     lines = [f"$ {command_line}"] if command_line else []
+    if est is None:
+        return "\n".join(lines + _without_estimate(result))
     lines += [f"config: {_settings_line(est.settings, peft_defaulted=peft_defaulted)}"
               + "".join(f"; {n}" for n in result.notes),
               f"per-rank estimate, pipeline stage {est.stage} (the most loaded), TP rank 0 ({est.seconds:.1f} s):",
               _indent(est.table())]
-    if result.bridge is not None:
-        rows = [[name, gib(nbytes)] for name, nbytes in result.bridge.components]
-        rows.append(["total", gib(result.bridge.total_bytes)])
-        diff = result.bridge.total_bytes - est.peak_bytes
-        lines += ["Bridge's estimate_training_memory for the same config (not PEFT-aware):",
-                  _indent(text_table(["component", "bytes"], rows)),
-                  f"  Bridge minus ours: {'+' if diff >= 0 else '-'}{gib(abs(diff))}"]
-    margin = result.expandable_margin if result.expandable_segments else result.margin
-    lines.append(f"device: {gib(result.gpu_memory)}; usable {gib(result.usable_now)} after a {margin:.0%} margin "
-                 f"({'with' if result.expandable_segments else 'without'} expandable segments: allocator "
-                 "fragmentation, NCCL buffers, CUDA context, workspaces)")
-    sold_as = sold_as_note(result.gpu_memory, "--gpu-memory")
-    if sold_as:
-        lines.append(_wrap(f"note: {sold_as}", "  "))
+    lines += _bridge_lines(result)
+    lines += _device_lines(result)
     verdict = "fits as is" if result.fits_as_is else "does not fit as is"
     lines.append(f"{verdict}: peak {gib(est.peak_bytes)} of {gib(result.usable_now)} usable")
     if result.options:
@@ -315,6 +435,56 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
     lines.append("assumptions:")
     lines += [_wrap(a) for a in est.assumptions]
     return "\n".join(lines)
+
+
+def _bridge_lines(result) -> list[str]:
+    """Bridge's estimate as a table (with the difference from ours when ours ran), or the one line of its failure."""
+    from megatron_bridge_ext.table import text_table
+
+    if result.bridge_error is not None:
+        return [f"Bridge's estimate_training_memory failed: {result.bridge_error}"]
+    if result.bridge is None:
+        return []
+    rows = [[name, gib(nbytes)] for name, nbytes in result.bridge.components]
+    rows.append(["total", gib(result.bridge.total_bytes)])
+    lines = ["Bridge's estimate_training_memory for the same config, per rank (not PEFT-aware):",
+             _indent(text_table(["component", "bytes"], rows))]
+    if result.baseline is not None:
+        diff = result.bridge.total_bytes - result.baseline.peak_bytes
+        lines.append(f"  Bridge minus ours: {'+' if diff >= 0 else '-'}{gib(abs(diff))}")
+    return lines
+
+
+def _device_lines(result) -> list[str]:
+    """The device, the margin kept free and what is usable."""
+    margin = result.expandable_margin if result.expandable_segments else result.margin
+    lines = [f"device: {gib(result.gpu_memory)}; usable {gib(result.usable_now)} after a {margin:.0%} margin "
+             f"({'with' if result.expandable_segments else 'without'} expandable segments: allocator "
+             "fragmentation, NCCL buffers, CUDA context, workspaces)"]
+    sold_as = sold_as_note(result.gpu_memory, "--gpu-memory")
+    if sold_as:
+        lines.append(_wrap(f"note: {sold_as}", "  "))
+    return lines
+
+
+def _layout_line(layout: dict) -> str:
+    """The config in one line from its sizes alone (for a plan without our estimate)."""
+    experts = (f", {layout['num_moe_experts']} experts (top-{layout['moe_router_topk']})"
+               if layout.get("num_moe_experts") else "")
+    return (f"TP={layout['tp']} PP={layout['pp']} CP={layout['cp']} EP={layout['ep']} ETP={layout['etp']} "
+            f"DP={layout['dp'] or 'unknown'} SP={'on' if layout['sequence_parallel'] else 'off'}, seq "
+            f"{layout['seq_length']}, micro-batch {layout['micro_batch']}{experts}")
+
+
+def _without_estimate(result) -> list[str]:
+    """A plan whose config our estimate does not model: Bridge's figure, our refusal, and no verdict."""
+    lines = [f"config: {_layout_line(result.layout)}" + "".join(f"; {n}" for n in result.notes),
+             f"our estimate: not modelled: {result.refused.one_line()}"]
+    lines += _bridge_lines(result)
+    lines += _device_lines(result)
+    lines.append(f"fits: no verdict without our estimate (Bridge's is not PEFT-aware); exit status "
+                 f"{NOT_MODELLED_STATUS}")
+    return lines
 
 
 def _levers(options) -> list[str]:

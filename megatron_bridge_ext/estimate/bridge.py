@@ -4,7 +4,9 @@ Bridge's estimator is formula-based and not PEFT-aware: it charges every paramet
 and optimizer states (18 B, or 6 + 12 / DP with the distributed optimizer) and uses one activation
 coefficient per layer that assumes sequence parallelism with selective recompute, whatever the
 PEFT, recompute or attention settings. It is run on the same prepared config (mixed precision
-applied, finalized) and with the same DP size and microbatch count as ours.
+applied, finalized) and with the same DP size and microbatch count as ours. It reads configs ours
+does not model (mixture-of-experts, MLA, FP8, context parallelism): for those it is the one figure
+the plan shows.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def bridge_estimate(cfg, *, data_parallel_size: Optional[int] = None,
 
     from megatron_bridge_ext.estimate.memory import prepare
 
-    prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+    prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches,
+                       modelled_only=False)
     config = copy.copy(cfg)
     config.model, config.optimizer, config.ddp = prepared.provider, prepared.optimizer, prepared.ddp
     config.data_parallel_size = prepared.data_parallel

@@ -37,6 +37,13 @@ SHAPE_FIELDS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
                 "vocab_size": "vocab_size", "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim"}
 
 
+def default_expert_tp(tp: int, ep: int) -> int:
+    """The expert TP of a config that leaves it unset: 1 with EP > 1 (Bridge's provider ``finalize``,
+    ``_set_moe_expert_tensor_parallel_default`` in ``megatron/bridge/models/transformer_config.py``), else TP
+    (Megatron Core's ``ModelParallelConfig.__post_init__``)."""
+    return 1 if ep > 1 else tp
+
+
 def shape_fix(name: str) -> str:
     return f"set {name} to a whole number of 1 or more"
 
@@ -57,7 +64,7 @@ class Layout:
     ``peft``: ``lora``, ``dora`` or ``canonical_lora`` (Bridge's class of that kind on the layers of
     ``lora_targets``, named as the kind names them), or ``none`` for full fine-tuning.
 
-    ``None`` keeps the recipe's value (for a ``config.json``: TP/PP/DP 1, micro-batch 1).
+    ``None`` keeps the recipe's value (for a ``config.json``: TP/PP/DP/EP 1, ETP = TP, micro-batch 1).
     ``sequence_parallel`` None: on when TP > 1, for a ``config.json`` and wherever ``tp`` is given (a
     recipe run without ``tp`` keeps its own setting).
     ``peft`` is built as the overrides ``++peft._target_=... ++peft.dim=...`` would build it; with
@@ -68,6 +75,8 @@ class Layout:
     tp: Optional[int] = None
     pp: Optional[int] = None
     dp: Optional[int] = None
+    ep: Optional[int] = None
+    etp: Optional[int] = None
     seq: Optional[int] = None
     micro_batch: Optional[int] = None
     global_batch: Optional[int] = None
@@ -234,6 +243,7 @@ def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> bool:
     model = cfg.model
     sp_by_default = False
     for attr, value in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp),
+                        ("expert_model_parallel_size", layout.ep), ("expert_tensor_parallel_size", layout.etp),
                         ("seq_length", layout.seq)):
         if value is not None:
             setattr(model, attr, value)

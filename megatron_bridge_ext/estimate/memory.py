@@ -34,6 +34,14 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
                 "context (outside PyTorch's allocator), CUDA graphs, kernel workspaces (cuBLAS, attention)")
 
 
+class NotModelled(Refused):
+    """The estimate cannot model this config (MoE, MLA, MTP, FP8, CP); the config itself may train.
+
+    Raised after the layout checks pass, so that a caller can still show an estimate that models it
+    (Bridge's) where a :class:`Refused` for a broken config stops everything.
+    """
+
+
 def _refuse(code: str, setting: str, message: str, fix: str) -> Refused:
     return Refused(WHAT, [Finding(code, ERROR, setting, message, fix)])
 
@@ -147,7 +155,10 @@ def _unsupported(model) -> list[Finding]:
     return out
 
 
-def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int]) -> Prepared:
+def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
+            modelled_only: bool = True) -> Prepared:
+    """Copies of the config's parts, checked and finalized as training would; ``modelled_only``: refuse (with
+    :class:`NotModelled`) what this estimate cannot model, which Bridge's formula-based estimate can read."""
     from megatron.bridge.training.mixed_precision import get_mixed_precision_config
 
     provider, optimizer, ddp = copy.deepcopy(cfg.model), copy.deepcopy(cfg.optimizer), copy.deepcopy(cfg.ddp)
@@ -157,9 +168,12 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         precision.finalize()
         precision.setup(provider, optimizer, ddp)
     micro_batch = cfg.train.micro_batch_size
-    problems = _unsupported(provider) + parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
+    problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     if problems:
         raise Refused(WHAT, problems)
+    not_modelled = _unsupported(provider) if modelled_only else []
+    if not_modelled:
+        raise NotModelled(WHAT, not_modelled)
     notes += _local_spec_kernels(provider)
     try:
         provider.finalize()
@@ -185,14 +199,18 @@ _TE_KERNEL_FLAGS = (
                           "where TE's fused RoPE keeps only the frequencies"),
     ("persist_layer_norm", "persistent LayerNorm (an Apex/TE kernel) traced with torch's norm: same saved tensors"),
     ("layernorm_zero_centered_gamma", "zero-centred norm weights (TE) traced with torch's norm: same saved tensors"),
+    ("moe_permute_fusion", "fused MoE token permutation needs Transformer Engine: read unfused, which no formula "
+                           "of Bridge's estimate depends on"),
 )
+_NEED_TE = ("apply_rope_fusion", "moe_permute_fusion")
+"""The flags above that only Transformer Engine's absence makes Megatron Core refuse."""
 
 
 def _local_spec_kernels(provider) -> list[str]:
     """Turn off, on the copy that is traced, kernel flags the local spec refuses; say what that changes."""
     notes = []
     for flag, note in _TE_KERNEL_FLAGS:
-        if getattr(provider, flag, False) and (flag != "apply_rope_fusion" or not _have_te()):
+        if getattr(provider, flag, False) and (flag not in _NEED_TE or not _have_te()):
             setattr(provider, flag, False)
             notes.append(f"{flag}: {note}")
     return notes

@@ -408,3 +408,195 @@ def test_the_plan_is_the_same_without_the_imports_it_leaves_out(argv):
     assert not any(runs[True]["hooks"])  # removed after the plan
     assert runs[True]["plan"]["options"]  # a plan with levers, not two empty ones
     assert _without_seconds(runs[True]["plan"]) == _without_seconds(runs[False]["plan"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixture-of-experts models: --ep/--etp checked before the build; Bridge's figure where ours refuses
+
+QWEN3_30B_A3B = os.path.join(DATA, "qwen3-30b-a3b", "config.json")
+GPT_OSS_120B = os.path.join(DATA, "gpt-oss-120b", "config.json")
+
+EXPERT_REFUSALS = [
+    (QWEN3_30B_A3B, ["--ep", "0"], "--ep: 0 is not a whole number of 1 or more. Fix: give e.g. --ep 4"),
+    (QWEN3_30B_A3B, ["--etp", "-1"], "--etp: -1 is not a whole number of 1 or more. Fix: give e.g. --etp 1"),
+    (QWEN3_30B_A3B, ["model.expert_model_parallel_size=0"],
+     "model.expert_model_parallel_size: 0 is not a whole number of 1 or more. Fix: give e.g. "
+     "model.expert_model_parallel_size=4"),
+    # 128 experts: 3 does not divide them; the largest EP up to 3 that does is 2
+    (QWEN3_30B_A3B, ["--tp", "4", "--ep", "3", "--dp", "4"],
+     "--ep: EP=3 does not divide the 128 experts (each EP rank holds a whole share). Fix: choose an EP that divides "
+     "128, e.g. --ep 2"),
+    (QWEN3_8B, ["--ep", "2", "--dp", "2"], "--ep: EP=2 needs a mixture-of-experts model, and this one has no experts. "
+                                            "Fix: drop --ep (or set it to 1)"),
+    # TP 4 x DP 1 = 4 GPUs per stage, ETP 4 x EP 4 = 16: DP must be a multiple of 16 / gcd(4, 16) = 4
+    (QWEN3_30B_A3B, ["--tp", "4", "--ep", "4", "--etp", "4"],
+     "--dp: TP x CP x DP = 4 x 1 x 1 = 4 is not a multiple of ETP x EP = 4 x 4 = 16"),
+    # an unset ETP is 1 with EP > 1 (Bridge's finalize): 2 GPUs per stage, a grid of 1 x 8
+    (QWEN3_30B_A3B, ["--tp", "2", "--ep", "8"],
+     "--dp: TP x CP x DP = 2 x 1 x 1 = 2 is not a multiple of ETP x EP = 1 x 8 = 8 (each pipeline stage's GPUs must "
+     "split into whole expert-parallel groups; ETP=1 (the default with EP>1)). Fix: make DP a multiple of 4, e.g. "
+     "--dp 4, or choose a smaller EP or ETP"),
+    # ETP 1: 2 x 1 x 1 = 2 GPUs, 1 x 4 = 4: DP a multiple of 4 / gcd(2, 4) = 2
+    (QWEN3_30B_A3B, ["--tp", "2", "--ep", "4", "--etp", "1"], "Fix: make DP a multiple of 2, e.g. --dp 2"),
+    # the override wins over the flag, and CP counts: 2 x 2 x 2 = 8 is not a multiple of 2 x 8 = 16
+    (QWEN3_30B_A3B, ["--tp", "2", "--dp", "2", "--ep", "2", "--etp", "2", "model.expert_model_parallel_size=8",
+                     "model.context_parallel_size=2"], "= 2 x 2 x 2 = 8 is not a multiple of ETP x EP = 2 x 8 = 16"),
+]
+
+
+@pytest.mark.parametrize("config, argv, expected", EXPERT_REFUSALS,
+                         ids=[" ".join(a) for _, a, _ in EXPERT_REFUSALS])
+def test_expert_sizes_core_refuses_are_refused_before_torch_is_imported(config, argv, expected):
+    """Megatron Core's expert-parallel rules, one line each from the arguments and config.json, torch never imported."""
+    argv = ["--hf-config", config, "--seq", "8192", "--gpu-memory", "80GiB", *argv]
+    code = ("import sys; from megatron_bridge_ext import cli; rc = cli.main(['plan', *sys.argv[1:]]); "
+            "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr); "
+            "sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    line, imported = done.stderr.splitlines()
+    assert line.startswith("mbx plan: ") and expected in line and ". Fix: " in line, line
+    assert imported == "torch not imported"
+
+
+EXPERT_LAYOUTS = [
+    # (tp, cp, dp, ep, etp, experts, bias) -> accepted by Core's rules
+    ((4, 1, 4, 4, 4, 128, False), True),      # 16 GPUs per stage = ETP 4 x EP 4
+    ((4, 1, 2, 4, 4, 128, False), False),     # 8 GPUs, a 16-GPU expert grid
+    ((4, 1, 1, 4, 1, 128, False), True),      # ETP 1: 4 GPUs = 1 x 4
+    ((4, 1, 1, 4, None, 128, False), True),   # unset ETP with EP > 1: 1 (Bridge's finalize)
+    ((2, 1, 1, 4, None, 128, False), False),  # 2 GPUs, a grid of 1 x 4
+    ((2, 2, 2, 8, 1, 128, False), True),      # CP counts: 8 GPUs = 1 x 8
+    ((2, 1, 2, 8, 1, 128, False), False),     # without CP, 4 GPUs
+    ((1, 1, 8, 8, None, 60, False), False),   # 8 does not divide 60 experts
+    ((1, 1, 4, 4, None, 60, False), True),
+    ((2, 1, 2, 2, 2, 128, True), False),      # MoE bias needs ETP 1
+    ((2, 1, 2, 1, None, 128, True), False),   # unset ETP with EP 1: TP's 2
+    ((2, 1, 2, 2, None, 128, True), True),    # unset ETP with EP 2: 1
+    ((1, 1, 2, 2, None, None, False), False),  # EP without experts
+    ((8, 1, 1, 1, None, None, False), True),   # a dense model: ETP = TP divides TP x CP x DP
+]
+
+
+@pytest.mark.parametrize("sizes, accepted", EXPERT_LAYOUTS, ids=[str(s) for s, _ in EXPERT_LAYOUTS])
+def test_expert_layout_rules(sizes, accepted):
+    tp, cp, dp, ep, etp, experts, bias = sizes
+    problem = plan_cli.expert_problem(ep=ep, etp=etp, tp=tp, cp=cp, dp=dp, experts=experts, bias=bias,
+                                      names={"ep": "--ep", "etp": "--etp", "dp": "--dp"})
+    assert (problem is None) is accepted, problem
+
+
+def test_gpt_oss_builds_offline_and_its_biased_experts_need_etp_1(capsys, no_network):
+    """GPT-OSS's provider (built from the local config.json, no hub) has biased linear layers: ETP, which is TP without
+    EP, must be 1 there (Megatron Core's TransformerConfig), which only the built model tells."""
+    line = _one_line_error(capsys, ["--hf-config", GPT_OSS_120B, "--tp", "4", "--dp", "4", "--seq", "8192",
+                                    "--gpu-memory", "80GB"])
+    assert line == ("mbx plan: --etp: ETP=4 (the default with EP=1) with biased linear layers (model.add_bias_linear): "
+                    "Megatron Core supports MoE bias only with ETP=1. Fix: set --etp 1")
+    assert no_network == []
+
+
+MOE_ARGV = ["--hf-config", QWEN3_30B_A3B, "--tp", "4", "--seq", "8192", "--peft", "lora", "--gpu-memory", "80GB"]
+
+
+def _moe_plan(capsys, *argv) -> tuple[int, str]:
+    status = cli.main(["plan", *MOE_ARGV, *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return status, out
+
+
+def test_a_moe_plan_shows_bridges_figure_and_our_refusal_in_one_line(capsys):
+    status, text = _moe_plan(capsys, "--ep", "4", "--dp", "4")
+    assert status == plan_cli.NOT_MODELLED_STATUS
+    refusals = [line for line in text.splitlines() if line.startswith("our estimate: ")]
+    assert refusals == ["our estimate: not modelled: model.num_moe_experts: mixture-of-experts models are not "
+                        "modelled by the estimate. Fix: estimate a dense GPT config, or use Bridge's "
+                        "estimate_training_memory"]
+    assert "Bridge's estimate_training_memory for the same config, per rank" in text
+    assert "routed expert parameters and optimizer" in text
+    assert "config: TP=4 PP=1 CP=1 EP=4 ETP=1 DP=4 SP=on, seq 8192, micro-batch 1, 128 experts (top-8)" in text
+    assert "fits: no verdict" in text and "fits as is" not in text and "answer:" not in text
+
+
+def test_the_moe_json_carries_bridges_figure_per_rank_and_our_refusal(capsys):
+    """Bridge's routed-expert share is per rank: EP=4 holds half the experts EP=2 holds (128/4 against 128/2).
+
+    DP grows with EP so that the experts' own DP (GPUs / (ETP x EP)) stays 1: their optimizer states are
+    sharded the same way in both runs."""
+    reports = {}
+    for ep in (2, 4):
+        status, out = _moe_plan(capsys, "--ep", str(ep), "--dp", str(ep), "--json")
+        assert status == plan_cli.NOT_MODELLED_STATUS
+        reports[ep] = json.loads(out)
+    report = reports[4]
+    assert report["estimate"] is None and report["fits_as_is"] is None and report["answer"] is None
+    [refusal] = report["estimate_refused"]
+    assert (refusal["code"], refusal["setting"]) == ("unsupported_model", "model.num_moe_experts")
+    assert report["bridge_estimate_error"] is None
+    assert report["layout"]["ep"] == 4 and report["layout"]["num_moe_experts"] == 128
+    experts = {ep: dict((c["name"], c["bytes"]) for c in reports[ep]["bridge_estimate"]["components"])
+               ["routed expert parameters and optimizer"] for ep in reports}
+    assert experts[2] == 2 * experts[4]
+
+
+def _bridge_fails(monkeypatch):
+    from megatron_bridge_ext.estimate import bridge
+
+    def fail(*args, **kwargs):
+        raise TypeError("unsupported operand type(s) for *: 'NoneType' and 'int'\nsecond line")
+
+    monkeypatch.setattr(bridge, "bridge_estimate", fail)
+
+
+FAILED = "Bridge's estimate_training_memory failed: TypeError: unsupported operand type(s) for *: 'NoneType' and 'int'"
+
+
+def test_a_failing_bridge_estimate_is_one_line_and_our_plan_stands(monkeypatch):
+    _bridge_fails(monkeypatch)
+    result = small_plan(gpu_memory=1)
+    text = plan_cli.format_plan(result)
+    assert [line for line in text.splitlines() if "estimate_training_memory" in line] == [FAILED]
+    assert "does not fit as is" in text and "answer:" in text  # the rest of the plan stands
+    report = result.as_dict()
+    assert report["bridge_estimate"] is None and report["bridge_estimate_error"] == FAILED.split("failed: ")[1]
+    assert report["estimate"]["peak_bytes"] > 0
+
+
+def test_a_moe_plan_whose_bridge_estimate_fails_says_both_in_a_line_each(capsys, monkeypatch):
+    _bridge_fails(monkeypatch)
+    status, text = _moe_plan(capsys, "--ep", "4", "--dp", "4")
+    assert status == plan_cli.NOT_MODELLED_STATUS
+    assert FAILED in text.splitlines()
+    assert len([line for line in text.splitlines() if line.startswith("our estimate: not modelled: ")]) == 1
+    assert "component" not in text  # no table at all
+
+
+def test_an_unset_expert_tp_is_1_with_ep_as_bridge_finalizes_it(capsys):
+    """Bridge's finalize sets an unset ETP to 1 when EP > 1 (not Megatron Core's TP): the layout the plan prints and
+    checks is that one, and Bridge's figure for it is the figure of --etp 1, not of --etp 4."""
+    reports = {}
+    for etp in ([], ["--etp", "1"], ["--etp", "4"]):
+        status, out = _moe_plan(capsys, "--ep", "4", "--dp", "4", "--json", *etp)
+        assert status == plan_cli.NOT_MODELLED_STATUS
+        reports[tuple(etp)] = json.loads(out)
+    assert [reports[k]["layout"]["etp"] for k in reports] == [1, 1, 4]
+    figures = [reports[k]["bridge_estimate"]["total_bytes"] for k in reports]
+    assert figures[0] == figures[1] != figures[2]
+
+
+def test_a_recipes_expert_layout_is_checked_once_built(capsys):
+    """Without --hf-config the experts are known only once the recipe is built: the same rule, naming the field."""
+    line = _one_line_error(capsys, ["--recipe", VANILLA, "--gpu-memory", "80GB", *TINY, "model.num_moe_experts=4",
+                                    "model.expert_model_parallel_size=3"])
+    assert line == ("mbx plan: model.expert_model_parallel_size: EP=3 does not divide the 4 experts (each EP rank holds "
+                    "a whole share). Fix: choose an EP that divides 4, e.g. model.expert_model_parallel_size=2")
+
+
+def test_a_moe_plan_writes_no_plot_and_says_so(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    status = cli.main(["plan", *MOE_ARGV, "--ep", "4", "--dp", "4", "--plot", str(path)])
+    err = capsys.readouterr().err
+    assert status == plan_cli.NOT_MODELLED_STATUS and not path.exists()
+    assert f"mbx plan: no plot written to {path}: its bars are our estimate's" in err
