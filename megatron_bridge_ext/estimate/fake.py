@@ -10,7 +10,7 @@ backend, which returns correctly shaped outputs: this process sees exactly the s
 can run inside a process that already has a real process group and Megatron parallel state (a
 training script, the functional tests): torch.distributed's group registry, Megatron Core's
 parallel-state globals, the RNG tracker, the process's RNG state, ``torch.cuda.current_device``,
-the causal-mask builder, the dynamo switch and how DoRA takes its weight norm.
+the causal-mask builder and the dynamo switch.
 
 Why each change (all undone on exit; none of them outlives the context):
 
@@ -29,10 +29,6 @@ Why each change (all undone on exit; none of them outlives the context):
   Transformer Engine's ``FP8GlobalStateManager`` and ``activation_recompute_forward``, names its
   module only has with TE installed (its ``fp8 is not None`` test is always true). The estimate
   models no FP8, so without TE stand-ins that say "FP8 off" and enter no context take their place.
-* DoRA's weight norm: Bridge's ``DoRALinear`` takes ``||W_0 + s B A||`` in every forward with autograd on
-  and detaches it, so that graph (the [out, in] sum, the gathered adapter weights) is dropped at once;
-  the saved-activation meter counts what a graph saved even when it is dropped, so the norm is taken
-  under ``no_grad``: the same detached value, nothing saved (only where Bridge's DoRA is imported).
 * dynamo off: Megatron's ``jit_fuser`` is ``torch.compile``, which would try to compile for a GPU
   that is not there. Eager regions save what their ops save; a compiled region's partitioner may
   choose differently (listed in the estimate's assumptions).
@@ -72,7 +68,6 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str) ->
         stack.enter_context(current_device(device))
         stack.enter_context(_causal_mask(device))
         stack.enter_context(_dynamo_disabled())
-        stack.enter_context(_dora_norm_without_graph())
         stack.enter_context(_attention_environment())
         stack.enter_context(_fp8_state_without_te())
         stack.enter_context(scoped_patch(core_local_norm_sequence_parallel.PATCH))
@@ -250,27 +245,6 @@ def _attention_environment() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-@contextlib.contextmanager
-def _dora_norm_without_graph() -> Iterator[None]:
-    import sys
-
-    dora_layers = sys.modules.get("megatron.bridge.peft.dora_layers")
-    if dora_layers is None:
-        yield
-        return
-    original = dora_layers.DoRALinear._get_weight_norm
-
-    def weight_norm(self):
-        with torch.no_grad():
-            return original(self)
-
-    dora_layers.DoRALinear._get_weight_norm = weight_norm
-    try:
-        yield
-    finally:
-        dora_layers.DoRALinear._get_weight_norm = original
 
 
 @contextlib.contextmanager
