@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,38 @@ def test_a_rank_that_fails_stops_every_rank_and_its_traceback_is_shown(tmp_path,
     assert f"rank 0 of {ranks}: test_session.py::test_rank_0_fails_before_a_collective_that_the_others_enter failed" \
         in output, output[-3000:]
     assert "AssertionError: rank 0 failed on purpose" in output, output[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_failed_rank_leaves_no_process_it_started_behind(tmp_path):
+    tests = f"""
+    import multiprocessing
+    import time
+
+    def test_rank_0_starts_a_worker_then_fails():
+        if dist.get_rank() == 0:
+            worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(3600,))
+            worker.start()
+            open({str(tmp_path / "worker.pid")!r}, "w").write(str(worker.pid))
+            raise AssertionError("rank 0 failed on purpose")
+        dist.recv(torch.zeros(1), src=0)
+    """
+    done = run_session(tmp_path, tests, ranks=2)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "rank 0 failed on purpose" in output, output[-3000:]
+    pid = int((tmp_path / "worker.pid").read_text())
+    for _ in range(60):  # the kill is sent before the rank exits; init reaps the worker soon after
+        if not _alive(pid):
+            break
+        time.sleep(0.5)
+    assert not _alive(pid), f"rank 0's worker {pid} outlived the run"
 
 
 def test_a_stuck_rank_has_its_stack_dumped_and_stops_the_run(tmp_path):

@@ -13,15 +13,17 @@ Registered by ``tests/conftest.py`` (so every suite has it) and by any throwaway
 - Fail fast, under torchrun (``WORLD_SIZE`` >= 2): the first failed test on a rank writes that rank's
   traceback to the terminal (stderr, which torchrun passes through for every rank; rank 0's pytest
   terminal is stdout, the others' are ``build/functional-rank<N>.log``) and ends the rank's process
-  with exit status 1. torchrun then stops the other ranks. Without it the failed rank goes on to the
-  next test's collectives while the other rank waits in the failed test's, and both wait until their
-  collective timeouts, test after test.
+  with exit status 1, after killing the processes it started through multiprocessing (a worker pool
+  would otherwise live on, orphaned). torchrun then stops the other ranks. Without it the failed rank
+  goes on to the next test's collectives while the other rank waits in the failed test's, and both wait
+  until their collective timeouts, test after test.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import math
+import multiprocessing
 import os
 import sys
 
@@ -82,4 +84,6 @@ def pytest_runtest_logreport(report):
     _say(f"\n===== rank {RANK} of {WORLD_SIZE}: {report.nodeid} failed ({report.when}); stopping this rank, "
          f"torchrun stops the others =====\n{report.longreprtext}\n===== end of rank {RANK}'s failure =====\n")
     sys.stdout.flush()
+    for child in multiprocessing.active_children():  # os._exit runs no clean-up: they would outlive the rank
+        child.kill()
     os._exit(1)
