@@ -16,10 +16,13 @@ def backend_for_device() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_from_env(tensor_parallel: int, seed: int = 1234) -> None:
+def init_from_env(tensor_parallel: int, seed: int = 1234, expert_parallel: int = 1,
+                  expert_tensor_parallel: int | None = None) -> None:
     """Initialise torch.distributed from torchrun's variables and Megatron Core's parallel state.
 
-    Idempotent for the same TP size. On CUDA each rank takes ``LOCAL_RANK`` as its device.
+    ``expert_parallel`` and ``expert_tensor_parallel`` are Megatron Core's expert layout, folded onto the
+    same ranks as the dense one (``expert_tensor_parallel`` None: Core's default, the TP size).
+    Idempotent for the same layout. On CUDA each rank takes ``LOCAL_RANK`` as its device.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -28,15 +31,27 @@ def init_from_env(tensor_parallel: int, seed: int = 1234) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend_for_device(), timeout=DEFAULT_TIMEOUT)
+    layout = (tensor_parallel, expert_parallel, expert_tensor_parallel or tensor_parallel)
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
+        if _current_layout() == layout:
             return
         parallel_state.destroy_model_parallel()
     world = dist.get_world_size()
     if world % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the world size {world}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             expert_model_parallel_size=expert_parallel,
+                                             expert_tensor_parallel_size=expert_tensor_parallel)
     model_parallel_cuda_manual_seed(seed)
+
+
+def _current_layout() -> tuple[int, int, int]:
+    """(TP, EP, expert TP) of Megatron Core's parallel state as initialised."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size())
 
 
 def device() -> torch.device:

@@ -44,6 +44,18 @@ class TinyGPTShape:
     """The adapted layers; CanonicalLoRA adapts linear_qkv as linear_q, _k and _v, linear_fc1 as up and gate."""
     peft: str = "lora"
     """The LoRA-family kind: ``lora``, ``dora`` or ``canonical_lora`` (:mod:`megatron_bridge_ext.peft.kinds`)."""
+    experts: int = 0
+    """Routed experts per MoE layer; 0 builds the dense MLP. With experts, every layer's MLP is Megatron Core's
+    MoE layer of the local spec: a top-k router, the token dispatcher and SequentialMLP experts."""
+    topk: int = 1
+    moe_ffn: int = 64
+    """Each expert's FFN width."""
+    dispatcher: str = "allgather"
+    """Megatron Core's ``moe_token_dispatcher_type``."""
+    ep: int = 1
+    """Expert-parallel size (Core folds the expert layout onto the TP ranks)."""
+    etp: int = 1
+    """Expert tensor-parallel size."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -101,8 +113,19 @@ def transformer_config(shape: TinyGPTShape, **overrides):
         gated_linear_unit=shape.swiglu,
         activation_func=torch.nn.functional.silu if shape.swiglu else torch.nn.functional.gelu,
     )
+    fields.update(_moe_fields(shape))
     fields.update(overrides)  # e.g. attention_dropout, recompute settings
     return TransformerConfig(**fields)
+
+
+def _moe_fields(shape: TinyGPTShape) -> dict:
+    """Megatron Core's MoE config fields for ``shape``; none for a dense shape, so that its config is unchanged."""
+    if not shape.experts:
+        return {}
+    return dict(num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
+                moe_token_dispatcher_type=shape.dispatcher, expert_model_parallel_size=shape.ep,
+                expert_tensor_parallel_size=shape.etp,
+                moe_router_pre_softmax=shape.topk == 1)  # Core refuses top-1 without it: a softmax over one is 1
 
 
 def tiny_config(shape, peft=None, **config_overrides):
@@ -135,10 +158,10 @@ def tiny_config(shape, peft=None, **config_overrides):
 def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_overrides):
     """Build the GPTModel on this rank's device, with identical weights for identical seeds.
 
-    ``layer_spec`` replaces Megatron Core's local layer spec (the default).
+    ``layer_spec`` replaces Megatron Core's local layer spec (the default; with ``shape.experts``, its MoE
+    variant with SequentialMLP experts).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_bridge_ext.testing.distributed import device
@@ -149,12 +172,21 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
     config = transformer_config(shape, **copy.deepcopy(config_overrides))  # Core may edit lists in place
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec if layer_spec is not None else get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec if layer_spec is not None else _local_spec(shape),
         vocab_size=shape.vocab,
         max_sequence_length=shape.seq,
         position_embedding_type="rope",
     )
     return model.to(device=device(), dtype=shape.torch_dtype)
+
+
+def _local_spec(shape: TinyGPTShape):
+    """Megatron Core's local layer spec: dense, or MoE with one linear per expert (no grouped GEMM)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if not shape.experts:
+        return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False)
 
 
 def bridge_lora(shape: TinyGPTShape, **fields):

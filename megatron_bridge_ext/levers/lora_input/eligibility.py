@@ -28,6 +28,7 @@ from typing import Optional
 from megatron_bridge_ext.levers.lora_input.sp_lora import OFF, STRATEGIES
 
 ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
+EXPERT_INPUT = "a routed expert's input comes through the token dispatcher, not a sequence-parallel gather"
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,9 @@ def ineligibility(wrapper, strategy: str, adapter=None) -> Optional[str]:
     checks = (
         (surface not in ELIGIBLE_SURFACES, f"{surface} is not a column-parallel LoRA target ({', '.join(ELIGIBLE_SURFACES)})"),
         (adapter.input_is_parallel, "the adapter is row-parallel"),
+        (getattr(adapter, "is_expert", False), "expert adapters are not supported: " + EXPERT_INPUT),
         (not base_config.sequence_parallel, "sequence parallelism is off (nothing to save)"),
         (_tp_size(adapter) <= 1, "tensor parallel size is 1 (nothing to save)"),
-        (getattr(adapter, "is_expert", False), "expert adapters are not supported"),
         (getattr(adapter, "use_a2a", False), "all-to-all adapters are not supported"),
         (_base_skips_sequence_parallel_comm(wrapper.to_wrap), "the base linear does no sequence-parallel communication"),
         (not adapter.linear_in.weight.requires_grad, "LoRA-A is frozen (its input is not retained anyway)"),
@@ -143,6 +144,8 @@ def retained(wrapper, strategy: str, adapter=None, shared_by: int = 1) -> str:
         return "nothing (LoRA-A is frozen)"
     if adapter.input_is_parallel:
         return "its input as the row-parallel base gets it, already split over TP ([s, b, h/t]); nothing to save"
+    if getattr(adapter, "is_expert", False):
+        return "the tokens the dispatcher routed to this expert, as Bridge does; nothing to save"
     sequence_parallel = getattr(base.config, "sequence_parallel", False) and _tp_size(adapter) > 1
     if not sequence_parallel:
         return "its input [s, b, h] (no sequence parallelism: nothing to save)"
