@@ -26,7 +26,7 @@ from megatron_bridge_ext.levers.lora_input.eligibility import EXPERT_INPUT
 from megatron_bridge_ext.measure import SavedActivationMeter
 from megatron_bridge_ext.testing import tiny_model as tm
 from tests.support.dist_checks import assert_no_problems, local_rel_err, max_over_ranks
-from tests.support.lora_blocks import FP32_REL_TOL, _compare, _gpt, _nontrivial, _trainable
+from tests.support.lora_blocks import FP32_REL_TOL, _compare, _ddp_like_microbatches, _gpt, _nontrivial, _trainable
 
 pytestmark = [
     pytest.mark.functional,
@@ -191,4 +191,19 @@ def test_shard_local_saves_exactly_the_attention_lora_a_gather(ep2, runs, topk):
     if drop != expected:
         problems.append(f"saved bytes dropped by {drop}, expected {len(eligible)} x {gathered} x (1 - 1/{TP}) "
                         f"= {expected}")
+    assert_no_problems(problems, ep2)
+
+
+@pytest.mark.parametrize("strategy", ("regather", "shard_local"))
+def test_main_grad_accumulates_two_microbatches_like_bridge(ep2, strategy):
+    """With fused wgrad accumulation, two microbatches accumulate into ``main_grad`` as in Bridge's LoRA
+    (regather against Bridge's upstream regather, bitwise), every adapter (experts' included) on the fused path."""
+    shape = _shape(TOPKS[-1])
+    reference = "upstream_regather" if strategy == "regather" else "baseline"
+    models = {v: _gpt(shape, v, gradient_accumulation_fusion=True)[0] for v in (reference, strategy)}
+    fused = {v: _ddp_like_microbatches(m, shape) for v, m in models.items()}
+    want, got = ({n: p.main_grad for n, p in _trainable(models[v]).items()} for v in (reference, strategy))
+    problems = _compare(got, want, bitwise=strategy == "regather") + _nontrivial(want)
+    problems += [f"{v}: {name} missed the fused wgrad path" for v, flags in fused.items()
+                 for name, used in flags.items() if not used]
     assert_no_problems(problems, ep2)

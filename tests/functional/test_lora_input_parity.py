@@ -69,6 +69,7 @@ from tests.support.lora_blocks import (  # noqa: F401  (shared with the TE-path 
     _column_parallel,
     _lora_linear,
     _run_lora_linear,
+    _ddp_like_microbatches,
 )
 
 
@@ -121,27 +122,6 @@ def test_single_column_parallel_adapter_matches_bridge(tp2, strategy):
 
 
 # ------------------------------------------------------------------------ 1c. main_grad (fused wgrad accumulation)
-
-
-def _ddp_like_microbatches(model, shape: tm.TinyGPTShape, steps=(0, 1)) -> dict[str, bool]:
-    """Accumulate ``steps`` microbatches into ``main_grad`` as Megatron Core's DDP does.
-
-    Before the first microbatch every trainable parameter gets a zero fp32 ``main_grad`` and
-    ``grad_added_to_main_grad = False``. After each backward, DDP's hook adds ``param.grad`` to
-    ``main_grad`` unless the fused wgrad path already did (flag set), and drops ``param.grad``.
-    Returns, per parameter, whether the fused path accumulated it.
-    """
-    params = _trainable(model)
-    for p in params.values():
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        p.grad_added_to_main_grad = False
-    for step in steps:
-        tm.loss_of(model, tm.synthetic_batch(shape, step)).backward()
-        for p in params.values():
-            if p.grad is not None and not p.grad_added_to_main_grad:
-                p.main_grad.add_(p.grad.float())
-            p.grad = None
-    return {name: bool(p.grad_added_to_main_grad) for name, p in params.items()}
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -88,6 +88,27 @@ def _loss_and_grads(model, shape: tm.TinyGPTShape, step: int = 0):
     return loss.detach(), grads
 
 
+def _ddp_like_microbatches(model, shape: tm.TinyGPTShape, steps=(0, 1)) -> dict[str, bool]:
+    """Accumulate ``steps`` microbatches into ``main_grad`` as Megatron Core's DDP does.
+
+    Before the first microbatch every trainable parameter gets a zero fp32 ``main_grad`` and
+    ``grad_added_to_main_grad = False``. After each backward, DDP's hook adds ``param.grad`` to
+    ``main_grad`` unless the fused wgrad path already did (flag set), and drops ``param.grad``.
+    Returns, per parameter, whether the fused path accumulated it.
+    """
+    params = _trainable(model)
+    for p in params.values():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+    for step in steps:
+        tm.loss_of(model, tm.synthetic_batch(shape, step)).backward()
+        for p in params.values():
+            if p.grad is not None and not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad.float())
+            p.grad = None
+    return {name: bool(p.grad_added_to_main_grad) for name, p in params.items()}
+
+
 def _compare(got: dict, want: dict, *, bitwise: bool, tol: float = FP32_REL_TOL) -> list[str]:
     """Problems found comparing named tensors: bitwise, or within ``tol`` relative to max|want|."""
     problems = []
