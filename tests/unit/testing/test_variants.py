@@ -76,3 +76,12 @@ def test_a_variant_is_checked_as_memory_config_checks_a_recipe():
 def test_default_variants_per_kind():
     assert "upstream_regather" not in [v.name for v in variants.select(None, "canonical_lora")]
     assert {"baseline", "regather", "shard_local"} <= {v.name for v in variants.select(None, "dora")}
+
+
+def test_a_dense_shape_sets_no_moe_field_and_an_moe_shape_sets_core_s():
+    """The MoE option leaves the dense config as it was; with experts, Core's MoE fields carry the shape's layout."""
+    dense = tiny_model.transformer_config(tiny_model.TinyGPTShape())
+    assert (dense.num_moe_experts, dense.expert_model_parallel_size) == (None, 1)
+    moe = tiny_model.transformer_config(tiny_model.TinyGPTShape(experts=4, topk=2, moe_ffn=48, ep=2, etp=1))
+    assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size, moe.moe_token_dispatcher_type,
+            moe.expert_model_parallel_size, moe.expert_tensor_parallel_size) == (4, 2, 48, "allgather", 2, 1)

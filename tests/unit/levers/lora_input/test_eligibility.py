@@ -84,6 +84,8 @@ RULES = [
     ("TP=1 from the group", dict(tp=1), BOTH, "tensor parallel size is 1"),
     ("TP=1 from the config", dict(tp=1, tp_group=False), BOTH, "tensor parallel size is 1"),
     ("expert", dict(surface="linear_fc1", expert=True), BOTH, "expert adapters are not supported"),
+    ("expert on an expert-TP group of 1", dict(surface="linear_fc1", expert=True, tp=1), BOTH,
+     "input comes through the token dispatcher"),
     ("all-to-all", dict(a2a=True), BOTH, "all-to-all adapters are not supported"),
     ("base without SP", dict(base_sequence_parallel=False), BOTH, "does no sequence-parallel communication"),
     ("TE base with parallel_mode=None", dict(parallel_mode=None), BOTH, "does no sequence-parallel communication"),
@@ -119,6 +121,12 @@ def test_eligibility_rule(strategy, case, fields, refused_by, reason):
     else:
         assert (decision.strategy, decision.eligible, decision.reason) == (strategy, True, "eligible")
         assert ineligibility(lora_linear, strategy) is None
+
+
+def test_an_expert_adapter_retains_the_dispatched_tokens():
+    """A routed expert's LoRA-A keeps what Bridge's keeps: the tokens sent to it, not a sequence-parallel input."""
+    decision = decide(_stand_in(surface="linear_fc1", expert=True, tp=1), "shard_local")
+    assert "dispatcher routed to this expert" in decision.retains
 
 
 def test_no_strategy_requested_is_off_for_every_adapter():
