@@ -65,18 +65,26 @@ FAST_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("argv, expected", FAST_REFUSALS, ids=[" ".join(a) for a, _ in FAST_REFUSALS])
-def test_numbers_and_the_hf_layout_are_refused_before_torch_is_imported(argv, expected):
-    """Each refusal comes from the arguments and config.json alone, in a fresh interpreter that never imports torch."""
-    argv = ["--hf-config", QWEN3_8B, "--seq", "8192", "--gpu-memory", "80GiB", *argv]
+def _refused_without_torch(config: str, argv: list[str]) -> str:
+    """``mbx plan --hf-config config ... argv`` in a fresh interpreter: exit 2, nothing on stdout, one ``mbx plan: ``
+    line on stderr (returned), and torch never imported."""
+    argv = ["--hf-config", config, "--seq", "8192", "--gpu-memory", "80GiB", *argv]
     code = ("import sys; from megatron_bridge_ext import cli; rc = cli.main(['plan', *sys.argv[1:]]); "
             "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr); "
             "sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
     line, imported = done.stderr.splitlines()
-    assert line.startswith("mbx plan: ") and expected in line
+    assert line.startswith("mbx plan: "), line
     assert imported == "torch not imported"
+    return line
+
+
+@pytest.mark.parametrize("argv, expected", FAST_REFUSALS, ids=[" ".join(a) for a, _ in FAST_REFUSALS])
+def test_numbers_and_the_hf_layout_are_refused_before_torch_is_imported(argv, expected):
+    """Each refusal comes from the arguments and config.json alone, in a fresh interpreter that never imports torch."""
+    line = _refused_without_torch(QWEN3_8B, argv)
+    assert expected in line
 
 
 def test_hf_config_needs_seq_unless_an_override_sets_it(capsys):
@@ -448,15 +456,8 @@ EXPERT_REFUSALS = [
                          ids=[" ".join(a) for _, a, _ in EXPERT_REFUSALS])
 def test_expert_sizes_core_refuses_are_refused_before_torch_is_imported(config, argv, expected):
     """Megatron Core's expert-parallel rules, one line each from the arguments and config.json, torch never imported."""
-    argv = ["--hf-config", config, "--seq", "8192", "--gpu-memory", "80GiB", *argv]
-    code = ("import sys; from megatron_bridge_ext import cli; rc = cli.main(['plan', *sys.argv[1:]]); "
-            "print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr); "
-            "sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
-    line, imported = done.stderr.splitlines()
-    assert line.startswith("mbx plan: ") and expected in line and ". Fix: " in line, line
-    assert imported == "torch not imported"
+    line = _refused_without_torch(config, argv)
+    assert expected in line and ". Fix: " in line, line
 
 
 EXPERT_LAYOUTS = [
