@@ -21,7 +21,7 @@ from megatron_bridge_ext.patches import (
     core_local_norm_sequence_parallel,
     core_training_plan_without_modelopt,
 )
-from megatron_bridge_ext.patches.base import APPLIED, Patch
+from megatron_bridge_ext.patches.base import Patch, logger
 
 # Order matters: Bridge's PEFT modules must import before their TE detection can be corrected.
 PATCHES: tuple[Patch, ...] = (
@@ -91,12 +91,16 @@ def install_init_hooks() -> list[PatchStatus]:
 @contextlib.contextmanager
 def plan_imports():
     """Apply :data:`PLAN_IMPORTS` for the block (import hooks: they act only if the block imports Bridge first),
-    then remove the ones applied here; what the block imported stays as it was imported."""
-    applied_here = [patch for patch in PLAN_IMPORTS if not patch.applied and patch.apply(quiet=True)[0] == APPLIED]
+    then remove the ones applied here; what the block imported stays as it was imported. A hook's refusal is known
+    only once the block has imported what it targets: it is logged at WARNING then, as every refused patch is."""
+    applied_here = [patch for patch in PLAN_IMPORTS if not patch.applied and patch.apply(quiet=True) and patch.applied]
     try:
         yield
     finally:
         for patch in reversed(applied_here):
+            refused = patch.refusal()
+            if refused:
+                logger.warning("patch %s refused: %s", patch.name, refused)
             patch.revert()
 
 

@@ -73,3 +73,26 @@ def test_the_plan_import_patches_are_not_needed_once_bridge_is_imported():
         report(statuses=[p.status()[0] for p in registry.PLAN_IMPORTS], hooks=hooks)
     """)
     assert result == {"statuses": [NOT_NEEDED, NOT_NEEDED], "hooks": 0}
+
+
+def test_a_plan_import_patch_that_refused_says_so_at_warning():
+    """A hook's refusal is known once the plan has imported its target: it is logged at WARNING, as for every patch."""
+    result = run("""
+        import logging
+
+        from megatron_bridge_ext.patches import registry
+
+        records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append([record.levelname, record.getMessage()])
+
+        logging.getLogger("megatron_bridge_ext.patches").addHandler(Keep())
+        patch = registry.PLAN_IMPORTS[-1]
+        with registry.plan_imports():
+            patch.refusal = lambda: "its target changed shape"  # as found once the plan imported the target
+        report(name=patch.name, warnings=[r for r in records if r[0] == "WARNING"], applied=patch.applied)
+    """)
+    assert result["warnings"] == [["WARNING", f"patch {result['name']} refused: its target changed shape"]]
+    assert result["applied"] is False
