@@ -221,7 +221,7 @@ def _bridge(cfg, wanted: bool, **sizes) -> tuple[Optional[BridgeEstimate], Optio
 
 def layout_of(cfg) -> dict:
     """The parallel sizes, sequence, micro-batch and expert count of ``cfg`` as set (no estimate needed)."""
-    from megatron_bridge_ext.estimate.configs import default_expert_tp
+    from megatron_bridge_ext.levers.parallelism.constraints import default_expert_tp
 
     model = cfg.model
     tp, ep = model.tensor_model_parallel_size, getattr(model, "expert_model_parallel_size", 1) or 1

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import sys
 import textwrap
 import warnings
@@ -261,50 +260,6 @@ def _expert_flags_problem(args):
     return None
 
 
-def expert_problem(*, ep: int, etp, tp: int, cp: int, dp, experts, bias: bool = False, names: dict):
-    """What Megatron Core refuses of an expert-parallel layout, as one finding, or None.
-
-    Core's rules (Megatron Core 0.19): ``parallel_state.initialize_model_parallel`` makes the world
-    TP x PP x CP x DP and refuses a world that ETP x EP x PP does not divide (the expert layers'
-    grid; their DP is what is left), so TP x CP x DP must be a multiple of ETP x EP;
-    ``transformer/moe/moe_layer.py`` ``BaseMoELayer.__init__`` asserts that EP divides the experts;
-    ``TransformerConfig.__post_init__`` refuses EP > 1 without experts and, for MoE with
-    ``add_bias_linear``, ETP other than 1. An unset ETP is
-    :func:`megatron_bridge_ext.estimate.configs.default_expert_tp`. ``names`` maps ``ep``, ``etp`` and
-    ``dp`` to the settings the user wrote; ``dp`` None leaves the grid rule to the check after the build.
-    """
-    from megatron_bridge_ext.estimate.configs import default_expert_tp
-
-    if not etp:
-        etp = default_expert_tp(tp, ep)
-        etp_text = f"ETP={etp} (the default with EP{'>' if ep > 1 else '='}1)"
-    else:
-        etp_text = f"ETP={etp}"
-    if ep > 1 and not experts:
-        return _bad(names["ep"], f"EP={ep} needs a mixture-of-experts model, and this one has no experts",
-                    f"drop {names['ep']} (or set it to 1)")
-    if experts and experts % ep:
-        fit = max(d for d in range(1, ep + 1) if experts % d == 0)
-        return _bad(names["ep"], f"EP={ep} does not divide the {experts} experts (each EP rank holds a whole share)",
-                    f"choose an EP that divides {experts}, e.g. {_as_setting(names['ep'], fit)}")
-    if experts and bias and etp > 1:
-        return _bad(names["etp"], f"{etp_text} with biased linear layers (model.add_bias_linear): Megatron Core "
-                                  "supports MoE bias only with ETP=1", f"set {_as_setting(names['etp'], 1)}")
-    grid = etp * ep
-    if dp is None or (tp * cp * dp) % grid == 0:
-        return None
-    step = grid // math.gcd(tp * cp, grid)
-    return _bad(names["dp"], f"TP x CP x DP = {tp} x {cp} x {dp} = {tp * cp * dp} is not a multiple of ETP x EP = "
-                             f"{etp} x {ep} = {grid} (each pipeline stage's GPUs must split into whole expert-parallel "
-                             f"groups; {etp_text})",
-                f"make DP a multiple of {step}, e.g. {_as_setting(names['dp'], step * math.ceil(dp / step))}, or "
-                "choose a smaller EP or ETP")
-
-
-def _as_setting(name: str, value) -> str:
-    return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
-
-
 def _hf_experts(data: dict):
     return next((data[key] for key in HF_EXPERT_KEYS if data.get(key)), None)
 
@@ -317,8 +272,10 @@ def _hf_expert_problem(args, data: dict):
     alone = not args.recipe  # a recipe's own sizes are known after the build (checked then)
     if sizes["ep"] is None and not alone:
         return None
+    from megatron_bridge_ext.levers.parallelism.constraints import expert_layout_problem
+
     names = {"ep": _written(args, "ep"), "etp": _written(args, "etp"), "dp": "--dp"}
-    return expert_problem(ep=sizes["ep"] or 1, etp=sizes["etp"], tp=sizes["tp"] or 1, cp=sizes["cp"] or 1,
+    return expert_layout_problem(ep=sizes["ep"] or 1, etp=sizes["etp"], tp=sizes["tp"] or 1, cp=sizes["cp"] or 1,
                           dp=(args.dp or 1) if alone else None, experts=_hf_experts(data), names=names)
 
 
@@ -382,9 +339,10 @@ def _written(args, name: str) -> str:
 def _check_experts(cfg, *, names: dict) -> None:
     """The built config's expert-parallel layout (a recipe's, a flag's or an override's) against Core's rules."""
     from megatron_bridge_ext.findings import Refused
+    from megatron_bridge_ext.levers.parallelism.constraints import expert_layout_problem
 
     model = cfg.model
-    problem = expert_problem(ep=getattr(model, "expert_model_parallel_size", 1) or 1,
+    problem = expert_layout_problem(ep=getattr(model, "expert_model_parallel_size", 1) or 1,
                              etp=getattr(model, "expert_tensor_parallel_size", None),
                              tp=model.tensor_model_parallel_size, cp=model.context_parallel_size or 1,
                              dp=getattr(cfg, "data_parallel_size", None),

@@ -37,13 +37,6 @@ SHAPE_FIELDS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
                 "vocab_size": "vocab_size", "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim"}
 
 
-def default_expert_tp(tp: int, ep: int) -> int:
-    """The expert TP of a config that leaves it unset: 1 with EP > 1 (Bridge's provider ``finalize``,
-    ``_set_moe_expert_tensor_parallel_default`` in ``megatron/bridge/models/transformer_config.py``), else TP
-    (Megatron Core's ``ModelParallelConfig.__post_init__``)."""
-    return 1 if ep > 1 else tp
-
-
 def shape_fix(name: str) -> str:
     return f"set {name} to a whole number of 1 or more"
 

@@ -1,7 +1,9 @@
-"""What a parallel layout or CPU offloading cannot be combined with, checked before launch."""
+"""What a parallel layout (expert-parallel sizes included) or CPU offloading cannot be combined with, checked
+before launch."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from megatron_bridge_ext.findings import ERROR, Finding
@@ -46,3 +48,58 @@ def doubling_findings(name: str, old: int, dp: int) -> list[Finding]:
                                 f"TP={2 * old} spans more than one {MAX_TP}-GPU NVLink node",
                                 f"keep TP <= {MAX_TP}"))
     return problems
+
+
+def default_expert_tp(tp: int, ep: int) -> int:
+    """The expert TP of a config that leaves it unset: 1 with EP > 1 (Bridge's provider ``finalize``,
+    ``_set_moe_expert_tensor_parallel_default`` in ``megatron/bridge/models/transformer_config.py``), else TP
+    (Megatron Core's ``ModelParallelConfig.__post_init__``)."""
+    return 1 if ep > 1 else tp
+
+
+def expert_layout_problem(*, ep: int, etp, tp: int, cp: int, dp, experts, bias: bool = False, names: dict):
+    """What Megatron Core refuses of an expert-parallel layout, as one finding, or None.
+
+    Core's rules (Megatron Core 0.19): ``parallel_state.initialize_model_parallel`` makes the world
+    TP x PP x CP x DP and refuses a world that ETP x EP x PP does not divide (the expert layers'
+    grid; their DP is what is left), so TP x CP x DP must be a multiple of ETP x EP;
+    ``transformer/moe/moe_layer.py`` ``BaseMoELayer.__init__`` asserts that EP divides the experts;
+    ``TransformerConfig.__post_init__`` refuses EP > 1 without experts and, for MoE with
+    ``add_bias_linear``, ETP other than 1. An unset ETP is :func:`default_expert_tp`. ``names`` maps ``ep``,
+    ``etp`` and ``dp`` to the settings the user wrote; ``dp`` None leaves the grid rule to the check after the build.
+    """
+    if not etp:
+        etp = default_expert_tp(tp, ep)
+        etp_text = f"ETP={etp} (the default with EP{'>' if ep > 1 else '='}1)"
+    else:
+        etp_text = f"ETP={etp}"
+    if ep > 1 and not experts:
+        return _bad_input(names["ep"], f"EP={ep} needs a mixture-of-experts model, and this one has no experts",
+                          f"drop {names['ep']} (or set it to 1)")
+    if experts and experts % ep:
+        fit = max(d for d in range(1, ep + 1) if experts % d == 0)
+        return _bad_input(names["ep"],
+                          f"EP={ep} does not divide the {experts} experts (each EP rank holds a whole share)",
+                          f"choose an EP that divides {experts}, e.g. {_as_setting(names['ep'], fit)}")
+    if experts and bias and etp > 1:
+        return _bad_input(names["etp"], f"{etp_text} with biased linear layers (model.add_bias_linear): Megatron "
+                                        "Core supports MoE bias only with ETP=1",
+                          f"set {_as_setting(names['etp'], 1)}")
+    grid = etp * ep
+    if dp is None or (tp * cp * dp) % grid == 0:
+        return None
+    step = grid // math.gcd(tp * cp, grid)
+    return _bad_input(names["dp"],
+                      f"TP x CP x DP = {tp} x {cp} x {dp} = {tp * cp * dp} is not a multiple of ETP x EP = "
+                      f"{etp} x {ep} = {grid} (each pipeline stage's GPUs must split into whole expert-parallel "
+                      f"groups; {etp_text})",
+                      f"make DP a multiple of {step}, e.g. {_as_setting(names['dp'], step * math.ceil(dp / step))}, "
+                      "or choose a smaller EP or ETP")
+
+
+def _as_setting(name: str, value) -> str:
+    return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
+
+
+def _bad_input(setting: str, message: str, fix: str) -> Finding:
+    return Finding("bad_input", ERROR, setting, message, fix)

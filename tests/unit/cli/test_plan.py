@@ -460,33 +460,6 @@ def test_expert_sizes_core_refuses_are_refused_before_torch_is_imported(config, 
     assert expected in line and ". Fix: " in line, line
 
 
-EXPERT_LAYOUTS = [
-    # (tp, cp, dp, ep, etp, experts, bias) -> accepted by Core's rules
-    ((4, 1, 4, 4, 4, 128, False), True),      # 16 GPUs per stage = ETP 4 x EP 4
-    ((4, 1, 2, 4, 4, 128, False), False),     # 8 GPUs, a 16-GPU expert grid
-    ((4, 1, 1, 4, 1, 128, False), True),      # ETP 1: 4 GPUs = 1 x 4
-    ((4, 1, 1, 4, None, 128, False), True),   # unset ETP with EP > 1: 1 (Bridge's finalize)
-    ((2, 1, 1, 4, None, 128, False), False),  # 2 GPUs, a grid of 1 x 4
-    ((2, 2, 2, 8, 1, 128, False), True),      # CP counts: 8 GPUs = 1 x 8
-    ((2, 1, 2, 8, 1, 128, False), False),     # without CP, 4 GPUs
-    ((1, 1, 8, 8, None, 60, False), False),   # 8 does not divide 60 experts
-    ((1, 1, 4, 4, None, 60, False), True),
-    ((2, 1, 2, 2, 2, 128, True), False),      # MoE bias needs ETP 1
-    ((2, 1, 2, 1, None, 128, True), False),   # unset ETP with EP 1: TP's 2
-    ((2, 1, 2, 2, None, 128, True), True),    # unset ETP with EP 2: 1
-    ((1, 1, 2, 2, None, None, False), False),  # EP without experts
-    ((8, 1, 1, 1, None, None, False), True),   # a dense model: ETP = TP divides TP x CP x DP
-]
-
-
-@pytest.mark.parametrize("sizes, accepted", EXPERT_LAYOUTS, ids=[str(s) for s, _ in EXPERT_LAYOUTS])
-def test_expert_layout_rules(sizes, accepted):
-    tp, cp, dp, ep, etp, experts, bias = sizes
-    problem = plan_cli.expert_problem(ep=ep, etp=etp, tp=tp, cp=cp, dp=dp, experts=experts, bias=bias,
-                                      names={"ep": "--ep", "etp": "--etp", "dp": "--dp"})
-    assert (problem is None) is accepted, problem
-
-
 def test_gpt_oss_builds_offline_and_its_biased_experts_need_etp_1(capsys, no_network):
     """GPT-OSS's provider (built from the local config.json, no hub) has biased linear layers: ETP, which is TP without
     EP, must be 1 there (Megatron Core's TransformerConfig), which only the built model tells."""
