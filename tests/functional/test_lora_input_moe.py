@@ -158,12 +158,13 @@ def _model_problems(shape: tm.TinyGPTShape, modules: dict) -> list[str]:
     """The model is the case's: its dispatcher, its dense and MoE layers, its shared experts."""
     problems = []
     for layer in range(shape.layers):
-        mlp = f"decoder.layers.{layer}.mlp"
+        mlp = modules[f"decoder.layers.{layer}.mlp"]
         moe = layer in tm.moe_layers(shape)
-        want = {f"{mlp}.token_dispatcher": DISPATCHERS[shape.dispatcher] if moe else None,
-                f"{mlp}.shared_experts": "SharedExpertMLP" if moe and shape.shared_ffn else None,
-                mlp: "MoELayer" if moe else "MLP"}
-        got = {name: type(modules[name]).__name__ if name in modules else None for name in want}
+        want = {"mlp": "MoELayer" if moe else "MLP", "dispatcher": DISPATCHERS[shape.dispatcher] if moe else None,
+                "shared experts": "SharedExpertMLP" if moe and shape.shared_ffn else None}
+        parts = {"mlp": mlp, "dispatcher": getattr(mlp, "token_dispatcher", None),
+                 "shared experts": getattr(mlp, "shared_experts", None)}
+        got = {part: type(obj).__name__ if obj is not None else None for part, obj in parts.items()}
         if got != want:
             problems.append(f"layer {layer}: {got}, expected {want}")
     return problems
