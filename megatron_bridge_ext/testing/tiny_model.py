@@ -95,6 +95,8 @@ def shape_problems(shape: TinyGPTShape) -> list[str]:
         (shape.sequence_parallel and shape.seq % shape.tp,
          f"--seq={shape.seq} is not divisible by --tp={shape.tp} (sequence parallelism splits the sequence)"),
         (shape.vocab % shape.tp, f"vocab {shape.vocab} is not divisible by --tp={shape.tp}"),
+        (isinstance(shape.moe_layer_freq, list) and len(shape.moe_layer_freq) != shape.layers,
+         f"moe_layer_freq={shape.moe_layer_freq} does not mark each of the {shape.layers} layers (1 MoE, 0 dense)"),
     )
     return [message for failed, message in checks if failed]
 
