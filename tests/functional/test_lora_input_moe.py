@@ -294,6 +294,8 @@ def test_report_names_each_adapter_eligible_or_why_not(ep2, runs, case, strategy
             problems.append(f"{name}: {decision}, expected {want_strategy} ({reason})")
         elif reason == EXPERT_INPUT and "dispatcher" not in decision.retains:
             problems.append(f"{name}: retains {decision.retains!r}, not the dispatched tokens")
+        elif reason == ELIGIBLE and ".shared_experts." in name and "router" not in decision.retains:
+            problems.append(f"{name}: retains {decision.retains!r}, not the router's shard")
     assert_no_problems(problems, ep2)
 
 
@@ -380,3 +382,28 @@ def test_main_grad_accumulates_two_microbatches_like_bridge(ep2, case, strategy)
     problems += [f"{v}: {name} missed the fused wgrad path" for v, flags in fused.items()
                  for name, used in flags.items() if not used and not name.endswith("weight_magnitude")]
     assert_no_problems(problems, ep2)
+
+
+@pytest.mark.parametrize("module", ["shared_experts", "moe"])
+def test_a_recomputed_shared_expert_refuses_regather_and_keeps_shard_local(ep2, module):
+    """Selective 'shared_experts' or 'moe' recompute puts the shared expert's MLP in a checkpoint (Core's
+    moe_layer.py): regather leaves its linear_fc1 to Bridge and says why, shard_local keeps it, and under that
+    recompute both match Bridge's LoRA (regather bitwise, shard_local within 1e-6). The dense layer's
+    linear_fc1, outside the checkpoint, keeps both strategies."""
+    case = next(c for c in CASES if c.name == "alltoall dense+MoE shared expert")
+    shape = case.shape()
+    recompute = dict(recompute_granularity="selective", recompute_modules=[module])
+    built = {v: _gpt(shape, v, **recompute) for v in ("baseline", *STRATEGIES)}
+    tensors = {v: _run(model, shape)["tensors"] for v, (model, _) in built.items()}
+    shared, dense = "decoder.layers.1.mlp.shared_experts.linear_fc1", "decoder.layers.0.mlp.linear_fc1"
+    problems = []
+    for strategy in STRATEGIES:
+        report = {d.adapter: d for d in built[strategy][1].report()}
+        refused = strategy == "regather"
+        if (report[shared].strategy == "off") != refused or (refused and f"'{module}' recompute" not in
+                                                            report[shared].reason):
+            problems.append(f"{strategy}: {report[shared].describe()}")
+        if report[dense].strategy != strategy:
+            problems.append(f"{strategy}: {report[dense].describe()}")
+        problems += _compare(tensors[strategy], tensors["baseline"], bitwise=refused)
+    assert_no_problems(problems + _nontrivial(tensors["baseline"]), ep2)
