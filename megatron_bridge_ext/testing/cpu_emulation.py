@@ -30,6 +30,9 @@ the package imports it. Everything it changes is listed here.
   ``torch.distributed.all_to_all_single`` (``tensor_parallel/mappings.py:460``) refuses them on any
   backend (its ``ProcessGroup`` binding takes a sequence of ints; the NumPy array a GPU rank passes is one).
 
+The MoE line numbers are Core 0.19.2's; Core 0.18.2 has the same calls at token_dispatcher.py:451,902-926,
+shared_experts.py:92-355, moe_layer.py:586, moe_utils.py:1127 and mappings.py:456.
+
 :func:`bridge_imports` (once, before Bridge's training modules are imported), then
 :func:`bridge_loop` (a context manager held around ``pretrain``/``finetune``, which restores
 everything on exit) add what Bridge's loop needs. Line numbers: Bridge 0.6.2 / Core 0.19.2
