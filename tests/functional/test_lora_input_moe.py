@@ -338,18 +338,26 @@ def test_the_saving_is_exactly_the_eligible_lora_a_gathers(ep2, runs, case, stra
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("case", [c for c in CASES if c.kind != "dora"], ids=[c.name for c in CASES if c.kind != "dora"])
 def test_routed_expert_adapters_stay_bridges(ep2, runs, case, strategy):
-    """Every routed expert's wrapper and adapters are the classes Bridge builds, with the same sub-modules, and
-    no strategy of ours runs in them; with regather even their gradients are bitwise Bridge's (above)."""
+    """Every routed expert's wrapper and adapters are the classes Bridge builds, with the same sub-modules and
+    the same settings (every plain attribute: flags, sizes, names), and no strategy of ours runs in them; with
+    regather even their gradients are bitwise Bridge's (above)."""
     ours, base = runs(case)[strategy]["modules"], runs(case)["baseline"]["modules"]
     experts = [name for name in base if _is_routed_expert(name) and ".adapter" in name]
     problems = [] if experts else ["no routed expert adapter in the model"]
     for name in experts:
         if type(ours.get(name)) is not type(base[name]):
             problems.append(f"{name}: {type(ours.get(name)).__name__}, Bridge builds {type(base[name]).__name__}")
+        elif _settings(ours[name]) != _settings(base[name]):
+            problems.append(f"{name}: settings {_settings(ours[name])}, Bridge's {_settings(base[name])}")
     for name, module in ours.items():
         if _is_routed_expert(name) and type(module).__module__.startswith("megatron_bridge_ext"):
             problems.append(f"{name}: {type(module).__module__}.{type(module).__name__} is ours")
     assert_no_problems(problems, ep2)
+
+
+def _settings(module) -> dict:
+    """A module's plain attributes (bools, numbers, strings, None): what a strategy would set to change its path."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, (bool, int, float, str, type(None)))}
 
 
 def test_share_expert_adapters_builds_the_same_adapters_on_sequential_experts(ep2):
