@@ -1,0 +1,320 @@
+"""Megatron Bridge's own ``finetune`` loop on a mixture-of-experts GPT with our flags, on the 2 ranks.
+
+The recipe is the tiny Bridge recipe with :func:`~megatron_bridge_ext.testing.bridge.recipe.with_experts`:
+every layer's MLP is Megatron Core's local-spec MoE layer (SequentialMLP experts, a top-2 router, the
+allgather token dispatcher), TP=2 with sequence parallelism, EP=2 and expert TP=1 on the same two ranks.
+Bridge's LoRA targets linear_qkv, linear_proj, linear_fc1 and linear_fc2, so it adapts every local
+expert's linear_fc1 and linear_fc2 as well; of all these adapters only linear_qkv's is eligible for a
+LoRA-A input strategy (a routed expert's input comes through the token dispatcher).
+
+As in ``test_bridge_loop.py``, the runs (Bridge's ``pretrain``, then ``finetune`` with
+``gpt_step.forward_step``, torch_dist checkpoints) happen once, in the ``runs`` fixture, and our LoRA
+comes in through ``MemoryConfig(...).apply(cfg)`` on a config whose ``cfg.peft`` is Bridge's LoRA.
+Expected numbers come from Bridge's own LoRA (bitwise where the arithmetic is the same), from an
+uninterrupted run (a resume is bitwise), from Bridge's checkpoint (names and shapes) and from the
+recipe's shape (recompute counts, adapter counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import traceback
+from typing import Callable, Iterator, Optional
+
+import pytest
+import torch.distributed as dist
+
+from megatron_bridge_ext.levers.lora_input.eligibility import EXPERT_INPUT
+from megatron_bridge_ext.testing.bridge import recipe, runner
+from tests.support.bridge_session import Session, bridge_session, shared_directory, timeout_minutes
+from tests.support.dist_checks import assert_no_problems, max_over_ranks
+
+pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
+
+RESUME_STEP = 2
+FINETUNE_ITERATIONS = 4
+MICRO_BATCHES = 2  # global batch 4 = 2 micro-batches of 2 (data-parallel size 1)
+USER_ALLOCATOR_OPTION = ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
+OUR_LORA_LOGGER = "megatron_bridge_ext.peft.lora"
+LOCAL_EXPERTS = recipe.EXPERTS // recipe.EXPERT_PARALLEL
+REGATHER = dict(sequence_parallel_input_strategy="regather", recompute_modules=["core_attn"])
+SHARD_LOCAL = dict(sequence_parallel_input_strategy="shard_local")
+
+
+@dataclasses.dataclass
+class Planned:
+    """One Bridge run: which entry point, and how its config is made."""
+
+    name: str
+    entry: str
+    config: Callable[[], object]
+    memory: Optional[dict] = None  # MemoryConfig fields, applied as the docs say
+    user_env_vars: Optional[dict] = None  # added to the recipe's cfg.env_vars (Bridge >= 0.6) before MemoryConfig
+
+
+@dataclasses.dataclass
+class Outcome:
+    run: Optional[runner.Run] = None
+    summary: object = None  # what MemoryConfig.apply returned
+    env_vars: dict = dataclasses.field(default_factory=dict)
+    peft: object = None  # cfg.peft as the run used it
+    log: list[str] = dataclasses.field(default_factory=list)  # our LoRA's log records
+    error: Optional[str] = None
+
+
+def plan(directory: str) -> list[Planned]:
+    base = f"{directory}/base"
+
+    def finetune(save=None, load=None):
+        return lambda: recipe.finetune_config(
+            base, train_iters=FINETUNE_ITERATIONS, save=save and f"{directory}/{save}",
+            load=load and f"{directory}/{load}", ckpt_step=RESUME_STEP if load else None, moe=True)
+
+    return [
+        Planned("base", "pretrain", lambda: recipe.pretrain_config(base, moe=True)),
+        Planned("bridge", "finetune", finetune(save="bridge")),
+        Planned("regather+core_attn", "finetune", finetune(save="regather"), REGATHER,
+                user_env_vars=dict([USER_ALLOCATOR_OPTION])),
+        Planned("shard_local", "finetune", finetune(save="shard_local"), SHARD_LOCAL),
+        # resumed at iteration 2 from a LoRA checkpoint: iterations 3 and 4
+        Planned("shard_local <- shard_local", "finetune", finetune(load="shard_local"), SHARD_LOCAL),
+        Planned("regather+core_attn <- bridge", "finetune", finetune(load="bridge"), REGATHER),
+    ]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def our_lora_log() -> Iterator[list[str]]:
+    """The INFO records of our LoRA's logger while held (the session restores logger levels afterwards)."""
+    logger, handler = logging.getLogger(OUR_LORA_LOGGER), _Records()
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _bridge_applies_env_vars() -> bool:
+    from megatron.bridge.training.config import ConfigContainer
+
+    return any(f.name == "env_vars" for f in dataclasses.fields(ConfigContainer))
+
+
+def execute(planned: Planned, session: Session) -> Outcome:
+    from megatron_bridge_ext.config import MemoryConfig
+
+    outcome = Outcome()
+    session.next_run()
+    try:
+        cfg = planned.config()
+        cfg.dist.distributed_timeout_minutes = timeout_minutes()
+        if planned.user_env_vars and _bridge_applies_env_vars():
+            cfg.env_vars.update(planned.user_env_vars)
+        if planned.memory is not None:
+            outcome.summary = MemoryConfig(**planned.memory).apply(cfg)
+        outcome.env_vars = dict(getattr(cfg, "env_vars", None) or {})
+        with our_lora_log() as outcome.log:
+            outcome.run = runner.run(planned.entry, cfg)
+        outcome.peft = cfg.peft
+    except Exception:  # recorded, then shared with the other rank: both stop together
+        outcome.error = traceback.format_exc(limit=-8)
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return shared_directory(str(tmp_path_factory.mktemp("bridge_loop_moe")))
+
+
+@pytest.fixture(scope="module")
+def runs(directory) -> dict[str, Outcome]:
+    """Every planned run, in order, on both ranks; after a failure on any rank no further run starts."""
+    outcomes: dict[str, Outcome] = {}
+    with bridge_session() as session:
+        for planned in plan(directory):
+            outcomes[planned.name] = outcome = execute(planned, session)
+            if max_over_ranks(1.0 if outcome.error else 0.0, dist.group.WORLD):
+                break
+    return outcomes
+
+
+def outcome_of(runs: dict[str, Outcome], name: str) -> runner.Run:
+    """The run ``name``; fails (on both ranks) when it did not complete on some rank."""
+    outcome = runs.get(name)
+    problem = ("not run: an earlier run failed" if outcome is None
+               else f"failed on this rank:\n{outcome.error}" if outcome.error else None)
+    assert_no_problems([f"{name}: {problem}"] if problem else [], dist.group.WORLD)
+    return outcome.run
+
+
+def last(run: runner.Run, count: int) -> tuple[list, list]:
+    return run.losses()[-count:], run.grad_norms()[-count:]
+
+
+# --------------------------------------------------------------------------------------------
+# The loop runs an MoE model, with our LoRA in it
+# --------------------------------------------------------------------------------------------
+
+def test_bridge_pretrains_and_fine_tunes_the_moe_model_for_every_lora(runs):
+    problems = []
+    for planned in plan(""):
+        run = outcome_of(runs, planned.name)
+        resumed = "<-" in planned.name
+        expected = [1, 2] if planned.entry == "pretrain" else [3, 4] if resumed else [1, 2, 3, 4]
+        iterations = [s.iteration for s in run.steps]
+        if iterations != expected:
+            problems.append(f"{planned.name}: iterations {iterations}, expected {expected}")
+        if not all(v is not None and math.isfinite(v) for v in run.losses() + run.grad_norms()):
+            problems.append(f"{planned.name}: losses {run.losses()} grad norms {run.grad_norms()}")
+    for name, strategy in (("regather+core_attn", "regather"), ("shard_local", "shard_local")):
+        changes = {c.field: c.new for c in runs[name].summary.changes}
+        if changes.get("peft") != "megatron_bridge_ext.peft.LoRA" or \
+                changes.get("peft.sequence_parallel_input_strategy") != strategy:
+            problems.append(f"{name}: MemoryConfig.apply changed {changes}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_regather_with_core_attn_recompute_matches_bridges_lora_bitwise(runs):
+    """Regather runs Bridge's LoRA-A GEMM on the same gathered input, and recompute repeats the same forward:
+    the same losses and grad norms, bit for bit; the probe saw every layer's attention checkpointed."""
+    bridge, ours = outcome_of(runs, "bridge"), outcome_of(runs, "regather+core_attn")
+    per_step = {"checkpointed_forwards": recipe.LAYERS * MICRO_BATCHES, "recomputed": recipe.LAYERS * MICRO_BATCHES}
+    problems = [f"regather+core_attn iteration {s.iteration}: {s.recompute} != {per_step}"
+                for s in ours.steps if s.recompute != per_step]
+    problems += [f"bridge iteration {s.iteration}: {s.recompute} without recompute"
+                 for s in bridge.steps if any(s.recompute.values())]
+    if (ours.losses(), ours.grad_norms()) != (bridge.losses(), bridge.grad_norms()):
+        problems.append(f"regather+core_attn {ours.losses()} {ours.grad_norms()} vs Bridge's LoRA "
+                        f"{bridge.losses()} {bridge.grad_norms()}")
+    if len(set(bridge.grad_norms())) < 2:
+        problems.append(f"Bridge's grad norms do not change: {bridge.grad_norms()}")  # nothing trained
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs):
+    from megatron_bridge_ext.levers.allocator.options import VARIABLES
+
+    outcome_of(runs, "regather+core_attn")
+    outcome = runs["regather+core_attn"]  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
+    allocator = {name: str(value) for name, value in outcome.env_vars.items() if name in VARIABLES}
+    problems = []
+    if _bridge_applies_env_vars():
+        if allocator != {USER_ALLOCATOR_OPTION[0]: USER_ALLOCATOR_OPTION[1] + ",expandable_segments:True"}:
+            problems.append(f"MemoryConfig.apply left cfg.env_vars with {allocator}")
+        for step in outcome.run.steps:
+            seen = {name: step.environment.get(name) for name in allocator}
+            if seen != allocator:
+                problems.append(f"iteration {step.iteration}: the rank's environment has {seen}, cfg.env_vars {allocator}")
+    else:  # Bridge 0.5.1's ConfigContainer has no env_vars: MemoryConfig must say so rather than pretend
+        codes = [f.code for f in outcome.summary.findings]
+        if "bridge_ignores_env_vars" not in codes:
+            problems.append(f"this Bridge ignores cfg.env_vars and MemoryConfig.apply did not say so: {codes}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+# --------------------------------------------------------------------------------------------
+# What the strategy says it applied
+# --------------------------------------------------------------------------------------------
+
+def _adapters_per_layer() -> dict[str, int]:
+    """Bridge's adapters in one layer of this rank, by surface: one per attention linear, one per local expert linear."""
+    return {"linear_qkv": 1, "linear_proj": 1, "linear_fc1": LOCAL_EXPERTS, "linear_fc2": LOCAL_EXPERTS}
+
+
+@pytest.mark.parametrize("name, strategy", (("regather+core_attn", "regather"), ("shard_local", "shard_local")))
+def test_the_strategy_logs_what_it_applied_and_reports_the_routed_experts_not_eligible(runs, name, strategy):
+    outcome_of(runs, name)
+    outcome = runs[name]
+    total = recipe.LAYERS * sum(_adapters_per_layer().values())
+    eligible = recipe.LAYERS  # linear_qkv's adapter in each layer
+    applied = f"LoRA-A input under SP ({strategy}): applied to {eligible} of {total} adapters"
+    problems = [] if any(m.startswith(applied) for m in outcome.log) else [f"no '{applied}' in {outcome.log}"]
+    expert_lines = [m for m in outcome.log if f"LoRA-A input under SP ({strategy}) not used" in m and EXPERT_INPUT in m]
+    if not expert_lines:
+        problems.append(f"no line says the routed experts' adapters are not eligible: {outcome.log}")
+    report = outcome.peft.report()
+    experts = [d for d in report if ".mlp.experts.local_experts." in d.adapter]
+    if len(experts) != recipe.LAYERS * 2 * LOCAL_EXPERTS:
+        problems.append(f"report lists {len(experts)} expert adapters, expected {recipe.LAYERS * 2 * LOCAL_EXPERTS}")
+    for decision in experts:
+        if decision.eligible or decision.strategy != "off":
+            problems.append(f"{decision.adapter}: {decision}")
+    expert_fc1 = [d for d in experts if d.adapter.endswith("linear_fc1")]
+    if not expert_fc1 or any(EXPERT_INPUT not in d.reason for d in expert_fc1):
+        problems.append(f"expert linear_fc1 reasons: {[d.reason for d in expert_fc1]}")
+    used = sorted(d.adapter.rsplit(".", 2)[-1] for d in report if d.eligible)
+    if used != ["linear_qkv"] * eligible:
+        problems.append(f"eligible adapters {used}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+# --------------------------------------------------------------------------------------------
+# torch_dist checkpoints: resume, and Bridge's names and shapes
+# --------------------------------------------------------------------------------------------
+
+def test_resuming_from_a_lora_checkpoint_reproduces_the_uninterrupted_run_exactly(runs):
+    problems = []
+    for resumed, uninterrupted in (("shard_local <- shard_local", "shard_local"),
+                                   ("regather+core_attn <- bridge", "bridge")):
+        got, want = last(outcome_of(runs, resumed), 2), last(outcome_of(runs, uninterrupted), 2)
+        if got != want:
+            problems.append(f"{resumed}: {got} != {uninterrupted} iterations 3-4 {want}")
+    assert_no_problems(problems, dist.group.WORLD)
+
+
+def checkpoint_tensors(path: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a torch_dist checkpoint directory: its key and global shape, from the metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key: tuple(m.size) for key, m in metadata.items() if isinstance(m, TensorStorageMetadata)}
+
+
+def expected_adapters() -> dict[str, tuple[int, ...]]:
+    """Bridge's LoRA tensors in a torch_dist checkpoint of the MoE recipe: key and global shape.
+
+    Megatron Core stacks the layers (and a SequentialMLP's experts, every expert of the EP group) into one
+    sharded tensor per parameter: [layers, (experts,)] + the adapter weight's full (unsharded) shape,
+    LoRA-A [rank, in_features] and LoRA-B [out_features, rank]. linear_qkv's output is q, k and v
+    (3 hidden, the vanilla recipe has as many query groups as heads); every expert's width is MOE_FFN.
+    """
+    layers, experts, r, h, ffn = recipe.LAYERS, recipe.EXPERTS, recipe.LORA_RANK, recipe.HIDDEN, recipe.MOE_FFN
+    surfaces = {"self_attention.linear_qkv": ((layers,), h, 3 * h), "self_attention.linear_proj": ((layers,), h, h),
+                "mlp.experts.experts.linear_fc1": ((layers, experts), h, ffn),
+                "mlp.experts.experts.linear_fc2": ((layers, experts), ffn, h)}
+    out = {}
+    for surface, (stacked, fan_in, fan_out) in surfaces.items():
+        out[f"decoder.layers.{surface}.adapter.linear_in.weight"] = (*stacked, r, fan_in)
+        out[f"decoder.layers.{surface}.adapter.linear_out.weight"] = (*stacked, fan_out, r)
+    return out
+
+
+def test_our_lora_checkpoints_are_bridges_adapters_by_name_and_shape(runs, directory):
+    """Each iteration-2 checkpoint holds the same tensors (adapters and their optimizer state) as Bridge's
+    LoRA's, and Bridge's adapters are those of every layer and every expert (both EP ranks' experts)."""
+    for name in ("bridge", "regather+core_attn", "shard_local"):
+        outcome_of(runs, name)
+    step = f"iter_{RESUME_STEP:07d}"
+    bridge = checkpoint_tensors(os.path.join(directory, "bridge", step))
+    adapters = {k: v for k, v in bridge.items() if ".adapter." in k and not k.startswith("optimizer.")}
+    problems = [] if adapters == expected_adapters() else [
+        f"Bridge's adapters {adapters} differ from the recipe's {expected_adapters()}"]
+    for saved in ("regather", "shard_local"):
+        ours = checkpoint_tensors(os.path.join(directory, saved, step))
+        if ours != bridge:
+            problems.append(f"{saved} vs Bridge's LoRA: {sorted(set(ours.items()) ^ set(bridge.items()))}")
+    assert_no_problems(problems, dist.group.WORLD)
