@@ -1,7 +1,8 @@
 """The tiny Bridge recipe: Megatron Bridge's vanilla GPT recipe shrunk to a model that trains in seconds on 2 CPU ranks.
 
 fp32 so that Bridge's LoRA and ours compare exactly, Megatron Core's local layer spec, TP=2 with sequence
-parallelism. ``mbx demo --bridge``, the tests of Bridge's loop and the README's example use it.
+parallelism. ``mbx demo --bridge``, the tests of Bridge's loop and the README's example use it;
+:func:`with_experts` makes its MLPs a mixture of experts (``moe=True`` in the config builders).
 """
 
 from __future__ import annotations
