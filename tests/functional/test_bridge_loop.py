@@ -1,8 +1,9 @@
 """Megatron Bridge's own pretrain/finetune loop with our flags, on the 2 ranks (gloo on CPU, NCCL on GPUs).
 
 The runs (Bridge's ``pretrain``, then ``finetune`` with ``gpt_step.forward_step``, torch_dist
-checkpoints) happen once, in this process, in the ``runs`` fixture; the tests assert on what they
-recorded through Bridge's callbacks and a metered forward step (``megatron_bridge_ext.testing.bridge``).
+checkpoints) happen once, in this process, in the ``runs`` fixture (``tests.support.bridge_runs``); the
+tests assert on what they recorded through Bridge's callbacks and a metered forward step
+(``megatron_bridge_ext.testing.bridge``).
 Our LoRA comes in exactly as the docs tell users: ``MemoryConfig(...).apply(cfg)`` on a config
 whose ``cfg.peft`` is Bridge's LoRA.
 
@@ -14,7 +15,6 @@ where the arithmetic is the same), or from a float64 run of Bridge's LoRA from t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import math
 import re
@@ -22,14 +22,22 @@ import runpy
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.testing.bridge import recipe, runner
-from tests.support.bridge_session import Session, bridge_session, shared_directory, timeout_minutes
+from megatron_bridge_ext.testing.bridge import recipe
+from tests.support.bridge_runs import (
+    USER_ALLOCATOR_OPTION,
+    Outcome,
+    Planned,
+    allocator_problems,
+    last,
+    outcome_of,
+    run_all,
+)
+from tests.support.bridge_session import bridge_session, shared_directory
 from tests.support.dist_checks import assert_no_problems, max_over_ranks
 
 pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
@@ -39,30 +47,6 @@ RESUME_STEP = 2
 FINETUNE_ITERATIONS = 4
 MICRO_BATCHES = 2  # global batch 4 = 2 micro-batches of 2 (data-parallel size 1)
 FP32 = torch.finfo(torch.float32)
-# A recipe's own allocator option, which MemoryConfig must keep (Bridge 0.6.2's recipes set expandable segments already).
-USER_ALLOCATOR_OPTION = ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
-
-
-@dataclasses.dataclass
-class Planned:
-    """One Bridge run: which entry point, and how its config is made."""
-
-    name: str
-    entry: str
-    config: Callable[[], object]
-    memory: Optional[dict] = None  # MemoryConfig fields, applied as the docs say
-    meter: bool = False
-    keep_gradients: bool = False
-    user_env_vars: Optional[dict] = None  # added to the recipe's cfg.env_vars (Bridge >= 0.6) before MemoryConfig
-    unclipped: bool = False  # clip_grad=0: Core's clipping asserts fp32 gradients (clip_grads.py), see fp32_bound
-
-
-@dataclasses.dataclass
-class Outcome:
-    run: Optional[runner.Run] = None
-    summary: object = None  # what MemoryConfig.apply returned
-    env_vars: dict = dataclasses.field(default_factory=dict)
-    error: Optional[str] = None
 
 
 def plan(directory: str) -> list[Planned]:
@@ -94,27 +78,6 @@ def plan(directory: str) -> list[Planned]:
     ]
 
 
-def execute(planned: Planned, session: Session) -> Outcome:
-    from megatron_bridge_ext.config import MemoryConfig
-
-    outcome = Outcome()
-    session.next_run()
-    try:
-        cfg = planned.config()
-        cfg.dist.distributed_timeout_minutes = timeout_minutes()
-        if planned.unclipped:
-            cfg.optimizer.clip_grad = 0.0
-        if planned.user_env_vars and _bridge_applies_env_vars():
-            cfg.env_vars.update(planned.user_env_vars)
-        if planned.memory is not None:
-            outcome.summary = MemoryConfig(**planned.memory).apply(cfg)
-        outcome.env_vars = dict(getattr(cfg, "env_vars", None) or {})
-        outcome.run = runner.run(planned.entry, cfg, meter=planned.meter, keep_gradients=planned.keep_gradients)
-    except Exception:  # recorded, then shared with the other rank: both stop together
-        outcome.error = traceback.format_exc(limit=-8)
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
     return shared_directory(str(tmp_path_factory.mktemp("bridge_loop")))
@@ -122,27 +85,7 @@ def directory(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(directory) -> dict[str, Outcome]:
-    """Every planned run, in order, on both ranks; after a failure on any rank no further run starts."""
-    outcomes: dict[str, Outcome] = {}
-    with bridge_session() as session:
-        for planned in plan(directory):
-            outcomes[planned.name] = outcome = execute(planned, session)
-            if max_over_ranks(1.0 if outcome.error else 0.0, dist.group.WORLD):
-                break
-    return outcomes
-
-
-def outcome_of(runs: dict[str, Outcome], name: str) -> runner.Run:
-    """The run ``name``; fails (on both ranks) when it did not complete on some rank."""
-    outcome = runs.get(name)
-    problem = ("not run: an earlier run failed" if outcome is None
-               else f"failed on this rank:\n{outcome.error}" if outcome.error else None)
-    assert_no_problems([f"{name}: {problem}"] if problem else [], dist.group.WORLD)
-    return outcome.run
-
-
-def last(run: runner.Run, count: int) -> tuple[list, list]:
-    return run.losses()[-count:], run.grad_norms()[-count:]
+    return run_all(plan(directory))
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,31 +249,9 @@ def test_core_attn_recompute_runs_in_bridges_loop_and_changes_no_number(runs):
     assert_no_problems(problems, dist.group.WORLD)
 
 
-def _bridge_applies_env_vars() -> bool:
-    from megatron.bridge.training.config import ConfigContainer
-
-    return any(f.name == "env_vars" for f in dataclasses.fields(ConfigContainer))
-
-
 def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs):
-    from megatron_bridge_ext.levers.allocator.options import VARIABLES
-
-    outcome_of(runs, "regather")
-    outcome = runs["regather"]  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
-    allocator = {name: str(value) for name, value in outcome.env_vars.items() if name in VARIABLES}
-    problems = []
-    if _bridge_applies_env_vars():
-        if allocator != {USER_ALLOCATOR_OPTION[0]: USER_ALLOCATOR_OPTION[1] + ",expandable_segments:True"}:
-            problems.append(f"MemoryConfig.apply left cfg.env_vars with {allocator}")
-        for step in outcome.run.steps:
-            seen = {name: step.environment.get(name) for name in allocator}
-            if seen != allocator:
-                problems.append(f"iteration {step.iteration}: the rank's environment has {seen}, cfg.env_vars {allocator}")
-    else:  # Bridge 0.5.1's ConfigContainer has no env_vars: MemoryConfig must say so rather than pretend
-        codes = [f.code for f in outcome.summary.findings]
-        if "bridge_ignores_env_vars" not in codes:
-            problems.append(f"this Bridge ignores cfg.env_vars and MemoryConfig.apply did not say so: {codes}")
-    assert_no_problems(problems, dist.group.WORLD)
+    outcome_of(runs, "regather")  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
+    assert_no_problems(allocator_problems(runs["regather"]), dist.group.WORLD)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ Bridge's LoRA targets linear_qkv, linear_proj, linear_fc1 and linear_fc2, so it 
 expert's linear_fc1 and linear_fc2 as well; of all these adapters only linear_qkv's is eligible for a
 LoRA-A input strategy (a routed expert's input comes through the token dispatcher).
 
-As in ``test_bridge_loop.py``, the runs (Bridge's ``pretrain``, then ``finetune`` with
-``gpt_step.forward_step``, torch_dist checkpoints) happen once, in the ``runs`` fixture, and our LoRA
-comes in through ``MemoryConfig(...).apply(cfg)`` on a config whose ``cfg.peft`` is Bridge's LoRA.
+As in ``test_bridge_loop.py`` (and through the same ``tests.support.bridge_runs``), the runs (Bridge's
+``pretrain``, then ``finetune`` with ``gpt_step.forward_step``, torch_dist checkpoints) happen once, in
+the ``runs`` fixture, and our LoRA comes in through ``MemoryConfig(...).apply(cfg)`` on a config whose
+``cfg.peft`` is Bridge's LoRA.
 Expected numbers come from Bridge's own LoRA (bitwise where the arithmetic is the same), from an
 uninterrupted run (a resume is bitwise), from Bridge's checkpoint (names and shapes) and from the
 recipe's shape (recompute counts, adapter counts).
@@ -17,53 +18,34 @@ recipe's shape (recompute counts, adapter counts).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
 import math
 import os
-import traceback
-from typing import Callable, Iterator, Optional
 
 import pytest
 import torch.distributed as dist
 
 from megatron_bridge_ext.levers.lora_input.eligibility import EXPERT_INPUT
-from megatron_bridge_ext.testing.bridge import recipe, runner
-from tests.support.bridge_session import Session, bridge_session, shared_directory, timeout_minutes
-from tests.support.dist_checks import assert_no_problems, max_over_ranks
+from megatron_bridge_ext.testing.bridge import recipe
+from tests.support.bridge_runs import (
+    USER_ALLOCATOR_OPTION,
+    Outcome,
+    Planned,
+    allocator_problems,
+    last,
+    outcome_of,
+    run_all,
+)
+from tests.support.bridge_session import shared_directory
+from tests.support.dist_checks import assert_no_problems
 
 pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
 
 RESUME_STEP = 2
 FINETUNE_ITERATIONS = 4
 MICRO_BATCHES = 2  # global batch 4 = 2 micro-batches of 2 (data-parallel size 1)
-USER_ALLOCATOR_OPTION = ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
-OUR_LORA_LOGGER = "megatron_bridge_ext.peft.lora"
 LOCAL_EXPERTS = recipe.EXPERTS // recipe.EXPERT_PARALLEL
 REGATHER = dict(sequence_parallel_input_strategy="regather", recompute_modules=["core_attn"])
 SHARD_LOCAL = dict(sequence_parallel_input_strategy="shard_local")
-
-
-@dataclasses.dataclass
-class Planned:
-    """One Bridge run: which entry point, and how its config is made."""
-
-    name: str
-    entry: str
-    config: Callable[[], object]
-    memory: Optional[dict] = None  # MemoryConfig fields, applied as the docs say
-    user_env_vars: Optional[dict] = None  # added to the recipe's cfg.env_vars (Bridge >= 0.6) before MemoryConfig
-
-
-@dataclasses.dataclass
-class Outcome:
-    run: Optional[runner.Run] = None
-    summary: object = None  # what MemoryConfig.apply returned
-    env_vars: dict = dataclasses.field(default_factory=dict)
-    peft: object = None  # cfg.peft as the run used it
-    log: list[str] = dataclasses.field(default_factory=list)  # our LoRA's log records
-    error: Optional[str] = None
 
 
 def plan(directory: str) -> list[Planned]:
@@ -86,54 +68,6 @@ def plan(directory: str) -> list[Planned]:
     ]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def our_lora_log() -> Iterator[list[str]]:
-    """The INFO records of our LoRA's logger while held (the session restores logger levels afterwards)."""
-    logger, handler = logging.getLogger(OUR_LORA_LOGGER), _Records()
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
-
-
-def _bridge_applies_env_vars() -> bool:
-    from megatron.bridge.training.config import ConfigContainer
-
-    return any(f.name == "env_vars" for f in dataclasses.fields(ConfigContainer))
-
-
-def execute(planned: Planned, session: Session) -> Outcome:
-    from megatron_bridge_ext.config import MemoryConfig
-
-    outcome = Outcome()
-    session.next_run()
-    try:
-        cfg = planned.config()
-        cfg.dist.distributed_timeout_minutes = timeout_minutes()
-        if planned.user_env_vars and _bridge_applies_env_vars():
-            cfg.env_vars.update(planned.user_env_vars)
-        if planned.memory is not None:
-            outcome.summary = MemoryConfig(**planned.memory).apply(cfg)
-        outcome.env_vars = dict(getattr(cfg, "env_vars", None) or {})
-        with our_lora_log() as outcome.log:
-            outcome.run = runner.run(planned.entry, cfg)
-        outcome.peft = cfg.peft
-    except Exception:  # recorded, then shared with the other rank: both stop together
-        outcome.error = traceback.format_exc(limit=-8)
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
     return shared_directory(str(tmp_path_factory.mktemp("bridge_loop_moe")))
@@ -141,27 +75,7 @@ def directory(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(directory) -> dict[str, Outcome]:
-    """Every planned run, in order, on both ranks; after a failure on any rank no further run starts."""
-    outcomes: dict[str, Outcome] = {}
-    with bridge_session() as session:
-        for planned in plan(directory):
-            outcomes[planned.name] = outcome = execute(planned, session)
-            if max_over_ranks(1.0 if outcome.error else 0.0, dist.group.WORLD):
-                break
-    return outcomes
-
-
-def outcome_of(runs: dict[str, Outcome], name: str) -> runner.Run:
-    """The run ``name``; fails (on both ranks) when it did not complete on some rank."""
-    outcome = runs.get(name)
-    problem = ("not run: an earlier run failed" if outcome is None
-               else f"failed on this rank:\n{outcome.error}" if outcome.error else None)
-    assert_no_problems([f"{name}: {problem}"] if problem else [], dist.group.WORLD)
-    return outcome.run
-
-
-def last(run: runner.Run, count: int) -> tuple[list, list]:
-    return run.losses()[-count:], run.grad_norms()[-count:]
+    return run_all(plan(directory))
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,24 +119,8 @@ def test_regather_with_core_attn_recompute_matches_bridges_lora_bitwise(runs):
 
 
 def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs):
-    from megatron_bridge_ext.levers.allocator.options import VARIABLES
-
-    outcome_of(runs, "regather+core_attn")
-    outcome = runs["regather+core_attn"]  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
-    allocator = {name: str(value) for name, value in outcome.env_vars.items() if name in VARIABLES}
-    problems = []
-    if _bridge_applies_env_vars():
-        if allocator != {USER_ALLOCATOR_OPTION[0]: USER_ALLOCATOR_OPTION[1] + ",expandable_segments:True"}:
-            problems.append(f"MemoryConfig.apply left cfg.env_vars with {allocator}")
-        for step in outcome.run.steps:
-            seen = {name: step.environment.get(name) for name in allocator}
-            if seen != allocator:
-                problems.append(f"iteration {step.iteration}: the rank's environment has {seen}, cfg.env_vars {allocator}")
-    else:  # Bridge 0.5.1's ConfigContainer has no env_vars: MemoryConfig must say so rather than pretend
-        codes = [f.code for f in outcome.summary.findings]
-        if "bridge_ignores_env_vars" not in codes:
-            problems.append(f"this Bridge ignores cfg.env_vars and MemoryConfig.apply did not say so: {codes}")
-    assert_no_problems(problems, dist.group.WORLD)
+    outcome_of(runs, "regather+core_attn")  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
+    assert_no_problems(allocator_problems(runs["regather+core_attn"]), dist.group.WORLD)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,7 +128,7 @@ def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs
 # --------------------------------------------------------------------------------------------
 
 def _adapters_per_layer() -> dict[str, int]:
-    """Bridge's adapters in one layer of this rank, by surface: one per attention linear, one per local expert linear."""
+    """Bridge's adapters in one layer on this rank, by surface: one per attention linear, one per local expert's."""
     return {"linear_qkv": 1, "linear_proj": 1, "linear_fc1": LOCAL_EXPERTS, "linear_fc2": LOCAL_EXPERTS}
 
 

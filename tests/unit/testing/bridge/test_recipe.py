@@ -11,7 +11,8 @@ from megatron_bridge_ext.testing.bridge import recipe
 pytestmark = pytest.mark.unit
 
 MOE_FIELDS = {"num_moe_experts": recipe.EXPERTS, "moe_router_topk": recipe.MOE_TOPK,
-              "moe_ffn_hidden_size": recipe.MOE_FFN, "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather",
+              "moe_ffn_hidden_size": recipe.MOE_FFN, "moe_grouped_gemm": False,
+              "moe_token_dispatcher_type": "allgather",
               "expert_model_parallel_size": recipe.EXPERT_PARALLEL,
               "expert_tensor_parallel_size": recipe.EXPERT_TENSOR_PARALLEL}
 
