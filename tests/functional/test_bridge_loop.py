@@ -9,7 +9,7 @@ whose ``cfg.peft`` is Bridge's LoRA.
 
 Expected numbers come from shapes (saved bytes, recompute counts), from Bridge's own LoRA (bitwise
 where the arithmetic is the same), or from a float64 run of Bridge's LoRA from the same checkpoint
-(``shard_local``, whose sums are ordered differently: see :func:`fp32_bound`).
+(``shard_local``, whose sums are ordered differently: see ``tests.support.bridge_runs.fp32_bound``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,14 @@ from tests.support.bridge_runs import (
     allocator_problems,
     last,
     outcome_of,
+    rel_diff,
     run_all,
+    scalar_tolerance,
+    shard_local_gradient_problems,
+    shard_local_scalar_problems,
 )
 from tests.support.bridge_session import bridge_session, shared_directory
-from tests.support.dist_checks import assert_no_problems, max_over_ranks
+from tests.support.dist_checks import assert_no_problems
 
 pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
 
@@ -123,77 +127,12 @@ def test_regather_matches_bridge_lora_bitwise(runs):
     assert_no_problems(problems, dist.group.WORLD)
 
 
-def rel_diff(got: list, want: list) -> float:
-    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
-
-
-def gradient_error(got: dict, want: dict) -> float:
-    """||got - want|| / ||want|| over every trainable parameter (this rank's shards), in float64."""
-    assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    difference = sum(float((got[k] - want[k]).norm() ** 2) for k in want)
-    return math.sqrt(difference / sum(float(want[k].norm() ** 2) for k in want))
-
-
-def fp32_bound(runs) -> float:
-    """How far an fp32 run of these steps may be from exact arithmetic, measured against float64.
-
-    ``float64 bridge <- bridge`` resumes Bridge's step-2 checkpoint in float64 (its fp32 weights and
-    optimizer state load into float64 exactly), and ``bridge <- bridge`` resumes it in fp32: at
-    iteration 3 both start from the same weights, so the distance between their gradients is the
-    fp32 rounding error of one step of this computation (the largest over the ranks). ``shard_local``
-    does the same arithmetic except for the order of two sums (LoRA-A's GEMM over the local sequence
-    shard, its weight gradient reduce-scattered); that reordering changes the result by no more than
-    rounding does, so ``shard_local``'s own error is at most Bridge's error plus that much again: the
-    bound is twice Bridge's measured error. A gradient that is wrong (a missing reduction, a wrong
-    shard, a 1e-4 scaling of LoRA-A's gradient) misses it by orders of magnitude.
-
-    The float64 run has gradient clipping off (Megatron Core's clipping asserts fp32 gradients); that is
-    the same arithmetic as long as the fp32 runs' grad norms stay below ``clip_grad`` (checked).
-    """
-    bridge, reference = outcome_of(runs, "bridge <- bridge"), outcome_of(runs, "float64 bridge <- bridge")
-    clip_grad = recipe.tiny_recipe(train_iters=1).optimizer.clip_grad
-    problems = [] if reference.steps[0].dtypes == ["torch.float64"] else [
-        f"the reference ran in {reference.steps[0].dtypes}, not float64"]
-    if not max(bridge.grad_norms()) < clip_grad:
-        problems.append(f"fp32 grad norms {bridge.grad_norms()} reach clip_grad={clip_grad}: the unclipped "
-                        "float64 run is not the same arithmetic")
-    error = max_over_ranks(gradient_error(bridge.steps[0].gradients, reference.steps[0].gradients), dist.group.WORLD)
-    if not error > 0.0:
-        problems.append("Bridge's fp32 gradient equals the float64 one: the comparison proves nothing")
-    assert_no_problems(problems, dist.group.WORLD)
-    return 2 * error
-
-
-def scalar_tolerance(runs) -> float:
-    """For reported losses and grad norms: the fp32 bound, plus one fp32 ulp for rounding the reported value."""
-    return fp32_bound(runs) + FP32.eps
-
-
 def test_shard_local_gradients_are_within_fp32_rounding_of_a_float64_run(runs):
-    bound = fp32_bound(runs)
-    reference = outcome_of(runs, "float64 bridge <- bridge").steps[0]
-    ours = outcome_of(runs, "shard_local <- bridge").steps[0]  # from Bridge's checkpoint: the same weights
-    error = gradient_error(ours.gradients, reference.gradients)
-    lora_a = [k for k in reference.gradients if "linear_in" in k]
-    lora_a_error = gradient_error({k: ours.gradients[k] for k in lora_a}, {k: reference.gradients[k] for k in lora_a})
-    problems = [f"shard_local gradient error {e:.3g} ({what}) > fp32 bound {bound:.3g}"
-                for what, e in (("all adapters", error), ("LoRA-A", lora_a_error)) if e > bound]
-    assert_no_problems(problems, dist.group.WORLD)
+    assert_no_problems(shard_local_gradient_problems(runs), dist.group.WORLD)
 
 
 def test_shard_local_losses_and_grad_norms_match_bridges_lora_within_the_fp32_bound(runs):
-    tolerance = scalar_tolerance(runs)
-    pairs = (("shard_local", "bridge", True), ("shard_local <- bridge", "bridge <- bridge", True),
-             ("shard_local <- bridge", "float64 bridge <- bridge", False))  # the reference has no grad norm
-    problems = []
-    for ours, theirs, with_norms in pairs:
-        got, want = outcome_of(runs, ours), outcome_of(runs, theirs)
-        error = rel_diff(got.losses(), want.losses())
-        if with_norms:
-            error = max(error, rel_diff(got.grad_norms(), want.grad_norms()))
-        if error > tolerance:
-            problems.append(f"{ours} vs {theirs}: relative difference {error:.3g} > {tolerance:.3g}")
-    assert_no_problems(problems, dist.group.WORLD)
+    assert_no_problems(shard_local_scalar_problems(runs), dist.group.WORLD)
 
 
 # --------------------------------------------------------------------------------------------

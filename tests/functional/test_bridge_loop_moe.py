@@ -11,9 +11,10 @@ As in ``test_bridge_loop.py`` (and through the same ``tests.support.bridge_runs`
 ``pretrain``, then ``finetune`` with ``gpt_step.forward_step``, torch_dist checkpoints) happen once, in
 the ``runs`` fixture, and our LoRA comes in through ``MemoryConfig(...).apply(cfg)`` on a config whose
 ``cfg.peft`` is Bridge's LoRA.
-Expected numbers come from Bridge's own LoRA (bitwise where the arithmetic is the same), from an
+Expected numbers come from Bridge's own LoRA (bitwise where the arithmetic is the same), from a float64
+run of Bridge's LoRA from the same checkpoint (``shard_local``, whose sums are ordered differently), from an
 uninterrupted run (a resume is bitwise), from Bridge's checkpoint (names and shapes) and from the
-recipe's shape (recompute counts, adapter counts).
+recipe's shape (recompute counts, adapter counts, checkpoint shapes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_bridge_ext.levers.lora_input.eligibility import EXPERT_INPUT
@@ -34,6 +36,8 @@ from tests.support.bridge_runs import (
     last,
     outcome_of,
     run_all,
+    shard_local_gradient_problems,
+    shard_local_scalar_problems,
 )
 from tests.support.bridge_session import shared_directory
 from tests.support.dist_checks import assert_no_problems
@@ -51,10 +55,10 @@ SHARD_LOCAL = dict(sequence_parallel_input_strategy="shard_local")
 def plan(directory: str) -> list[Planned]:
     base = f"{directory}/base"
 
-    def finetune(save=None, load=None):
+    def finetune(save=None, load=None, dtype=None):
         return lambda: recipe.finetune_config(
             base, train_iters=FINETUNE_ITERATIONS, save=save and f"{directory}/{save}",
-            load=load and f"{directory}/{load}", ckpt_step=RESUME_STEP if load else None, moe=True)
+            load=load and f"{directory}/{load}", ckpt_step=RESUME_STEP if load else None, dtype=dtype, moe=True)
 
     return [
         Planned("base", "pretrain", lambda: recipe.pretrain_config(base, moe=True)),
@@ -65,6 +69,11 @@ def plan(directory: str) -> list[Planned]:
         # resumed at iteration 2 from a LoRA checkpoint: iterations 3 and 4
         Planned("shard_local <- shard_local", "finetune", finetune(load="shard_local"), SHARD_LOCAL),
         Planned("regather+core_attn <- bridge", "finetune", finetune(load="bridge"), REGATHER),
+        # shard_local against exact arithmetic (tests.support.bridge_runs.fp32_bound)
+        Planned("bridge <- bridge", "finetune", finetune(load="bridge"), keep_gradients=True),
+        Planned("shard_local <- bridge", "finetune", finetune(load="bridge"), SHARD_LOCAL, keep_gradients=True),
+        Planned("float64 bridge <- bridge", "finetune", finetune(load="bridge", dtype=torch.float64),
+                keep_gradients=True, unclipped=True),
     ]
 
 
@@ -91,7 +100,8 @@ def test_bridge_pretrains_and_fine_tunes_the_moe_model_for_every_lora(runs):
         iterations = [s.iteration for s in run.steps]
         if iterations != expected:
             problems.append(f"{planned.name}: iterations {iterations}, expected {expected}")
-        if not all(v is not None and math.isfinite(v) for v in run.losses() + run.grad_norms()):
+        numbers = run.losses() + ([] if planned.unclipped else run.grad_norms())
+        if not all(v is not None and math.isfinite(v) for v in numbers):
             problems.append(f"{planned.name}: losses {run.losses()} grad norms {run.grad_norms()}")
     for name, strategy in (("regather+core_attn", "regather"), ("shard_local", "shard_local")):
         changes = {c.field: c.new for c in runs[name].summary.changes}
@@ -116,6 +126,16 @@ def test_regather_with_core_attn_recompute_matches_bridges_lora_bitwise(runs):
     if len(set(bridge.grad_norms())) < 2:
         problems.append(f"Bridge's grad norms do not change: {bridge.grad_norms()}")  # nothing trained
     assert_no_problems(problems, dist.group.WORLD)
+
+
+def test_shard_local_gradients_are_within_fp32_rounding_of_a_float64_run(runs):
+    """From Bridge's iteration-2 checkpoint: shard_local's gradients (routed experts' adapters included) against
+    Bridge's LoRA in float64, within twice Bridge's own fp32 error (``tests.support.bridge_runs.fp32_bound``)."""
+    assert_no_problems(shard_local_gradient_problems(runs), dist.group.WORLD)
+
+
+def test_shard_local_losses_and_grad_norms_match_bridges_lora_within_the_fp32_bound(runs):
+    assert_no_problems(shard_local_scalar_problems(runs), dist.group.WORLD)
 
 
 def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs):
