@@ -207,11 +207,15 @@ def expected_adapters() -> dict[str, tuple[int, ...]]:
 
     Megatron Core stacks the layers (and a SequentialMLP's experts, every expert of the EP group) into one
     sharded tensor per parameter: [layers, (experts,)] + the adapter weight's full (unsharded) shape,
-    LoRA-A [rank, in_features] and LoRA-B [out_features, rank]. linear_qkv's output is q, k and v
-    (3 hidden, the vanilla recipe has as many query groups as heads); every expert's width is MOE_FFN.
+    LoRA-A [rank, in_features] and LoRA-B [out_features, rank]. linear_qkv's output is the queries and
+    the keys and values of each query group; every expert's width is MOE_FFN (no gated unit).
     """
-    layers, experts, r, h, ffn = recipe.LAYERS, recipe.EXPERTS, recipe.LORA_RANK, recipe.HIDDEN, recipe.MOE_FFN
-    surfaces = {"self_attention.linear_qkv": ((layers,), h, 3 * h), "self_attention.linear_proj": ((layers,), h, h),
+    model = recipe.tiny_recipe(train_iters=1, moe=True).model
+    h, heads, r = model.hidden_size, model.num_attention_heads, recipe.LORA_RANK
+    qkv = h + 2 * (h // heads) * (model.num_query_groups or heads)
+    layers, experts, ffn = model.num_layers, model.num_moe_experts, model.moe_ffn_hidden_size
+    assert not model.gated_linear_unit, "a gated expert's linear_fc1 is twice MOE_FFN wide: adjust this formula"
+    surfaces = {"self_attention.linear_qkv": ((layers,), h, qkv), "self_attention.linear_proj": ((layers,), h, h),
                 "mlp.experts.experts.linear_fc1": ((layers, experts), h, ffn),
                 "mlp.experts.experts.linear_fc2": ((layers, experts), ffn, h)}
     out = {}

@@ -17,7 +17,7 @@ TENSOR_PARALLEL = 2  # = ranks started by mbx demo --bridge
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 2, 64, 4, 32, 256
 FFN = 4 * HIDDEN  # Megatron Core's default ffn_hidden_size
 MICRO_BATCH, GLOBAL_BATCH = 2, 4
-EXPERTS, MOE_TOPK, MOE_FFN = 4, 2, 64  # the MoE recipe: routed experts per layer, top-k, each expert's FFN width
+EXPERTS, MOE_TOPK, MOE_FFN = 4, 2, 32  # the MoE recipe: routed experts per layer, top-k, each expert's FFN width
 EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL = 2, 1  # folded onto the TENSOR_PARALLEL ranks: experts/2 on each
 
 
