@@ -175,6 +175,11 @@ def _unsupported_moe(model) -> list[Finding]:
         out.append(Finding("unsupported_model", ERROR, "model.moe_expert_capacity_factor",
                            "token dropping (expert capacity) is not modelled by the estimate",
                            "estimate the dropless config (moe_expert_capacity_factor=None), an upper bound"))
+    freq = getattr(model, "moe_layer_freq", 1)
+    if freq != 1:
+        out.append(Finding("unsupported_model", ERROR, "model.moe_layer_freq",
+                           f"{freq!r}: dense layers between MoE layers are not modelled by the estimate",
+                           "estimate with moe_layer_freq=1 (every layer MoE), an upper bound"))
     if getattr(model, "moe_latent_size", None):
         out.append(Finding("unsupported_model", ERROR, "model.moe_latent_size",
                            "latent MoE projections are not modelled by the estimate", "estimate without them"))
@@ -322,6 +327,31 @@ def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
     return []
 
 
+TRACED_LAYERS = 2
+"""Layers of a stage an MoE model is traced with (:func:`traced_layers`): the first, and one that stands for the rest."""
+
+
+def traced_layers(provider) -> Optional[int]:
+    """The layers of a stage, when an MoE model's stage can be traced with :data:`TRACED_LAYERS` layers and the last
+    of them repeated; else None (every layer is traced).
+
+    An MoE layer traces each of its local experts (dozens), so a whole stage takes minutes; its layers are
+    identical (every layer MoE, the same spec), and every layer after the first saves what the second does.
+    The shortcut needs an even pipeline split without embedding or loss in it, no interleaving and no full
+    recompute (whose checkpoints the decoder keeps outside the layers).
+    """
+    pp = provider.pipeline_model_parallel_size
+    stage = provider.num_layers // pp
+    even = not (provider.num_layers_in_first_pipeline_stage or provider.num_layers_in_last_pipeline_stage
+                or getattr(provider, "account_for_embedding_in_pipeline_split", False)
+                or getattr(provider, "account_for_loss_in_pipeline_split", False))
+    if (not getattr(provider, "num_moe_experts", None) or stage <= TRACED_LAYERS or not even
+            or provider.num_layers % pp or (provider.virtual_pipeline_model_parallel_size or 1) > 1
+            or provider.recompute_granularity == "full"):
+        return None
+    return stage
+
+
 def expert_sizes(provider) -> tuple[int, int]:
     """EP and ETP of a finalized provider (1 and TP for a dense model, as Core's defaults leave them)."""
     ep = getattr(provider, "expert_model_parallel_size", 1) or 1
@@ -348,14 +378,20 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
         stage_provider.virtual_pipeline_model_parallel_size = None  # a stage's chunks traced as one model
+        stage_layers = traced_layers(provider)
+        if stage_layers:
+            stage_provider.num_layers = TRACED_LAYERS * pp
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
                                  dtype=prepared.dtype)
-        counts = static.count_parameters(model)
+        counts = static.count_parameters(model, layers=stage_layers)
         traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
         moe_layers = len(load.routed_tokens)
+        if stage_layers:
+            traced = traced.extended(stage_layers)
+            layers = moe_layers = stage_layers
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
