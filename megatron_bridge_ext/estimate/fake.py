@@ -80,6 +80,7 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str, ep
     with contextlib.ExitStack() as stack:
         stack.enter_context(_isolated_c10d())
         stack.enter_context(_isolated_parallel_state())
+        stack.enter_context(_isolated_moe_metrics())
         stack.enter_context(_rng_for_tracing())
         stack.enter_context(current_device(device))
         stack.enter_context(_causal_mask(device))
@@ -141,6 +142,21 @@ def _isolated_parallel_state() -> Iterator[None]:
         parallel_state.destroy_model_parallel()
         for name, value in saved.items():
             setattr(parallel_state, name, value)
+
+
+@contextlib.contextmanager
+def _isolated_moe_metrics() -> Iterator[None]:
+    """A fresh MoE metrics tracker (Core's module global in ``transformer/moe/moe_logging.py``) for the trace,
+    and the caller's back afterwards: the router records its auxiliary losses there, sized by the layers
+    of the first model that recorded, so neither a real run's tracker nor another trace's may be touched."""
+    from megatron.core.transformer.moe import moe_logging
+
+    saved = moe_logging._MOE_METRICS_TRACKER
+    moe_logging._MOE_METRICS_TRACKER = None
+    try:
+        yield
+    finally:
+        moe_logging._MOE_METRICS_TRACKER = saved
 
 
 class _TracingRNGTracker:
