@@ -186,15 +186,6 @@ def _unsupported_moe(model) -> list[Finding]:
     return out
 
 
-def imbalance_problem(value, setting: str = "moe_imbalance") -> Optional[Finding]:
-    """A load factor below 1 (the most loaded expert carries at least the balanced load), as one finding, or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-        return Finding("bad_input", ERROR, setting, f"{value!r} is not a load factor of 1 or more (the most loaded "
-                       "expert's tokens over the balanced share)", "give 1.0 for a balanced load, e.g. 1.5 for "
-                       "an expert 50% over it")
-    return None
-
-
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
             modelled_only: bool = True) -> Prepared:
     """Copies of the config's parts, checked and finalized as training would; ``modelled_only``: refuse (with
@@ -291,10 +282,13 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     Raises :class:`megatron_bridge_ext.findings.Refused` (one line per problem) for configs it cannot model.
     """
     start = time.perf_counter()
-    problem = imbalance_problem(moe_imbalance)
+    problem = configs.imbalance_problem(moe_imbalance)
     if problem:
         raise Refused(WHAT, [problem])
     prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+    problem = _imbalance_beyond_tokens(prepared.provider, moe_imbalance)
+    if problem:
+        raise Refused(WHAT, [problem])
     attention = _choice(attention or _attention_from(prepared.provider), ATTENTIONS, "attention")
     impl = _choice(transformer_impl or getattr(prepared.provider, "transformer_impl", TE), IMPLS, "transformer_impl")
     device = _choice(device, DEVICES, "device")
@@ -309,6 +303,18 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
     best.seconds = time.perf_counter() - start
     return best
+
+
+def _imbalance_beyond_tokens(provider, imbalance: float) -> Optional[Finding]:
+    """A load factor that would send an expert more tokens than there are: each token picks an expert once, so
+    an expert receives at most every token, experts / top-k times the balanced share."""
+    experts = getattr(provider, "num_moe_experts", None)
+    if not experts or imbalance <= experts / provider.moe_router_topk:
+        return None
+    most = experts / provider.moe_router_topk
+    return Finding("bad_input", ERROR, "moe_imbalance", f"{imbalance:g} sends an expert more tokens than there are "
+                   f"(at most experts / top-k = {experts} / {provider.moe_router_topk} = {most:g} times the balanced "
+                   "share)", f"give a load factor between 1 and {most:g}")
 
 
 def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
