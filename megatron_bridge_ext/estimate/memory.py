@@ -493,7 +493,8 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
         candidates.append((routed * (glu * ffn + ffn + h) * element,
                            f"formula: expert activation gradients in backward, [{routed}, {glu * ffn}] + "
                            f"[{routed}, {ffn}] + [{routed}, {h}]: the {routed:,} tokens routed to this rank's experts "
-                           "(tokens x top-k x imbalance / EP, as the dispatcher hands them over)"))
+                           "(each of the EP x ETP ranks that send to them: its tokens x top-k x imbalance / EP), "
+                           "as the dispatcher hands them over"))
     mlp_grads, basis = max(candidates)
     if recomputed_layer:
         out.append(Component(TRANSIENT, "recomputed layer in backward", recomputed_layer + mlp_grads,
