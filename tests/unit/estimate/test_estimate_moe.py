@@ -166,14 +166,18 @@ def test_expert_dp_is_a_stages_gpus_over_the_expert_grid():
 
 def test_each_trace_has_its_own_moe_metrics_tracker():
     """The router records its auxiliary loss in Core's global MoE metrics tracker, sized by the layers of the first
-    model that records: a two-layer trace followed by a full-recompute trace of every layer once failed on it
+    model that records: a one-stage trace (two layers) followed by a two-stage one (layers 1-4) once failed on it
     (index out of bounds); the caller's tracker is left as it was."""
     from megatron.core.transformer.moe import moe_logging
 
     mine = moe_logging.get_moe_metrics_tracker()
     memory.estimate(_tiny(layers=3, peft="none"))
-    full = memory.estimate(_tiny(layers=3, peft="none", extra=["model.recompute_granularity=full",
-                                                               "model.recompute_method=uniform",
-                                                               "model.recompute_num_layers=1"]))
-    assert full.settings["layers_on_stage"] == 3
+    staged = configs.from_hf_config(QWEN3_30B_A3B, configs.Layout(tp=2, pp=2, ep=4, dp=4, seq=SEQ, peft="none"),
+                                    ["model.num_layers=6", f"model.hidden_size={H}", f"model.ffn_hidden_size={FFN}",
+                                     f"model.moe_ffn_hidden_size={MOE_FFN}", f"model.num_moe_experts={EXPERTS_N}",
+                                     f"model.moe_router_topk={TOPK}", f"model.num_attention_heads={HEADS}",
+                                     f"model.num_query_groups={GROUPS}", f"model.kv_channels={HEAD_DIM}",
+                                     f"model.vocab_size={VOCAB}"])
+    est = memory.estimate(staged)
+    assert sorted(est.stage_peaks) == [0, 1] and est.settings["layers_on_stage"] == 3
     assert moe_logging.get_moe_metrics_tracker() is mine
