@@ -4,13 +4,14 @@ The estimate runs Megatron Core's own layers under torch's ``FakeTensorMode``: e
 shape, dtype and device but no data, so a Qwen3-8B layer at sequence 8192 "runs" in well under a
 second on a CPU, with or without a GPU. Collectives go through torch's ``fake`` process-group
 backend, which returns correctly shaped outputs: this process sees exactly the shapes rank
-``rank`` of a TP x PP x CP job sees (its sequence shard, its vocabulary slice, its layers).
+``rank`` of a TP x PP x CP job sees (its sequence shard, its vocabulary slice, its layers; with
+experts, its EP x ETP share of them, the world being as large as the expert grid needs).
 
 :func:`fake_parallel_world` sets that up and, on exit, puts back everything it changed, so that it
 can run inside a process that already has a real process group and Megatron parallel state (a
 training script, the functional tests): torch.distributed's group registry, Megatron Core's
-parallel-state globals, the RNG tracker, the process's RNG state, ``torch.cuda.current_device``,
-the causal-mask builder and the dynamo switch.
+parallel-state globals, Core's MoE metrics tracker, the RNG tracker, the process's RNG state,
+``torch.cuda.current_device``, the causal-mask builder and the dynamo switch.
 
 Why each change (all undone on exit; none of them outlives the context):
 
