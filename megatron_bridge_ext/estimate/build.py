@@ -27,10 +27,18 @@ ATTENTIONS = (FUSED, LOCAL)
 
 
 def layer_spec(provider, attention: str):
-    """Megatron Core's local GPT layer spec for ``provider``'s norms, with the attention kind asked for."""
+    """Megatron Core's local GPT layer spec for ``provider``'s norms and experts, with the attention kind asked for.
+
+    With experts it is Core's local MoE spec: the router, the config's token dispatcher and SequentialMLP
+    experts (the local backend has no grouped GEMM, whatever ``moe_grouped_gemm`` asks; the estimate
+    says so in its assumptions).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization)
+    experts = getattr(provider, "num_moe_experts", None)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=bool(getattr(provider, "moe_grouped_gemm",
+                                                                                        False)) if experts else False,
+                                    qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization)
     if attention == FUSED:
         from megatron_bridge_ext.estimate.standins import FusedAttentionStandIn
 
@@ -73,10 +81,37 @@ def _apply_peft(model, peft):
     from megatron_bridge_ext.estimate.fake import current_device, scoped_patch
     from megatron_bridge_ext.patches import bridge_truthful_te_detection
 
-    with scoped_patch(bridge_truthful_te_detection.PATCH), current_device("cpu"), \
+    with scoped_patch(bridge_truthful_te_detection.PATCH), current_device("cpu"), _adapter_values_left_unset(), \
             _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
         out = peft(model, training=True)
     return out[0] if isinstance(out, list) else out
+
+
+@contextlib.contextmanager
+def _adapter_values_left_unset():
+    """Adapters allocated, their initial values not computed: the trace reads shapes only.
+
+    Bridge forces ``perform_initialization`` on for its adapters, and Megatron Core's CPU path
+    (``_initialize_affine_weight_cpu`` in ``tensor_parallel/layers.py``) then builds each adapter's whole
+    master weight, fills it, splits it over TP and copies this rank's part: seconds per hundred adapters,
+    minutes for an MoE model's thousands of expert adapters. In its place only the tensor-parallel
+    attributes are set, as Core's function sets them; the weights keep ``torch.empty``'s values.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    def attributes_only(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1,
+                        return_master_weight=False, *, skip_set_tensor_parallel_attributes=False, **kwargs):
+        if not skip_set_tensor_parallel_attributes:
+            layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim,
+                                                        stride=stride)
+        return None
+
+    saved = layers._initialize_affine_weight_cpu
+    layers._initialize_affine_weight_cpu = attributes_only
+    try:
+        yield
+    finally:
+        layers._initialize_affine_weight_cpu = saved
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ estimate's categories. Each storage counts once, in the category of the first mo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,19 +18,24 @@ from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
 NORMS = "norms"
 ATTENTION = "attention"
 MLP = "mlp"
+MOE_DISPATCH = "moe dispatch"
+EXPERTS = "experts"
 LORA_INPUTS = "lora inputs"
 EMBEDDING = "embedding"
 LOGITS_LOSS = "logits and loss"
 CHECKPOINT_INPUTS = "recompute checkpoints"
-CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MLP, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
+CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MLP, MOE_DISPATCH, EXPERTS, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
 
 
-def category_of(module: str) -> str:
+def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     """The estimate's category of a module of a Megatron Core GPTModel, by its qualified name.
 
     Adapters (``...adapter...``) are LoRA inputs wherever they sit; norms (``*layernorm``) before
     attention and MLP so that q/k norms count as norms; the rotary embedding's cos/sin count with
-    attention. Saves made by the decoder itself (outside every layer) are the inputs that full
+    attention. In a mixture-of-experts layer (``moe_layers``: the names of its MoE modules), the routed
+    experts are experts, the router and what the MoE module saves itself (the token dispatcher is no
+    module: permutation indices, gathered or all-to-all'd tokens and probabilities) are moe dispatch, and
+    shared experts are mlp. Saves made by the decoder itself (outside every layer) are the inputs that full
     recompute checkpoints keep; the model's own forward (``<root>``: the logits cast and the loss)
     and the output layer are logits and loss.
     """
@@ -40,6 +46,13 @@ def category_of(module: str) -> str:
         return NORMS
     if "self_attention" in parts or "rotary_pos_emb" in parts:
         return ATTENTION
+    owner = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in moe_layers), None)
+    if owner is not None:
+        below = parts[len(owner.split(".")):]
+        if below[:1] == ["experts"]:
+            return EXPERTS
+        if not below or below[:1] == ["router"]:
+            return MOE_DISPATCH
     if "mlp" in parts:
         return MLP
     if parts[0] == "embedding":
@@ -59,22 +72,42 @@ def layer_of(module: str) -> Optional[int]:
     return None
 
 
-def category_and_layer(module: str) -> str:
+def classifier(moe_layers: frozenset = frozenset()):
     """A classifier for the meter: ``category|layer`` (layer empty outside the layers); see :func:`split`."""
-    layer = layer_of(module)
-    return f"{category_of(module)}|{'' if layer is None else layer}"
+
+    def category_and_layer(module: str) -> str:
+        layer = layer_of(module)
+        return f"{category_of(module, moe_layers)}|{'' if layer is None else layer}"
+
+    return category_and_layer
+
+
+def moe_layers_of(model: torch.nn.Module) -> frozenset:
+    """The qualified names of the model's MoE modules (Megatron Core's ``BaseMoELayer``)."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    return frozenset(name for name, module in model.named_modules() if isinstance(module, BaseMoELayer))
 
 
 def split(result) -> tuple[dict[str, int], dict[int, int]]:
-    """Bytes per category and per layer from a meter result classified by :func:`category_and_layer`."""
+    """Bytes per category and per layer from a meter result classified by :func:`classifier`."""
     by_category = dict.fromkeys(CATEGORIES, 0)
     by_layer: dict[int, int] = {}
+    for (category, layer), nbytes in split_by_category_and_layer(result).items():
+        by_category[category] += nbytes
+        if layer is not None:
+            by_layer[layer] = by_layer.get(layer, 0) + nbytes
+    return by_category, by_layer
+
+
+def split_by_category_and_layer(result) -> dict[tuple[str, Optional[int]], int]:
+    """Bytes per (category, layer or None) from a meter result classified by :func:`classifier`."""
+    out: dict[tuple[str, Optional[int]], int] = {}
     for key, nbytes in result.by_category.items():
         category, layer = key.split("|")
-        by_category[category] += nbytes
-        if layer:
-            by_layer[int(layer)] = by_layer.get(int(layer), 0) + nbytes
-    return by_category, by_layer
+        index = (category, int(layer) if layer else None)
+        out[index] = out.get(index, 0) + nbytes
+    return out
 
 
 @dataclass(frozen=True)
@@ -92,6 +125,32 @@ class TracedMicrobatch:
     lora_a_saved: dict[str, int]
     """What each LoRA-A saved, per module (for the TE contract): ``...adapter.linear_in``, and CanonicalLoRA's
     ``...adapter.adapter_q.linear_in`` (one per split adapter)."""
+    by_category_and_layer: dict[tuple[str, Optional[int]], int] = dataclasses.field(default_factory=dict)
+
+    def extended(self, layers: int) -> "TracedMicrobatch":
+        """This trace of a stage's first layers, with its last traced layer repeated up to ``layers`` layers.
+
+        For a stage of identical layers (:func:`..memory.traced_layers`): every layer after the first saves
+        what the second does (the first differs only where the embedding's output feeds it).
+        """
+        last = max(self.by_layer)
+        extra = layers - 1 - last
+        if extra <= 0:
+            return self
+        by_category = dict(self.by_category)
+        for (category, layer), nbytes in self.by_category_and_layer.items():
+            if layer == last:
+                by_category[category] += extra * nbytes
+        by_layer = {**self.by_layer, **{last + 1 + i: self.by_layer[last] for i in range(extra)}}
+        lora_a = dict(self.lora_a_saved)
+        prefix = f"decoder.layers.{last}."
+        for name, nbytes in self.lora_a_saved.items():
+            if name.startswith(prefix):
+                for i in range(extra):
+                    lora_a[f"decoder.layers.{last + 1 + i}.{name[len(prefix):]}"] = nbytes
+        saved = self.saved_bytes + extra * self.by_layer[last]
+        return dataclasses.replace(self, saved_bytes=saved, by_category=by_category, by_layer=by_layer,
+                                   lora_a_saved=lora_a)
 
 
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
@@ -112,7 +171,7 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
             received = torch.empty(seq // sequence_parallel_tp, micro_batch, hidden, dtype=dtype, device=device,
                                    requires_grad=True)
             model.set_input_tensor(received)
-        with SavedActivationMeter(model, classifier=category_and_layer) as meter:
+        with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
             model(ids, positions, None, labels=labels)
     result = meter.result()
     by_category, by_layer = split(result)
@@ -120,4 +179,5 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
     persistent = sum(t.numel() * t.element_size() for t in getattr(buffer, "buffer", {}).values())
     lora_a = {name: nbytes for name, nbytes in result.by_module.items()
               if ".adapter." in name and name.endswith(".linear_in")}
-    return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a)
+    return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a,
+                            split_by_category_and_layer(result))
