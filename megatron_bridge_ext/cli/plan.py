@@ -416,7 +416,8 @@ def _bridge_lines(result) -> list[str]:
 
 
 def _not_modelled_lines(result) -> list[str]:
-    """What this config switches on that no figure above counts (CUDA graph pools), one line each."""
+    """What this config switches on that no figure above counts (CUDA graph pools, FP8 activations), one line
+    each."""
     return [f"not modelled: {line}" for line in result.not_modelled]
 
 

@@ -5,8 +5,9 @@ and optimizer states (18 B, or 6 + 12 / DP with the distributed optimizer) and u
 coefficient per layer that assumes sequence parallelism with selective recompute, whatever the
 PEFT, recompute or attention settings. It is run on the same prepared config (mixed precision
 applied, finalized) and with the same DP size and microbatch count as ours. It reads configs ours
-does not model (mixture-of-experts, MLA, FP8, context parallelism): for those it is the one figure
-the plan shows.
+does not model (mixture-of-experts, MLA, context parallelism, hybrid Mamba models, whose layer pattern it
+does not read: :attr:`BridgeEstimate.caveats` says so): for those it is the one figure the plan shows.
+A field it reads but the recipe leaves unset is named before its formula fails on it (:class:`MissingInput`).
 """
 
 from __future__ import annotations

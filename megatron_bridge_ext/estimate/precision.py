@@ -153,7 +153,8 @@ class Fp8Weights:
 
 
 def fp8_weights(model, fp8: Fp8) -> Fp8Weights:
-    """The weights of the dense linears of this rank's FP8 layers (global layer numbers decide), not adapters."""
+    """The weights of the dense linears of this rank's FP8 layers (global layer numbers decide), frozen or not;
+    a PEFT's adapters stay in 16 bits (they are not TE modules)."""
     shapes = []
     layers = 0
     for layer in model.decoder.layers:
@@ -161,7 +162,8 @@ def fp8_weights(model, fp8: Fp8) -> Fp8Weights:
             continue
         layers += 1
         for path in LINEARS:
-            weight = getattr(layer.get_submodule(path), "weight", None)
+            linear = layer.get_submodule(path)
+            weight = getattr(getattr(linear, "to_wrap", linear), "weight", None)  # a PEFT wraps the base linear
             if weight is not None:
                 shapes.append(tuple(weight.shape))
     return Fp8Weights(shapes, sum(math.prod(s) for s in shapes), sum(quantized_bytes(s, fp8.recipe) for s in shapes),

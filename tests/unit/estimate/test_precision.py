@@ -170,6 +170,18 @@ def test_16_bit_parameters_get_te_cached_quantised_copies(bf16, recipe_name, fie
     assert est.peak_bytes == bf16.peak_bytes + fp8_layers * per_layer
 
 
+def test_a_lora_models_frozen_base_weights_are_stored_as_fp8_and_its_adapters_stay_16_bit():
+    """Bridge's LoRA wraps each base linear (``to_wrap``): its weight is what TE quantises, the same bytes as
+    without LoRA; the adapters are counted apart, in 16 bits."""
+    cfg = _tiny("bf16_with_fp8_current_scaling_mixed")
+    from megatron_bridge_ext.peft import LoRA
+
+    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=8, alpha=16)
+    est = _estimate(cfg)
+    assert _bytes(est, "weights: FP8 linear weights") == TENSORWISE_LAYER
+    assert _bytes(est, "weights: adapters") > 0
+
+
 def test_activations_under_fp8_are_named_as_not_modelled_and_shown_as_traced_in_bf16(bf16):
     est = _estimate(_tiny("bf16_with_fp8_current_scaling_mixed"))
     assert est.activations_per_microbatch == bf16.activations_per_microbatch
