@@ -33,8 +33,8 @@ others. The dense linears of an FP8 layer (``linear_qkv``, ``linear_proj``, ``li
 The gradient buffer and the optimizer do not change: Megatron's DDP gives a quantised parameter the
 grad dtype of its nominal dtype (fp32 with ``grad_reduce_in_fp32``, else bf16), and the optimizer
 keeps an fp32 main copy of it like any 16-bit parameter. What FP8 changes in the activations (the
-FP8 linears save quantised inputs) is not traced: TE does not run here, so they are shown as traced
-in bf16 (:func:`activation_note`).
+FP8 linears save quantised inputs, some of them beside a bf16 copy another op keeps) is not traced: TE
+does not run here, so they are shown as traced in bf16 and named (:func:`activation_note`).
 """
 
 from __future__ import annotations
@@ -178,8 +178,9 @@ def component(weights: Fp8Weights, fp8: Fp8) -> Optional[Component]:
     if fp8.params:
         return Component(STATIC, "weights: FP8 linear weights", weights.quantized,
                          f"{weights.elements:,} parameters of the {weights.layers} FP8 layers' dense linears stored "
-                         f"quantised ({layout}): rowwise bytes in Megatron's uint8 parameter buffer, columnwise copy "
-                         f"kept by TE for backward ({TE_SOURCE} module/base.py L1365-1373)")
+                         f"quantised ({layout}): rowwise bytes in Megatron's uint8 parameter buffer with the "
+                         f"distributed optimizer, columnwise copy kept by TE for backward ({TE_SOURCE} module/base.py "
+                         "L1365-1373)")
     if not fp8.weight_cache:
         return None
     return Component(STATIC, "FP8 weight copies (TE workspaces)", weights.quantized,
@@ -203,10 +204,11 @@ def stored_apart(weights: Fp8Weights, fp8: Optional[Fp8]) -> int:
 def activation_note(fp8: Fp8) -> str:
     """The partial refusal of FP8 activations, by name."""
     return (f"activations under FP8 are not modelled ({fp8.describe()}): Transformer Engine does not run here, so "
-            "they are shown as traced in bf16, an upper bound for what the FP8 linears save of their inputs "
-            "(quantised to 1 B per element there); not so beside a LoRA-A that keeps the sequence-parallel "
-            "norm-output shard (regather, shard_local), where TE keeps its own quantised copy of that shard too "
-            "(1 B per element, not added)")
+            "they are shown as traced in bf16. For the inputs the FP8 linears save that is an upper bound (TE keeps "
+            "them quantised, 1 B per element), but TE's quantised copy comes on top where another op keeps the bf16 "
+            "tensor too, and is not added: linear_proj's input, which attention keeps for its backward (1 B per "
+            "element of [s, b, h/t] per FP8 layer and microbatch), and the sequence-parallel norm-output shard "
+            "beside a LoRA-A that keeps it (regather, shard_local)")
 
 
 def notes(fp8: Optional[Fp8]) -> list[str]:
