@@ -202,13 +202,21 @@ def stored_apart(weights: Fp8Weights, fp8: Optional[Fp8]) -> int:
 
 
 def activation_note(fp8: Fp8) -> str:
-    """The partial refusal of FP8 activations, by name."""
+    """The partial refusal of FP8 activations, by name, with what the bf16 trace does and does not bound.
+
+    Megatron Core makes ``linear_proj`` save its bf16 input (the attention output, which attention keeps
+    anyway) instead of a quantised copy for every recipe but delayed scaling (``transformer/attention.py``,
+    ``set_save_original_input``, with TE >= 2.6); under delayed scaling the quantised copy comes on top.
+    """
+    proj = ("linear_proj's input, which attention keeps for its backward and delayed scaling quantises again "
+            "(1 B per element of [s, b, h/t] per FP8 layer and microbatch), and " if fp8.recipe == DELAYED else "")
+    shared = ("" if fp8.recipe == DELAYED else " linear_proj keeps its bf16 input, shared with attention (Core's "
+              "set_save_original_input for this recipe, TE >= 2.6).")
     return (f"activations under FP8 are not modelled ({fp8.describe()}): Transformer Engine does not run here, so "
             "they are shown as traced in bf16. For the inputs the FP8 linears save that is an upper bound (TE keeps "
             "them quantised, 1 B per element), but TE's quantised copy comes on top where another op keeps the bf16 "
-            "tensor too, and is not added: linear_proj's input, which attention keeps for its backward (1 B per "
-            "element of [s, b, h/t] per FP8 layer and microbatch), and the sequence-parallel norm-output shard "
-            "beside a LoRA-A that keeps it (regather, shard_local)")
+            f"tensor too, and is not added: {proj}the sequence-parallel norm-output shard beside a LoRA-A that "
+            f"keeps it (regather, shard_local).{shared}")
 
 
 def notes(fp8: Optional[Fp8]) -> list[str]:

@@ -209,3 +209,15 @@ def test_an_fp4_recipe_is_refused_before_bridge_asks_for_transformer_engine():
     with pytest.raises(NotModelled) as refused:
         prepare(cfg, data_parallel_size=1, num_microbatches=1)
     assert refused.value.findings[0].setting == "mixed_precision"
+
+
+@pytest.mark.parametrize("recipe, proj", [("delayed", "linear_proj's input, which attention keeps for its backward"),
+                                          ("tensorwise", "linear_proj keeps its bf16 input, shared with attention"),
+                                          ("mxfp8", "linear_proj keeps its bf16 input, shared with attention")])
+def test_the_activation_note_names_linear_projs_copy_only_where_core_keeps_one(recipe, proj):
+    """Core's attention makes linear_proj save its original input under every FP8 recipe but delayed scaling."""
+    fp8 = precision.Fp8(recipe=recipe, fp8_format="hybrid", params=True, bf16_at_start=0, bf16_at_end=0,
+                        num_layers=4, weight_cache=True)
+    note = precision.activation_note(fp8)
+    assert proj in note
+    assert "norm-output shard beside a LoRA-A" in note
