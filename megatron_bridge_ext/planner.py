@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_bridge_ext.config import MemoryConfig
+from megatron_bridge_ext.estimate import unmodelled
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
 from megatron_bridge_ext.estimate.memory import NotModelled
 from megatron_bridge_ext.estimate.report import MemoryEstimate
@@ -76,6 +77,8 @@ class Plan:
     bridge_error: Optional[str] = None
     layout: dict = field(default_factory=dict)
     """The config's parallel sizes and shape as set (:func:`layout_of`), for a plan without our estimate."""
+    not_modelled: list[str] = field(default_factory=list)
+    """What no figure of the plan counts in this config, one line each (:mod:`.estimate.unmodelled`)."""
 
     @property
     def usable_now(self) -> int:
@@ -106,7 +109,7 @@ class Plan:
                 "fits_as_is": self.fits_as_is, "estimate": self.baseline.as_dict() if self.baseline else None,
                 "estimate_refused": [f.to_dict() for f in self.refused.findings] if self.refused else None,
                 "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
-                "bridge_estimate_error": self.bridge_error, "layout": self.layout,
+                "bridge_estimate_error": self.bridge_error, "layout": self.layout, "not_modelled": self.not_modelled,
                 "options": [o.as_dict() for o in self.options], "notes": self.notes,
                 "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
                                                        "memory_config": chosen.flags, "overrides": chosen.overrides,
@@ -182,14 +185,14 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     except NotModelled as refused:
         bridge, error = _bridge(cfg, with_bridge)
         return Plan(gpu_memory, margin, expandable_margin, expandable_segments, None, bridge, [], refused=refused,
-                    bridge_error=error, layout=layout_of(cfg))
+                    bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg))
     # Every later estimate keeps the baseline's DP and microbatches unless a lever changes them.
     planner.estimate_options.update(data_parallel_size=baseline.settings["dp"],
                                     num_microbatches=baseline.settings["num_microbatches"])
     bridge, error = _bridge(cfg, with_bridge, data_parallel_size=baseline.settings["dp"],
                             num_microbatches=baseline.settings["num_microbatches"])
     result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options,
-                  bridge_error=error, layout=layout_of(cfg))
+                  bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg))
     if result.fits_as_is:
         return result
     state = State(copy.deepcopy(cfg), baseline)

@@ -409,6 +409,7 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
               f"per-rank estimate, pipeline stage {est.stage} (the most loaded), TP rank 0 ({est.seconds:.1f} s):",
               _indent(est.table())]
     lines += _bridge_lines(result)
+    lines += _not_modelled_lines(result)
     lines += _device_lines(result)
     verdict = "fits as is" if result.fits_as_is else "does not fit as is"
     lines.append(f"{verdict}: peak {gib(est.peak_bytes)} of {gib(result.usable_now)} usable")
@@ -416,7 +417,7 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
         lines += _levers(result.options)
     lines += _answer(result)
     lines.append("assumptions:")
-    lines += [_wrap(a) for a in est.assumptions]
+    lines += [_wrap(a) for a in est.assumptions if a not in result.not_modelled]  # those are printed above
     return "\n".join(lines)
 
 
@@ -432,10 +433,17 @@ def _bridge_lines(result) -> list[str]:
     rows.append(["total", gib(result.bridge.total_bytes)])
     lines = ["Bridge's estimate_training_memory for the same config, per rank (not PEFT-aware):",
              _indent(text_table(["component", "bytes"], rows))]
+    lines += [_wrap(f"note: {c}", "  ") for c in result.bridge.caveats]
     if result.baseline is not None:
         diff = result.bridge.total_bytes - result.baseline.peak_bytes
         lines.append(f"  Bridge minus ours: {'+' if diff >= 0 else '-'}{gib(abs(diff))}")
     return lines
+
+
+def _not_modelled_lines(result) -> list[str]:
+    """What this config switches on that no figure above counts (CUDA graph pools, FP8 activations), one line
+    each."""
+    return [f"not modelled: {line}" for line in result.not_modelled]
 
 
 def _device_lines(result) -> list[str]:
@@ -464,6 +472,7 @@ def _without_estimate(result) -> list[str]:
     lines = [f"config: {_layout_line(result.layout)}" + "".join(f"; {n}" for n in result.notes),
              f"our estimate: not modelled: {result.refused.one_line()}"]
     lines += _bridge_lines(result)
+    lines += _not_modelled_lines(result)
     lines += _device_lines(result)
     lines.append(f"fits: no verdict without our estimate (Bridge's is not PEFT-aware); exit status "
                  f"{NOT_MODELLED_STATUS}")

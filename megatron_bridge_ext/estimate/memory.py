@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import configs, routing, static, te
+from megatron_bridge_ext.estimate import configs, precision, routing, static, te, unmodelled
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
@@ -36,7 +36,8 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
 
 
 class NotModelled(Refused):
-    """The estimate cannot model this config (MLA, MTP, FP8, CP, MoE token dropping); the config itself may train.
+    """The estimate cannot model this config (hybrid Mamba, MLA, MTP, FP4, CP, MoE token dropping); the config itself
+    may train.
 
     Raised after the layout checks pass, so that a caller can still show an estimate that models it
     (Bridge's) where a :class:`Refused` for a broken config stops everything.
@@ -140,8 +141,14 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     return out
 
 
+def _fp4(setting: str) -> Finding:
+    return Finding("unsupported_model", ERROR, setting, "FP4 training is not modelled by the estimate",
+                   "estimate the bf16 or FP8 config")
+
+
 def _unsupported(model) -> list[Finding]:
-    out = []
+    hybrid = unmodelled.hybrid_finding(model)
+    out = [hybrid] if hybrid else []
     for field, what in (("multi_latent_attention", "multi-latent attention"),
                         ("mtp_num_layers", "multi-token prediction")):
         if getattr(model, field, None):
@@ -149,9 +156,16 @@ def _unsupported(model) -> list[Finding]:
                                "estimate a GPT config without it, or use Bridge's estimate_training_memory"))
     if getattr(model, "num_moe_experts", None):
         out += _unsupported_moe(model)
-    if getattr(model, "fp8", None) or getattr(model, "fp4", None):
-        out.append(Finding("unsupported_model", ERROR, "model.fp8", "FP8/FP4 training is not modelled by the estimate",
-                           "estimate the bf16 config (FP8 keeps smaller copies of some activations)"))
+    if getattr(model, "fp4", None):
+        out.append(_fp4("model.fp4"))
+    if getattr(model, "fp8", None) and getattr(model, "fp8_recipe", None) not in precision.RECIPES:
+        out.append(Finding("unsupported_model", ERROR, "model.fp8_recipe",
+                           f"FP8 recipe {model.fp8_recipe!r} is not modelled by the estimate",
+                           f"use one of {', '.join(precision.RECIPES)}"))
+    if getattr(model, "fp8", None) and getattr(model, "num_moe_experts", None):
+        out.append(Finding("unsupported_model", ERROR, "model.fp8",
+                           "FP8 on mixture-of-experts layers is not modelled by the estimate (the expert linears' "
+                           "quantised copies are not counted)", "estimate the bf16 config"))
     if (model.context_parallel_size or 1) > 1:
         out.append(Finding("unsupported_model", ERROR, "model.context_parallel_size",
                            "context parallelism is not modelled by the estimate", "estimate with context_parallel_size=1"))
@@ -190,22 +204,24 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
             modelled_only: bool = True) -> Prepared:
     """Copies of the config's parts, checked and finalized as training would; ``modelled_only``: refuse (with
     :class:`NotModelled`) what this estimate cannot model, which Bridge's formula-based estimate can read."""
-    from megatron.bridge.training.mixed_precision import get_mixed_precision_config
-
     provider, optimizer, ddp = copy.deepcopy(cfg.model), copy.deepcopy(cfg.optimizer), copy.deepcopy(cfg.ddp)
     notes = []
     if cfg.mixed_precision is not None:
-        precision = copy.deepcopy(get_mixed_precision_config(cfg.mixed_precision))
-        precision.finalize()
-        precision.setup(provider, optimizer, ddp)
+        mixed = precision.mixed_precision_of(cfg)
+        if modelled_only and mixed.fp4:  # before finalize, which refuses FP4 where TE is not installed (here)
+            raise NotModelled(WHAT, [_fp4("mixed_precision")])
+        mixed.finalize()
+        mixed.setup(provider, optimizer, ddp)
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
+    problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = _unsupported(provider) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
-    notes += _local_spec_kernels(provider)
+    notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider)
+    notes += precision.notes(precision.fp8_of(provider))
     try:
         provider.finalize()
     except (AssertionError, ValueError, TypeError) as error:
@@ -390,6 +406,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
                                  dtype=prepared.dtype)
         counts = static.count_parameters(model, layers=stage_layers)
+        fp8 = precision.fp8_of(stage_provider)
         traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
@@ -406,7 +423,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                        num_microbatches=prepared.num_microbatches, stage=stage,
                                        group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     element = static.dtype_bytes(prepared.dtype)
-    components = _static(prepared, counts)
+    components = _static(prepared, counts, precision.fp8_weights(model, fp8) if fp8 else None, fp8)
     contract = te.TeContract(0, 0, 0, 0)
     if impl == TE and prepared.peft is not None:
         contract = te.norm_output_contract(traced.lora_a_saved, seq=prepared.seq, micro_batch=prepared.micro_batch,
@@ -441,7 +458,8 @@ def _output_weight(model) -> torch.Tensor:
     return model.shared_embedding_or_output_weight()
 
 
-def _static(prepared: Prepared, counts: static.ParameterCounts) -> list[Component]:
+def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Optional[precision.Fp8Weights] = None,
+            fp8: Optional[precision.Fp8] = None) -> list[Component]:
     grad_bytes = 4 if getattr(prepared.ddp, "grad_reduce_in_fp32", False) else counts.element_size
     rule = static.optimizer_rule(prepared.optimizer, param_bytes=counts.element_size,
                                  data_parallel=prepared.data_parallel,
@@ -451,7 +469,11 @@ def _static(prepared: Prepared, counts: static.ParameterCounts) -> list[Componen
                                             tensor_parallel=prepared.provider.tensor_model_parallel_size,
                                             context_parallel=prepared.provider.context_parallel_size,
                                             expert_parallel=ep, expert_tensor_parallel=etp)
-    return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp)
+    if fp8_weights is None:
+        return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp)
+    out = static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp,
+                                   stored_apart=precision.stored_apart(fp8_weights, fp8))
+    return out + [c for c in [precision.component(fp8_weights, fp8)] if c]
 
 
 def _activations(traced, in_flight: float, contract: te.TeContract) -> list[Component]:

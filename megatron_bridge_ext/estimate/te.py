@@ -20,8 +20,8 @@ output. Bridge's LoRA makes it return the norm output (``return_layernorm_output
 
 The same contract is implemented, line by line, by the CPU fake the tests use for TE's LoRA path.
 FP8 is outside it: there TE keeps a quantised copy of the shard (v2.4 L237 and L245) that our
-LoRA-A cannot share, so ours saves s*b*h*bytes*(1-1/t) per layer, not s*b*h*bytes; the estimate
-refuses FP8 configs (:mod:`.memory`) rather than model them.
+LoRA-A cannot share, so ours saves s*b*h*bytes*(1-1/t) per layer, not s*b*h*bytes; the estimate does
+not trace FP8 activations and names them as not modelled (:mod:`.precision`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,133 @@
+"""What our estimate leaves out of a config, each part named with the setting that brings it in.
+
+Two things a config can switch on are outside every figure here, and a plan that stays silent on
+them would read as if they were counted:
+
+* the Mamba layers of a hybrid model (Nemotron-H, Nemotron 3 Nano: Bridge's ``HybridModelProvider``,
+  ``hybrid_layer_pattern`` with ``M`` for Mamba). Megatron Core's Mamba mixer
+  (``ssm/mamba_mixer.py``) imports its kernels from ``mamba_ssm`` and ``causal_conv1d``, which do
+  not install without CUDA, so the rank's model cannot be built on fake tensors here: our estimate
+  refuses the config by name (:func:`hybrid_finding`). Bridge's formula reads no layer pattern and
+  has no Mamba term: it counts every layer as attention plus MLP or MoE (:func:`bridge_caveat`);
+* CUDA graphs (``cuda_graph_impl``, or the deprecated ``enable_cuda_graph`` /
+  ``external_cuda_graph`` that Core's ``TransformerConfig.__post_init__`` turns into it): each
+  captured graph allocates from its own memory pool (static inputs, outputs and the intermediates
+  of the captured region), which neither our estimate nor Bridge's counts (:func:`cuda_graph_line`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_bridge_ext.findings import ERROR, Finding
+
+MAMBA = "M"
+LAYER_NAMES = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DeepSeek sparse attention",
+               "+": "multi-latent attention", "-": "MLP", "E": "MoE"}
+"""The layer symbols of Megatron Core's hybrid pattern (``models/hybrid/hybrid_layer_allocation.py``, ``Symbols``)."""
+PIPE, MTP_SEPARATOR = "|", "/"
+
+
+def hybrid_pattern(model) -> Optional[str]:
+    """The main decoder's layer pattern of a hybrid model (pipeline marks and MTP layers left out), or None.
+
+    Bridge's provider takes the deprecated ``hybrid_override_pattern`` as ``hybrid_layer_pattern`` in
+    ``finalize``; before that either field may hold it.
+    """
+    pattern = getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None)
+    if not pattern:
+        return None
+    return pattern.split(MTP_SEPARATOR, 1)[0].replace(PIPE, "")
+
+
+def layer_counts(pattern: str) -> dict[str, int]:
+    """How many layers of each kind the pattern has, by name, in the order of :data:`LAYER_NAMES`."""
+    return {name: pattern.count(symbol) for symbol, name in LAYER_NAMES.items() if pattern.count(symbol)}
+
+
+def hybrid_finding(model) -> Optional[Finding]:
+    """The refusal of a hybrid model with Mamba layers, naming them; None for any other model."""
+    pattern = hybrid_pattern(model)
+    if pattern is None or MAMBA not in pattern:
+        return None
+    counts = layer_counts(pattern)
+    others = ", ".join(f"{n} {name}" for name, n in counts.items() if name != LAYER_NAMES[MAMBA])
+    return Finding("unsupported_model", ERROR, "model.hybrid_layer_pattern",
+                   f"the hybrid model's {counts[LAYER_NAMES[MAMBA]]} Mamba layers (of {len(pattern)}; {others}) are "
+                   "not modelled by our estimate: Megatron Core's Mamba mixer needs mamba_ssm and causal_conv1d, "
+                   "which do not install without CUDA, so the rank's model cannot be built here",
+                   "read Bridge's figure beside it (its formula has no Mamba term either), or measure one training "
+                   "step on a GPU")
+
+
+def bridge_caveat(model) -> Optional[str]:
+    """Why Bridge's figure is not this model's, for a hybrid model; None for any other model."""
+    pattern = hybrid_pattern(model)
+    if pattern is None:
+        return None
+    ffn = "MoE" if getattr(model, "num_moe_experts", None) else "MLP"
+    counts = ", ".join(f"{n} {name}" for name, n in layer_counts(pattern).items())
+    return (f"Bridge's formula reads no hybrid pattern: it counts all {len(pattern)} layers as attention + {ffn} "
+            f"layers, where this model has {counts}")
+
+
+def cuda_graph_setting(model) -> Optional[str]:
+    """The setting that turns CUDA graphs on, as ``field=value`` with the captured modules, or None."""
+    impl = getattr(model, "cuda_graph_impl", None) or "none"
+    if impl == "none":
+        for field, meant in (("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")):
+            if getattr(model, field, False):
+                return f"model.{field}=True (cuda_graph_impl {meant!r})"
+        return None
+    modules = _module_names(getattr(model, "cuda_graph_modules", None))
+    return f"model.cuda_graph_impl={impl!r}" + (f", modules {modules}" if modules else "")
+
+
+def _module_names(modules) -> list[str]:
+    if modules is None:
+        return []
+    items = modules if isinstance(modules, (list, tuple)) else [modules]
+    return [m.name if isinstance(getattr(m, "name", None), str) else str(m) for m in items]
+
+
+def cuda_graph_line(model) -> Optional[str]:
+    """One line naming CUDA graph memory pools as not modelled when the config captures graphs, else None."""
+    setting = cuda_graph_setting(model)
+    if setting is None:
+        return None
+    return (f"CUDA graph memory pools ({setting}) are not modelled: each captured graph keeps its own pool for its "
+            "static inputs, outputs and the intermediates of the captured region, in no figure here (ours or "
+            "Bridge's); measure a step on a GPU, or leave headroom for them")
+
+
+def cuda_graph_problem(model) -> Optional[Finding]:
+    """CUDA graphs without Transformer Engine's RNG tracker, which Bridge's providers refuse in ``provide()``."""
+    setting = cuda_graph_setting(model)
+    if setting is None or getattr(model, "use_te_rng_tracker", False):
+        return None
+    return Finding("model_config", ERROR, "model.use_te_rng_tracker",
+                   f"is off with CUDA graphs on ({setting}): Bridge's provider refuses to build the model "
+                   "(Transformer Engine's RNG tracker is required for CUDA graphs)",
+                   "set model.use_te_rng_tracker=True (and rng.te_rng_tracker=True), or turn CUDA graphs off")
+
+
+def drop_cuda_graphs(model) -> list[str]:
+    """Turn CUDA graphs off on the copy that is traced (capture needs a GPU and Core's graph manager a real RNG
+    tracker); say so. Eager tracing keeps what the captured layers save for backward; the pools are named apart."""
+    setting = cuda_graph_setting(model)
+    if setting is None:
+        return []
+    model.cuda_graph_impl = "none"
+    model.enable_cuda_graph = model.external_cuda_graph = False
+    return [f"CUDA graphs ({setting}) traced eagerly: the layers save what they save uncaptured; the graphs' "
+            "memory pools are not modelled"]
+
+
+def config_lines(cfg) -> list[str]:
+    """What the plan says the estimates leave out of a Bridge config (beyond the margin's list): CUDA graph
+    pools, and the activations of FP8 layers (:func:`megatron_bridge_ext.estimate.precision.activation_note`)."""
+    from megatron_bridge_ext.estimate import precision
+
+    fp8 = precision.fp8_of_config(cfg)
+    lines = [cuda_graph_line(cfg.model), precision.activation_note(fp8) if fp8 else None]
+    return [line for line in lines if line]

@@ -1,0 +1,99 @@
+"""``mbx plan`` on Bridge's Nemotron 3 Nano recipes (a hybrid Mamba / attention / MoE model) and on configs that
+capture CUDA graphs: a named partial refusal, Bridge's figure or why it failed, and what no figure counts.
+
+The layer counts expected here are the model card's (23 Mamba-2 layers, 23 MoE layers, 6 attention layers of
+nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16), not read from the recipe's pattern."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_bridge_ext import cli
+from megatron_bridge_ext.cli import plan as plan_cli
+
+pytestmark = [pytest.mark.unit]
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "data")
+NANO_CONFIG = os.path.join(DATA, "nemotron-3-nano-30b-a3b", "config.json")
+RECIPES = "megatron.bridge.recipes.nemotronh.nemotron_3_nano"
+PRETRAIN = f"{RECIPES}:nemotron_3_nano_pretrain_config"
+PEFT = f"{RECIPES}:nemotron_3_nano_peft_config"
+MAMBA_LINE = ("our estimate: not modelled: model.hybrid_layer_pattern: the hybrid model's 23 Mamba layers (of 52; "
+              "6 attention, 23 MoE) are not modelled by our estimate: Megatron Core's Mamba mixer needs mamba_ssm and "
+              "causal_conv1d, which do not install without CUDA, so the rank's model cannot be built here.")
+VANILLA = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
+TINY = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_attention_heads=8",
+        "model.vocab_size=1024", "model.share_embeddings_and_output_weights=false"]
+
+
+def _plan(capsys, *argv) -> tuple[int, str, str]:
+    status = cli.main(["plan", "--gpu-memory", "80GiB", *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return status, out, err
+
+
+def _line(text: str, start: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(start)]
+
+
+def test_the_pretrain_recipe_names_its_mamba_layers_why_bridge_fails_and_its_cuda_graphs(capsys):
+    """The recipe builds its model in Python (no hub read), leaves vocab_size to the tokenizer and captures
+    attention and Mamba layers in Transformer Engine CUDA graphs."""
+    status, out, _ = _plan(capsys, "--recipe", PRETRAIN, "--dp", "8")
+    assert status == plan_cli.NOT_MODELLED_STATUS
+    [ours] = _line(out, "our estimate: ")
+    assert ours.startswith(MAMBA_LINE)
+    [bridge] = _line(out, "Bridge's estimate_training_memory")
+    assert bridge.startswith("Bridge's estimate_training_memory failed: MissingInput: model.vocab_size is None")
+    assert "Fix: give the tokenizer's vocabulary size as an override, model.vocab_size=N" in bridge
+    [graphs] = _line(out, "not modelled: ")
+    assert graphs.startswith("not modelled: CUDA graph memory pools (model.cuda_graph_impl='transformer_engine', "
+                             "modules ['attn', 'mamba']) are not modelled")
+
+
+def test_with_its_vocabulary_bridges_figure_stands_beside_the_refusal_with_its_caveat(capsys):
+    status, out, _ = _plan(capsys, "--recipe", PRETRAIN, "--dp", "8", "--json", "model.vocab_size=131072")
+    assert status == plan_cli.NOT_MODELLED_STATUS
+    report = json.loads(out)
+    assert report["estimate"] is None and report["bridge_estimate_error"] is None
+    [refusal] = report["estimate_refused"][:1]
+    assert refusal["setting"] == "model.hybrid_layer_pattern"
+    assert report["bridge_estimate"]["total_bytes"] > 0
+    assert report["bridge_estimate"]["caveats"] == [
+        "Bridge's formula reads no hybrid pattern: it counts all 52 layers as attention + MoE layers, where this "
+        "model has 23 Mamba, 6 attention, 23 MoE"]
+    [graphs] = report["not_modelled"]
+    assert "CUDA graph memory pools" in graphs
+
+
+def test_the_peft_recipe_reads_its_config_from_the_local_file_and_captures_no_graphs(capsys):
+    status, out, _ = _plan(capsys, "--recipe", PEFT, "--hf-config", NANO_CONFIG, "--dp", "8")
+    assert status == plan_cli.NOT_MODELLED_STATUS
+    [ours] = _line(out, "our estimate: ")
+    assert ours.startswith(MAMBA_LINE)
+    assert "Bridge's estimate_training_memory for the same config, per rank" in out
+    assert "note: Bridge's formula reads no hybrid pattern: it counts all 52 layers" in out
+    assert _line(out, "not modelled: ") == []
+
+
+def test_a_dense_config_with_cuda_graphs_is_estimated_eagerly_and_names_the_pools(capsys):
+    status, out, _ = _plan(capsys, "--recipe", VANILLA, *TINY, "model.cuda_graph_impl=local",
+                           "model.use_te_rng_tracker=true")
+    assert status == 0
+    [graphs] = _line(out, "not modelled: ")
+    assert graphs.startswith("not modelled: CUDA graph memory pools (model.cuda_graph_impl='local', modules ['full'])")
+    assert "fits as is" in out
+    assert "  - CUDA graphs (model.cuda_graph_impl='local', modules ['full']) traced eagerly" in out
+
+
+def test_cuda_graphs_without_te_rng_tracker_are_one_line_and_exit_2(capsys):
+    status, out, err = _plan(capsys, "--recipe", VANILLA, *TINY, "model.enable_cuda_graph=true")
+    assert status == 2 and out == ""
+    [line] = err.strip().splitlines()
+    assert line.startswith("mbx plan: model.use_te_rng_tracker: is off with CUDA graphs on "
+                           "(model.enable_cuda_graph=True (cuda_graph_impl 'local'))")
+    assert "Fix: set model.use_te_rng_tracker=True" in line

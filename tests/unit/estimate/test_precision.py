@@ -1,0 +1,223 @@
+"""FP8 in the static estimate: Bridge's mixed-precision recipes read as Megatron Core reads them, and the bytes
+Transformer Engine keeps per FP8 linear weight, against hand computation from the cited TE v2.8 lines.
+
+Hand computation, for a weight of [rows, cols] (TE quantises along the last dimension):
+
+* tensorwise / delayed (``float8_tensor.py`` L106-126): data rows*cols + transpose cols*rows, 1 B each, and
+  one fp32 scale: 2*rows*cols + 4;
+* MXFP8 (``mxfp8_tensor.py`` L101-119): rowwise and columnwise data, 1 B each, rowwise scales
+  round_up(rows, 128) x round_up(cols/32, 4) and columnwise scales round_up(rows/32, 4) x round_up(cols, 128),
+  1 B each;
+* blockwise, 128 x 128 weight blocks (``float8_blockwise_tensor.py`` L137-145, L227-247): both data layouts,
+  rowwise scales ceil(rows/128) x round_up(ceil(cols/128), 4), columnwise ceil(cols/128) x
+  round_up(ceil(rows/128), 4), fp32.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_bridge_ext.estimate import precision
+
+pytestmark = [pytest.mark.unit]
+
+
+@pytest.mark.parametrize("shape, recipe, expected", [
+    ((64, 64), "tensorwise", 8192 + 4),
+    ((64, 64), "delayed", 8192 + 4),
+    ((2560, 8192), "tensorwise", 2 * 2560 * 8192 + 4),  # Llama 3 70B linear_qkv on TP 4
+    # rowwise scales 128 x 4, columnwise 4 x 128
+    ((64, 64), "mxfp8", 8192 + 512 + 512),
+    # rowwise scales 128 x round_up(1, 4) = 512, columnwise round_up(2, 4) x 128 = 512
+    ((64, 32), "mxfp8", 4096 + 512 + 512),
+    # rowwise 2560 x 256, columnwise 80 x 8192: no padding
+    ((2560, 8192), "mxfp8", 2 * 2560 * 8192 + 2560 * 256 + 80 * 8192),
+    # rowwise 1 x 4 fp32, columnwise 1 x 4 fp32
+    ((64, 64), "blockwise", 8192 + 4 * (4 + 4)),
+    # rowwise ceil(300/128)=3 x round_up(2, 4)=4 = 12, columnwise 2 x round_up(3, 4)=4 = 8
+    ((300, 200), "blockwise", 120000 + 4 * (12 + 8)),
+])
+def test_quantised_weight_bytes_by_recipe(shape, recipe, expected):
+    assert precision.quantized_bytes(shape, recipe) == expected
+
+
+def test_an_unknown_recipe_is_refused_by_name():
+    with pytest.raises(ValueError, match="fp8_recipe='custom'"):
+        precision.quantized_bytes((64, 64), "custom")
+
+
+@pytest.mark.parametrize("layers, start, end, keep", [(80, 1, 1, True), (52, 2, 2, True), (8, 1, 1, False),
+                                                       (6, 0, 3, True)])
+def test_fp8_layers_are_the_ones_core_does_not_keep_in_bf16(layers, start, end, keep):
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    core = SimpleNamespace(num_layers=layers, first_last_layers_bf16=keep, num_layers_at_start_in_bf16=start,
+                           num_layers_at_end_in_bf16=end)
+    fp8 = precision.fp8_of(SimpleNamespace(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=False,
+                                           disable_parameter_transpose_cache=False, **vars(core)))
+    assert [fp8.layer_in_fp8(n) for n in range(layers)] == [not is_first_last_bf16_layer(core, n)
+                                                             for n in range(layers)]
+
+
+SHAPE = dict(layers=3, hidden=64, ffn=128, heads=4, kv_heads=2, seq=64, micro_batch=1, vocab=128, tp=2,
+             dtype="bfloat16")
+# Per layer on TP 2: linear_qkv [(4 + 2*2) * 16 / 2, 64] = [64, 64], linear_proj [64, 32], linear_fc1 [64, 64],
+# linear_fc2 [64, 64]: 14,336 elements.
+LAYER_ELEMENTS = 4096 + 2048 + 4096 + 4096
+TENSORWISE_LAYER = 2 * LAYER_ELEMENTS + 4 * 4
+MXFP8_LAYER = 3 * (8192 + 1024) + (4096 + 1024)
+BLOCKWISE_LAYER = 3 * (8192 + 32) + (4096 + 32)
+
+
+def _tiny(recipe_name=None, **fields):
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    cfg = tiny_config(TinyGPTShape(**SHAPE))  # imports Bridge's PEFT without Transformer Engine first
+    from megatron.bridge.training import mixed_precision
+
+    if recipe_name:
+        cfg.mixed_precision = getattr(mixed_precision, recipe_name)()
+        for name, value in fields.items():
+            setattr(cfg.mixed_precision, name, value)
+    return cfg
+
+
+@pytest.mark.parametrize("recipe_name, expected", [
+    ("bf16_with_fp8_current_scaling_mixed", ("tensorwise", "hybrid", True, 1, 1)),
+    ("bf16_with_fp8_delayed_scaling_mixed", ("delayed", "hybrid", True, 0, 0)),
+    ("bf16_with_mxfp8_mixed", ("mxfp8", "e4m3", True, 0, 0)),
+    ("bf16_with_fp8_subchannel_scaling_mixed", ("blockwise", "hybrid", False, 0, 0)),
+])
+def test_bridges_recipes_are_read_from_the_config(recipe_name, expected):
+    fp8 = precision.fp8_of_config(_tiny(recipe_name))
+    assert (fp8.recipe, fp8.fp8_format, fp8.params, fp8.bf16_at_start, fp8.bf16_at_end) == expected
+    assert fp8.num_layers == SHAPE["layers"] and fp8.weight_cache
+
+
+def test_bf16_has_no_fp8_settings():
+    assert precision.fp8_of_config(_tiny("bf16_mixed")) is None
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, number: int, hidden: int):
+        super().__init__()
+        self.layer_number = number
+        self.self_attention = torch.nn.Module()
+        self.mlp = torch.nn.Module()
+        for parent, name, shape in ((self.self_attention, "linear_qkv", (3 * hidden, hidden)),
+                                    (self.self_attention, "linear_proj", (hidden, hidden)),
+                                    (self.mlp, "linear_fc1", (4 * hidden, hidden)),
+                                    (self.mlp, "linear_fc2", (hidden, 4 * hidden))):
+            linear = torch.nn.Module()
+            linear.weight = torch.nn.Parameter(torch.empty(shape, device="meta"))
+            setattr(parent, name, linear)
+
+
+def test_a_later_pipeline_stage_is_read_by_its_global_layer_numbers():
+    """Stage 1 of PP 2 over 4 layers holds layers 3 and 4 (1-based): with the last layer in bf16, only layer 3."""
+    model = SimpleNamespace(decoder=SimpleNamespace(layers=[_Layer(3, 32), _Layer(4, 32)]))
+    fp8 = precision.Fp8(recipe="tensorwise", fp8_format="hybrid", params=True, bf16_at_start=1, bf16_at_end=1,
+                        num_layers=4, weight_cache=True)
+    weights = precision.fp8_weights(model, fp8)
+    assert weights.layers == 1
+    assert weights.elements == 3 * 32 * 32 + 32 * 32 + 4 * 32 * 32 + 4 * 32 * 32
+    assert weights.quantized == 2 * weights.elements + 4 * 4
+
+
+def _estimate(cfg):
+    from megatron_bridge_ext.estimate import estimate
+
+    return estimate(cfg, data_parallel_size=1, num_microbatches=1)
+
+
+def _bytes(est, name):
+    return est.component(name).bytes
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return _estimate(_tiny("bf16_mixed"))
+
+
+@pytest.mark.parametrize("recipe_name, fields, fp8_layers, per_layer", [
+    ("bf16_with_fp8_current_scaling_mixed", {}, 1, TENSORWISE_LAYER),  # layers 1 and 3 kept in bf16
+    ("bf16_with_fp8_delayed_scaling_mixed", {}, 3, TENSORWISE_LAYER),
+    ("bf16_with_mxfp8_mixed", {}, 3, MXFP8_LAYER),
+])
+def test_fp8_parameters_are_stored_quantised_in_place_of_their_16_bit_weights(bf16, recipe_name, fields, fp8_layers,
+                                                                              per_layer):
+    est = _estimate(_tiny(recipe_name, **fields))
+    assert _bytes(est, "weights: FP8 linear weights") == fp8_layers * per_layer
+    assert _bytes(est, "weights: transformer layers") == (_bytes(bf16, "weights: transformer layers")
+                                                          - fp8_layers * LAYER_ELEMENTS * 2)
+    for name in ("gradients (main_grad buffer)", "optimizer states", "weights: embedding", "weights: output layer"):
+        assert _bytes(est, name) == _bytes(bf16, name), name  # fp32 main_grad and main copy as for bf16
+    with pytest.raises(KeyError):
+        est.component("FP8 weight copies (TE workspaces)")
+
+
+@pytest.mark.parametrize("recipe_name, fields, fp8_layers, per_layer", [
+    ("bf16_with_fp8_current_scaling_mixed", {"fp8_param_gather": False}, 1, TENSORWISE_LAYER),
+    ("bf16_with_fp8_subchannel_scaling_mixed", {}, 3, BLOCKWISE_LAYER),
+])
+def test_16_bit_parameters_get_te_cached_quantised_copies(bf16, recipe_name, fields, fp8_layers, per_layer):
+    est = _estimate(_tiny(recipe_name, **fields))
+    assert _bytes(est, "FP8 weight copies (TE workspaces)") == fp8_layers * per_layer
+    assert _bytes(est, "weights: transformer layers") == _bytes(bf16, "weights: transformer layers")
+    assert est.peak_bytes == bf16.peak_bytes + fp8_layers * per_layer
+
+
+def test_a_lora_models_frozen_base_weights_are_stored_as_fp8_and_its_adapters_stay_16_bit():
+    """Bridge's LoRA wraps each base linear (``to_wrap``): its weight is what TE quantises, the same bytes as
+    without LoRA; the adapters are counted apart, in 16 bits."""
+    cfg = _tiny("bf16_with_fp8_current_scaling_mixed")
+    from megatron_bridge_ext.peft import LoRA
+
+    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=8, alpha=16)
+    est = _estimate(cfg)
+    assert _bytes(est, "weights: FP8 linear weights") == TENSORWISE_LAYER
+    assert _bytes(est, "weights: adapters") > 0
+
+
+def test_activations_under_fp8_are_named_as_not_modelled_and_shown_as_traced_in_bf16(bf16):
+    est = _estimate(_tiny("bf16_with_fp8_current_scaling_mixed"))
+    assert est.activations_per_microbatch == bf16.activations_per_microbatch
+    [note] = [a for a in est.assumptions if a.startswith("activations under FP8 are not modelled")]
+    assert "shown as traced in bf16" in note
+    assert precision.activation_note(precision.fp8_of_config(_tiny("bf16_with_fp8_current_scaling_mixed"))) == note
+
+
+def test_fp4_is_still_refused_by_name():
+    from megatron_bridge_ext.estimate.memory import NotModelled, prepare
+
+    cfg = _tiny()
+    cfg.model.fp4 = "e2m1"
+    with pytest.raises(NotModelled) as refused:
+        prepare(cfg, data_parallel_size=1, num_microbatches=1)
+    assert refused.value.findings[0].setting == "model.fp4"
+
+
+def test_an_fp4_recipe_is_refused_before_bridge_asks_for_transformer_engine():
+    """Bridge's ``MixedPrecisionConfig.finalize`` raises for FP4 where TE is not installed (as here): the estimate
+    names FP4 as not modelled instead of failing on the machine it runs on."""
+    from megatron_bridge_ext.estimate.memory import NotModelled, prepare
+
+    cfg = _tiny("bf16_with_nvfp4_mixed")
+    with pytest.raises(NotModelled) as refused:
+        prepare(cfg, data_parallel_size=1, num_microbatches=1)
+    assert refused.value.findings[0].setting == "mixed_precision"
+
+
+@pytest.mark.parametrize("recipe, proj", [("delayed", "linear_proj's input, which attention keeps for its backward"),
+                                          ("tensorwise", "linear_proj keeps its bf16 input, shared with attention"),
+                                          ("mxfp8", "linear_proj keeps its bf16 input, shared with attention")])
+def test_the_activation_note_names_linear_projs_copy_only_where_core_keeps_one(recipe, proj):
+    """Core's attention makes linear_proj save its original input under every FP8 recipe but delayed scaling."""
+    fp8 = precision.Fp8(recipe=recipe, fp8_format="hybrid", params=True, bf16_at_start=0, bf16_at_end=0,
+                        num_layers=4, weight_cache=True)
+    note = precision.activation_note(fp8)
+    assert proj in note
+    assert "norm-output shard beside a LoRA-A" in note
