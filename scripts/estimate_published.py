@@ -1,15 +1,25 @@
-"""The memory estimate, and Bridge's own, against Megatron Bridge's published Qwen3-8B LoRA peaks.
+"""The memory estimate, and Bridge's own, against Megatron Bridge's published LoRA peaks.
 
-    python scripts/estimate_published.py [--hf-config tests/data/qwen3-8b/config.json] [--json FILE]
+    python scripts/estimate_published.py [--model qwen3-8b|qwen3-30b-a3b|gpt-oss-120b] [--hf-config FILE] [--json FILE]
 
-Published (Megatron Bridge, Memory Tuning, "LoRA + SP input re-gather"; real-checkpoint H100 training
-on SQuAD): Qwen3-8B, TP2, sequence 8192: peak 47.545 GB with Bridge's LoRA, 42.814 GB with its
-``sequence_parallel_input_regather``. Bridge reports ``torch.cuda.memory_stats()`` peaks in GB of
-10^9 bytes (``report_memory``). What the publication does not state is assumed here, and printed:
-Bridge's default LoRA (rank 32 on the four linear layers: the 72 eligible adapters match the
-published saving), micro-batch 1 (a packed sequence of 8192 tokens), DP 4 (8 GPUs), the distributed
-optimizer and bf16 mixed precision of Bridge's recipes, no recompute, Transformer Engine with fused
-attention, and the provider Bridge builds from the model's config.json.
+Published (Megatron Bridge, Memory Tuning skill, "LoRA + SP input re-gather"; real-checkpoint H100
+training on SQuAD; ``skills/nemo-mbridge-perf-memory-tuning/SKILL.md`` in NVIDIA-NeMo/Megatron-Bridge):
+
+* Qwen3-8B, TP2, sequence 8192: peak 47.545 GB with Bridge's LoRA, 42.814 GB with its
+  ``sequence_parallel_input_regather``;
+* Qwen3-30B-A3B, TP4/EP4: 29.890 GB and 28.321 GB;
+* GPT-OSS-120B, TP2/EP8: 52.185 GB and 51.371 GB.
+
+Bridge reports ``torch.cuda.memory_stats()`` peaks in GB of 10^9 bytes (``report_memory``). What the
+publication does not state is assumed here, and printed: the LoRA of Bridge's PEFT recipe for the
+model (Qwen3-8B and GPT-OSS-120B: Bridge's default, rank 32 on the four linear layers, and for Qwen3-8B
+the 72 eligible adapters match the published saving; Qwen3-30B-A3B: rank 8, alpha 16 on ``linear_qkv``
+and ``linear_proj``, as ``qwen3_30b_a3b_peft_4gpu_h100_bf16_config`` sets it), sequence 8192 for
+the MoE models too (their sequence is not stated), micro-batch 1, the smallest DP of 4 or more that
+Megatron Core's expert layout allows, the distributed optimizer and bf16 mixed precision of Bridge's
+recipes, no recompute, Transformer Engine with fused attention, a balanced expert load, and the
+provider Bridge builds from the model's config.json. For the MoE models a third row gives our
+``shard_local`` strategy (nothing published).
 """
 
 from __future__ import annotations
@@ -21,21 +31,46 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CONFIG = os.path.join(ROOT, "tests", "data", "qwen3-8b", "config.json")
-PUBLISHED = {"Bridge's LoRA": 47.545e9, "Bridge's LoRA with sequence_parallel_input_regather": 42.814e9}
-TP, SEQ, DP = 2, 8192, 4
+SEQ = 8192
+BASELINE, REGATHER, SHARD_LOCAL = "Bridge's LoRA", "Bridge's LoRA with sequence_parallel_input_regather", \
+    "our LoRA with sequence_parallel_input_strategy=shard_local"
+MODELS = {
+    "qwen3-8b": {"title": "Qwen3-8B", "tp": 2, "ep": 1, "dp": 4,
+                 "published": {BASELINE: 47.545e9, REGATHER: 42.814e9}},
+    "qwen3-30b-a3b": {"title": "Qwen3-30B-A3B", "tp": 4, "ep": 4, "dp": 4,
+                      "lora": {"target_modules": ["linear_qkv", "linear_proj"], "dim": 8, "alpha": 16},
+                      "published": {BASELINE: 29.890e9, REGATHER: 28.321e9, SHARD_LOCAL: None}},
+    "gpt-oss-120b": {"title": "GPT-OSS-120B", "tp": 2, "ep": 8, "dp": 4,
+                     "published": {BASELINE: 52.185e9, REGATHER: 51.371e9, SHARD_LOCAL: None}},
+}
+"""Published peaks (None: not published), the layout and the recipe's LoRA fields (Bridge's defaults where absent)
+of each case; DP is the assumption described above."""
 
 
-def _config(path: str, regather: bool):
+def _config(path: str, model: dict, case: str):
     from megatron_bridge_ext.estimate import configs
     from megatron_bridge_ext.patches import bridge_peft_without_te
 
     bridge_peft_without_te.import_bridge_peft()
     from megatron.bridge.peft.lora import LoRA
 
-    cfg = configs.from_hf_config(path, configs.Layout(tp=TP, seq=SEQ, dp=DP, micro_batch=1))
-    cfg.peft = LoRA(sequence_parallel_input_regather=regather)
+    layout = configs.Layout(tp=model["tp"], ep=model["ep"], seq=SEQ, dp=model["dp"], micro_batch=1)
+    cfg = configs.from_hf_config(path, layout)
+    if case == SHARD_LOCAL:
+        from megatron_bridge_ext.peft import LoRA as OurLoRA
+
+        cfg.peft = OurLoRA(sequence_parallel_input_strategy="shard_local", **model.get("lora", {}))
+    else:
+        cfg.peft = LoRA(sequence_parallel_input_regather=case == REGATHER, **model.get("lora", {}))
     return cfg
+
+
+def _gb_or_dash(nbytes) -> str:
+    return "-" if nbytes is None else _gb(nbytes)
+
+
+def _diff_or_dash(value, reference) -> str:
+    return "-" if reference is None else _diff(value, reference)
 
 
 def _gb(nbytes: float) -> str:
@@ -50,7 +85,8 @@ def main() -> int:
     from megatron_bridge_ext import logs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hf-config", default=DEFAULT_CONFIG)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
+    parser.add_argument("--hf-config", default=None, help="default: tests/data/<model>/config.json")
     parser.add_argument("--json", default=None, help="also write the figures as JSON to this file")
     args = parser.parse_args()
     logs.configure()
@@ -58,16 +94,18 @@ def main() -> int:
     from megatron_bridge_ext.estimate.bridge import bridge_estimate
     from megatron_bridge_ext.table import text_table
 
+    model = MODELS[args.model]
+    path = args.hf_config or os.path.join(ROOT, "tests", "data", args.model, "config.json")
     rows, records, first = [], [], None
-    for (label, published), regather in zip(PUBLISHED.items(), (False, True)):
-        cfg = _config(args.hf_config, regather)
+    for label, published in model["published"].items():
+        cfg = _config(path, model, label)
         start = time.perf_counter()
         ours = estimate(cfg)
         seconds = time.perf_counter() - start
-        bridge = bridge_estimate(cfg, data_parallel_size=DP)
+        bridge = bridge_estimate(cfg, data_parallel_size=model["dp"])
         first = first or ours
-        rows.append([label, _gb(published), _gb(ours.peak_bytes), _diff(ours.peak_bytes, published),
-                     _gb(bridge.total_bytes), _diff(bridge.total_bytes, published)])
+        rows.append([label, _gb_or_dash(published), _gb(ours.peak_bytes), _diff_or_dash(ours.peak_bytes, published),
+                     _gb(bridge.total_bytes), _diff_or_dash(bridge.total_bytes, published)])
         records.append({"case": label, "published_bytes": published, "estimate_bytes": ours.peak_bytes,
                         "bridge_estimate_bytes": bridge.total_bytes, "estimate_seconds": seconds,
                         "estimate": ours.as_dict(), "bridge_estimate": bridge.as_dict()})
@@ -75,8 +113,10 @@ def main() -> int:
     rows.append(["saving (first - second)", _gb(saving[0]), _gb(saving[1]), _diff(saving[1], saving[0]),
                  _gb(saving[2]), _diff(saving[2], saving[0])])
     s = first.settings
-    print(f"Qwen3-8B LoRA, published peaks (Megatron Bridge, H100, SQuAD) against the estimates; GB = 10^9 bytes\n"
-          f"settings the estimate assumed: TP={s['tp']} SP={'on' if s['sequence_parallel'] else 'off'} PP={s['pp']} "
+    experts = f" EP={model['ep']}" if model["ep"] > 1 else ""
+    print(f"{model['title']} LoRA, published peaks (Megatron Bridge, H100, SQuAD) against the estimates; GB = 10^9 "
+          f"bytes\nsettings the estimate assumed: TP={s['tp']}{experts} SP={'on' if s['sequence_parallel'] else 'off'} "
+          f"PP={s['pp']} "
           f"DP={s['dp']}, seq {s['seq_length']}, micro-batch {s['micro_batch']}, {s['dtype']}, LoRA r={s['lora_dim']} on "
           f"{', '.join(s['lora_targets'])}, recompute {s['recompute_granularity'] or 'none'}, attention "
           f"{s['attention']}, {s['transformer_impl']}, distributed optimizer "
@@ -85,7 +125,7 @@ def main() -> int:
                       "Bridge - published"], rows))
     print(f"\nestimate seconds: {', '.join(f'{r['estimate_seconds']:.1f}' for r in records)} ({os.cpu_count()} CPU cores, "
           f"load average {os.getloadavg()[0]:.1f}: the machine is shared)")
-    for record, label in zip(records, PUBLISHED):
+    for record, label in zip(records, model["published"]):
         est = record["estimate"]
         print(f"\n{label}: components of the estimate (GiB = 2^30 bytes)")
         print(text_table(["kind", "component", "bytes"],

@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 PLANS = sorted((ROOT / "benchmarks").glob("*-mbx-plan-*.txt"))
 PUBLISHED = sorted((ROOT / "benchmarks").glob("*-qwen3-8b-lora-estimate.json"))
+PUBLISHED_MOE = sorted((ROOT / "benchmarks").glob("*-qwen3-30b-a3b-lora-estimate.json")) + \
+    sorted((ROOT / "benchmarks").glob("*-gpt-oss-120b-lora-estimate.json"))
 
 pytestmark = pytest.mark.unit
 
@@ -70,3 +72,30 @@ def test_the_published_peak_table_is_derived_from_the_committed_json():
     # The .txt written in the same run shows the same rows.
     text = PUBLISHED[0].with_suffix(".txt").read_text()
     assert _gb(records[0]["estimate_bytes"]) in text and _gb(records[1]["estimate_bytes"]) in text
+
+
+def _or_dash(value, text):
+    return "-" if value is None else text
+
+
+@pytest.mark.parametrize("saved", PUBLISHED_MOE, ids=[p.stem for p in PUBLISHED_MOE])
+def test_the_published_moe_peak_tables_are_derived_from_the_committed_json(saved):
+    """Each MoE row of the page's tables is re-derived from the JSON written with its .txt; the shard_local row has
+    no published figure, and the saving row compares Bridge's LoRA with and without its regather flag."""
+    records = json.loads(saved.read_text())
+    assert [r["case"].split(" with ")[0] for r in records] == ["Bridge's LoRA", "Bridge's LoRA", "our LoRA"]
+    page = _page()
+    for record in records:
+        published, ours, bridge = (record[k] for k in ("published_bytes", "estimate_bytes", "bridge_estimate_bytes"))
+        assert ours == record["estimate"]["peak_bytes"]
+        row = (f"| {record['case']} | {_or_dash(published, _gb(published or 0))} | {_gb(ours)} | "
+               f"{_or_dash(published, published and _diff(ours, published))} | {_gb(bridge)} | "
+               f"{_or_dash(published, published and _diff(bridge, published))} |")
+        assert row in page, row
+    saving = [records[0][k] - records[1][k] for k in ("published_bytes", "estimate_bytes", "bridge_estimate_bytes")]
+    row = (f"| saving (first - second) | {_gb(saving[0])} | {_gb(saving[1])} | {_diff(saving[1], saving[0])} | "
+           f"{_gb(saving[2])} | {_diff(saving[2], saving[0])} |")
+    assert row in page, row
+    text = saved.with_suffix(".txt").read_text()
+    assert text.startswith("$ PYTHONPATH=$PWD python scripts/estimate_published.py --model ")
+    assert all(_gb(r["estimate_bytes"]) in text for r in records)
