@@ -71,8 +71,14 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
     dp = s["dp"] // 2 if r.halves_dp else s["dp"]
     cfg = copy.deepcopy(state.cfg)
     setattr(cfg.model, r.field, 2 * r.old)
+    overrides = [f"model.{r.field}={2 * r.old}"]
     after = parallelism_cost.moe_shape(cfg.model)
-    label = _label(r, s, moe, after)
+    pinned = r.name == "EP" and after["etp"] != moe["etp"]
+    if pinned:  # an unset ETP whose default would drop to 1 with EP > 1, keeping the experts' weights per rank as they are
+        cfg.model.expert_tensor_parallel_size = moe["etp"]
+        overrides.append(f"model.expert_tensor_parallel_size={moe['etp']}")
+        after = parallelism_cost.moe_shape(cfg.model)
+    label = _label(r, s, moe, after) + (f" (ETP kept at {moe['etp']})" if pinned else "")
     problems = parallelism.doubling_findings(r.name, r.old, s["dp"]) if r.halves_dp else []
     problems += expert_findings(r, cfg, s, after) if after else []
     problems += parallel_problems(cfg.model, micro_batch=cfg.train.micro_batch_size, peft=cfg.peft)
@@ -92,7 +98,7 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
         planner.add(Option(4, lever["name"], label, False, f"no predicted peak: {refused.one_line()}", cost=cost),
                     state)
         return None
-    resized = State(cfg, est, dict(state.flags), state.overrides + [f"model.{r.field}={2 * r.old}"])
+    resized = State(cfg, est, dict(state.flags), state.overrides + overrides)
     cost.collective_bytes, cost.basis = parallelism_cost.traffic_change(s, est.settings, element, moe, after)
     return resized if planner.add(Option(4, lever["name"], label, True, cost=cost), resized).fits else None
 
@@ -102,8 +108,6 @@ def _label(r: Resize, s: dict, moe: Optional[dict], after: Optional[dict]) -> st
     label = f"{r.name} {r.old} -> {2 * r.old}"
     if r.halves_dp:
         return f"{label}, DP {s['dp']} -> {max(s['dp'] // 2, 1)}"
-    if r.name == "EP" and after["etp"] != moe["etp"]:
-        label += f" (ETP {moe['etp']} -> {after['etp']}, the default with EP > 1)"
     edp = [parallelism_cost.expert_dp_size(s, ep=m["ep"], etp=m["etp"]) for m in (moe, after)]
     return f"{label}, expert DP {edp[0]} -> {edp[1] or 'none'}"
 
