@@ -93,11 +93,14 @@ def moe_shape(model) -> Optional[dict]:
 
 
 def stage_layer_kinds(s: dict, moe: Optional[dict]) -> tuple[int, int]:
-    """(dense, MoE) layers on the estimated stage: its first ``layers_on_stage`` layers for stage 0, its last ones
-    for the last stage (the two stages the estimate picks from)."""
+    """(dense, MoE) layers on the estimated stage: as the estimate counted them (``moe_layers_on_stage``) when its
+    settings say, else its first ``layers_on_stage`` layers for stage 0, its last ones for the last stage (the two
+    stages the estimate picks from)."""
     layers = s["layers_on_stage"]
     if moe is None:
         return layers, 0
+    if s.get("moe_layers_on_stage") is not None:
+        return layers - s["moe_layers_on_stage"], s["moe_layers_on_stage"]
     pattern = moe["pattern"]
     start = 0 if s["stage"] == 0 else len(pattern) - layers
     moe_layers = sum(pattern[start:start + layers])

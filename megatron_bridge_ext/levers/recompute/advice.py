@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from megatron_bridge_ext import evidence
 from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.estimate.report import MemoryEstimate
-from megatron_bridge_ext.levers.parallelism.cost import moe_shape
+from megatron_bridge_ext.levers.parallelism.cost import moe_shape, stage_layer_kinds
 from megatron_bridge_ext.levers.recompute import cost as recompute_cost
 from megatron_bridge_ext.levers.step import Cost, Option, State, blocking, evidence_for, validate
 
@@ -25,11 +25,14 @@ INSIDE_MOE = ("moe_act", "shared_experts")
 
 
 def candidates_for(s: dict, moe: Optional[dict]) -> list[str]:
-    """The modules worth measuring on this model: layernorm not under Transformer Engine on a dense model (TE fuses
-    the norms into the linears; an MoE layer's norm before the router stays apart), the MoE modules with experts."""
+    """The modules worth measuring on this stage: layernorm not under Transformer Engine without MoE layers (TE
+    fuses the norms into the linears; an MoE layer's norm before the router stays apart), mlp where there are dense
+    layers, the MoE modules where there are MoE layers (shared_experts where the model has them)."""
+    dense, moe_layers = stage_layer_kinds(s, moe)
     out = [m for m in RECOMPUTE_CANDIDATES
-           if not (m == "layernorm" and s["transformer_impl"] == "transformer_engine" and not moe)]
-    if moe:
+           if not (m == "layernorm" and s["transformer_impl"] == "transformer_engine" and not moe_layers)
+           and not (m == "mlp" and not dense)]
+    if moe_layers:
         out += [m for m in MOE_CANDIDATES if m != "shared_experts" or moe["shared_ffn"]]
     return out
 

@@ -43,6 +43,7 @@ def test_layer_kinds_of_the_first_and_the_last_stage():
     assert cost.stage_layer_kinds({**S, "layers_on_stage": 3, "stage": 0}, moe) == (2, 1)  # layers 0-2
     assert cost.stage_layer_kinds({**S, "layers_on_stage": 3, "stage": 1}, moe) == (1, 2)  # layers 3-5
     assert cost.stage_layer_kinds(S, None) == (4, 0)
+    assert cost.stage_layer_kinds({**S, "moe_layers_on_stage": 1}, _moe()) == (3, 1)  # the estimate's own count wins
 
 
 def _balanced_routing(ranks: int, tokens: int, topk: int, experts: int) -> list[list[list[int]]]:
