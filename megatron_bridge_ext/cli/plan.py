@@ -77,6 +77,10 @@ def add_parser(sub, make_parser) -> None:
                         "them)")
     p.add_argument("--attention", choices=("fused", "local"), default=None,
                    help="fused (flash/cuDNN) or Megatron Core's unfused local attention (default: fused)")
+    p.add_argument("--moe-imbalance", type=float, metavar="LOAD",
+                   help="mixture-of-experts models: tokens of the most loaded expert over the balanced share "
+                        "(tokens x top-k / experts), 1 or more; the traced rank's experts each get that load "
+                        "(default: 1.0, a balanced load)")
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                    help="default: the config's model.transformer_impl")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
@@ -168,6 +172,12 @@ def _number_problem(args):
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
             return _bad(flag, f"{value} is not a whole number of 1 or more", f"give e.g. {flag} {example}")
+    if args.moe_imbalance is not None:
+        from megatron_bridge_ext.estimate.configs import imbalance_problem
+
+        problem = imbalance_problem(args.moe_imbalance, "--moe-imbalance")
+        if problem:
+            return problem
     if args.margin is not None and not 0 <= args.margin < 1:
         return _bad("--margin", f"{args.margin} is not a share between 0 and 1", "give e.g. 0.10")
     if args.plot and not _have_matplotlib():
@@ -310,7 +320,8 @@ def _plan(args):
     _check_experts(built.cfg, names={"ep": _written(args, "ep"), "etp": _written(args, "etp"), "dp": "--dp"})
     if args.expandable_segments is not None:
         expandable = args.expandable_segments == "on"
-    options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl)) if v}
+    options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl),
+                                 ("moe_imbalance", args.moe_imbalance)) if v}
     result = planner.plan(built.cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable,
                           estimate_options=options, peft_overrides=built.peft_overrides,
                           **({"margin": args.margin} if args.margin is not None else {}))
@@ -364,10 +375,24 @@ def _settings_line(s: dict, *, peft_defaulted: bool = False) -> str:
     if recompute == "selective":
         recompute += f" {s['recompute_modules']}"
     vpp = f" VPP={s['vpp']}" if s["vpp"] else ""
-    return (f"TP={s['tp']} PP={s['pp']}{vpp} "
+    return (f"TP={s['tp']} PP={s['pp']}{vpp}{_experts_sizes(s)} "
             f"DP={s['dp']} SP={'on' if s['sequence_parallel'] else 'off'}, seq {s['seq_length']}, micro-batch "
             f"{s['micro_batch']}, {s['num_microbatches']} microbatch(es)/step, {s['dtype']}, {peft}, recompute "
-            f"{recompute}, attention {s['attention']}, {s['transformer_impl']}")
+            f"{recompute}, attention {s['attention']}, {s['transformer_impl']}{_experts_load(s)}")
+
+
+def _experts_sizes(s: dict) -> str:
+    return f" EP={s['ep']} ETP={s['etp']}" if s.get("num_moe_experts") else ""
+
+
+def _experts_load(s: dict) -> str:
+    """An MoE config's experts and the load the estimate assumed (never silent: the default says it is one)."""
+    if not s.get("num_moe_experts"):
+        return ""
+    load = ("1.0 (balanced, the default; --moe-imbalance sets the most loaded expert's share)"
+            if s["moe_imbalance"] == 1.0 else f"{s['moe_imbalance']:g} x balanced on this rank's experts")
+    return (f", {s['num_moe_experts']} experts (top-{s['moe_router_topk']}, {s['local_experts']} on this rank, "
+            f"{s['moe_token_dispatcher']} dispatcher), expert load {load}")
 
 
 def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool = False) -> str:

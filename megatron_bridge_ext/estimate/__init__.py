@@ -8,7 +8,8 @@ PEFT and recompute settings, not taken from a fixed formula. The result, a
 
 Modules: :mod:`.memory` (``estimate``), :mod:`.static` (weights, gradients, optimizer states),
 :mod:`.trace` (one microbatch under the meter), :mod:`.build` (the rank's model),
-:mod:`.fake` (the fake parallel world), :mod:`.standins` (fused-attention stand-in), :mod:`.te`
+:mod:`.fake` (the fake parallel world), :mod:`.standins` (fused-attention stand-in), :mod:`.routing`
+(the stated MoE expert load), :mod:`.te`
 (Transformer Engine's contract), :mod:`.bridge` (Bridge's own estimate, for comparison),
 :mod:`.configs` (configs from a recipe or a Hugging Face config.json), :mod:`.device`
 (estimate against a measured peak on a GPU).

@@ -81,10 +81,37 @@ def _apply_peft(model, peft):
     from megatron_bridge_ext.estimate.fake import current_device, scoped_patch
     from megatron_bridge_ext.patches import bridge_truthful_te_detection
 
-    with scoped_patch(bridge_truthful_te_detection.PATCH), current_device("cpu"), \
+    with scoped_patch(bridge_truthful_te_detection.PATCH), current_device("cpu"), _adapter_values_left_unset(), \
             _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
         out = peft(model, training=True)
     return out[0] if isinstance(out, list) else out
+
+
+@contextlib.contextmanager
+def _adapter_values_left_unset():
+    """Adapters allocated, their initial values not computed: the trace reads shapes only.
+
+    Bridge forces ``perform_initialization`` on for its adapters, and Megatron Core's CPU path
+    (``_initialize_affine_weight_cpu`` in ``tensor_parallel/layers.py``) then builds each adapter's whole
+    master weight, fills it, splits it over TP and copies this rank's part: seconds per hundred adapters,
+    minutes for an MoE model's thousands of expert adapters. In its place only the tensor-parallel
+    attributes are set, as Core's function sets them; the weights keep ``torch.empty``'s values.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    def attributes_only(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1,
+                        return_master_weight=False, *, skip_set_tensor_parallel_attributes=False, **kwargs):
+        if not skip_set_tensor_parallel_attributes:
+            layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim,
+                                                        stride=stride)
+        return None
+
+    saved = layers._initialize_affine_weight_cpu
+    layers._initialize_affine_weight_cpu = attributes_only
+    try:
+        yield
+    finally:
+        layers._initialize_affine_weight_cpu = saved
 
 
 @contextlib.contextmanager

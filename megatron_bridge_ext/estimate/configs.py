@@ -46,6 +46,15 @@ def bad_shape(value) -> bool:
     return value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
 
 
+def imbalance_problem(value, setting: str = "moe_imbalance") -> Optional[Finding]:
+    """A load factor below 1 (the most loaded expert carries at least the balanced load), as one finding, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
+        return Finding("bad_input", ERROR, setting, f"{value!r} is not a load factor of 1 or more (the most loaded "
+                       "expert's tokens over the balanced share)", "give 1.0 for a balanced load, e.g. 1.5 for "
+                       "an expert 50% over it")
+    return None
+
+
 def _refuse(setting: str, message: str, fix: str) -> Refused:
     return Refused(WHAT, [Finding("bad_input", ERROR, setting, message, fix)])
 

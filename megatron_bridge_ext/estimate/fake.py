@@ -4,13 +4,14 @@ The estimate runs Megatron Core's own layers under torch's ``FakeTensorMode``: e
 shape, dtype and device but no data, so a Qwen3-8B layer at sequence 8192 "runs" in well under a
 second on a CPU, with or without a GPU. Collectives go through torch's ``fake`` process-group
 backend, which returns correctly shaped outputs: this process sees exactly the shapes rank
-``rank`` of a TP x PP x CP job sees (its sequence shard, its vocabulary slice, its layers).
+``rank`` of a TP x PP x CP job sees (its sequence shard, its vocabulary slice, its layers; with
+experts, its EP x ETP share of them, the world being as large as the expert grid needs).
 
 :func:`fake_parallel_world` sets that up and, on exit, puts back everything it changed, so that it
 can run inside a process that already has a real process group and Megatron parallel state (a
 training script, the functional tests): torch.distributed's group registry, Megatron Core's
-parallel-state globals, the RNG tracker, the process's RNG state, ``torch.cuda.current_device``,
-the causal-mask builder and the dynamo switch.
+parallel-state globals, Core's MoE metrics tracker, the RNG tracker, the process's RNG state,
+``torch.cuda.current_device``, the causal-mask builder and the dynamo switch.
 
 Why each change (all undone on exit; none of them outlives the context):
 
@@ -80,6 +81,7 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str, ep
     with contextlib.ExitStack() as stack:
         stack.enter_context(_isolated_c10d())
         stack.enter_context(_isolated_parallel_state())
+        stack.enter_context(_isolated_moe_metrics())
         stack.enter_context(_rng_for_tracing())
         stack.enter_context(current_device(device))
         stack.enter_context(_causal_mask(device))
@@ -141,6 +143,21 @@ def _isolated_parallel_state() -> Iterator[None]:
         parallel_state.destroy_model_parallel()
         for name, value in saved.items():
             setattr(parallel_state, name, value)
+
+
+@contextlib.contextmanager
+def _isolated_moe_metrics() -> Iterator[None]:
+    """A fresh MoE metrics tracker (Core's module global in ``transformer/moe/moe_logging.py``) for the trace,
+    and the caller's back afterwards: the router records its auxiliary losses there, sized by the layers
+    of the first model that recorded, so neither a real run's tracker nor another trace's may be touched."""
+    from megatron.core.transformer.moe import moe_logging
+
+    saved = moe_logging._MOE_METRICS_TRACKER
+    moe_logging._MOE_METRICS_TRACKER = None
+    try:
+        yield
+    finally:
+        moe_logging._MOE_METRICS_TRACKER = saved
 
 
 class _TracingRNGTracker:

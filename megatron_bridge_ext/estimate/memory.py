@@ -175,19 +175,15 @@ def _unsupported_moe(model) -> list[Finding]:
         out.append(Finding("unsupported_model", ERROR, "model.moe_expert_capacity_factor",
                            "token dropping (expert capacity) is not modelled by the estimate",
                            "estimate the dropless config (moe_expert_capacity_factor=None), an upper bound"))
+    freq = getattr(model, "moe_layer_freq", 1)
+    if freq != 1:
+        out.append(Finding("unsupported_model", ERROR, "model.moe_layer_freq",
+                           f"{freq!r}: dense layers between MoE layers are not modelled by the estimate",
+                           "estimate with moe_layer_freq=1 (every layer MoE), an upper bound"))
     if getattr(model, "moe_latent_size", None):
         out.append(Finding("unsupported_model", ERROR, "model.moe_latent_size",
                            "latent MoE projections are not modelled by the estimate", "estimate without them"))
     return out
-
-
-def imbalance_problem(value, setting: str = "moe_imbalance") -> Optional[Finding]:
-    """A load factor below 1 (the most loaded expert carries at least the balanced load), as one finding, or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-        return Finding("bad_input", ERROR, setting, f"{value!r} is not a load factor of 1 or more (the most loaded "
-                       "expert's tokens over the balanced share)", "give 1.0 for a balanced load, e.g. 1.5 for "
-                       "an expert 50% over it")
-    return None
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
@@ -286,10 +282,13 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     Raises :class:`megatron_bridge_ext.findings.Refused` (one line per problem) for configs it cannot model.
     """
     start = time.perf_counter()
-    problem = imbalance_problem(moe_imbalance)
+    problem = configs.imbalance_problem(moe_imbalance)
     if problem:
         raise Refused(WHAT, [problem])
     prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+    problem = _imbalance_beyond_tokens(prepared.provider, moe_imbalance)
+    if problem:
+        raise Refused(WHAT, [problem])
     attention = _choice(attention or _attention_from(prepared.provider), ATTENTIONS, "attention")
     impl = _choice(transformer_impl or getattr(prepared.provider, "transformer_impl", TE), IMPLS, "transformer_impl")
     device = _choice(device, DEVICES, "device")
@@ -306,6 +305,18 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     return best
 
 
+def _imbalance_beyond_tokens(provider, imbalance: float) -> Optional[Finding]:
+    """A load factor that would send an expert more tokens than there are: each token picks an expert once, so
+    an expert receives at most every token, experts / top-k times the balanced share."""
+    experts = getattr(provider, "num_moe_experts", None)
+    if not experts or imbalance <= experts / provider.moe_router_topk:
+        return None
+    most = experts / provider.moe_router_topk
+    return Finding("bad_input", ERROR, "moe_imbalance", f"{imbalance:g} sends an expert more tokens than there are "
+                   f"(at most experts / top-k = {experts} / {provider.moe_router_topk} = {most:g} times the balanced "
+                   "share)", f"give a load factor between 1 and {most:g}")
+
+
 def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
     """Configs that fail in training on Transformer Engine, so that no estimate of them means anything."""
     from megatron_bridge_ext.peft import kinds
@@ -320,6 +331,31 @@ def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
                         "parallelism (Bridge's dropout correction runs that layer again on its gathered norm output)",
                         "set peft.dropout=0.0, or leave linear_qkv and linear_fc1 out of peft.target_modules")]
     return []
+
+
+TRACED_LAYERS = 2
+"""Layers of a stage an MoE model is traced with (:func:`traced_layers`): the first, and one that stands for the rest."""
+
+
+def traced_layers(provider) -> Optional[int]:
+    """The layers of a stage, when an MoE model's stage can be traced with :data:`TRACED_LAYERS` layers and the last
+    of them repeated; else None (every layer is traced).
+
+    An MoE layer traces each of its local experts (dozens), so a whole stage takes minutes; its layers are
+    identical (every layer MoE, the same spec), and every layer after the first saves what the second does.
+    The shortcut needs an even pipeline split without embedding or loss in it, no interleaving and no full
+    recompute (whose checkpoints the decoder keeps outside the layers).
+    """
+    pp = provider.pipeline_model_parallel_size
+    stage = provider.num_layers // pp
+    even = not (provider.num_layers_in_first_pipeline_stage or provider.num_layers_in_last_pipeline_stage
+                or getattr(provider, "account_for_embedding_in_pipeline_split", False)
+                or getattr(provider, "account_for_loss_in_pipeline_split", False))
+    if (not getattr(provider, "num_moe_experts", None) or stage <= TRACED_LAYERS or not even
+            or provider.num_layers % pp or (provider.virtual_pipeline_model_parallel_size or 1) > 1
+            or provider.recompute_granularity == "full"):
+        return None
+    return stage
 
 
 def expert_sizes(provider) -> tuple[int, int]:
@@ -348,14 +384,20 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
         stage_provider.virtual_pipeline_model_parallel_size = None  # a stage's chunks traced as one model
+        stage_layers = traced_layers(provider)
+        if stage_layers:
+            stage_provider.num_layers = TRACED_LAYERS * pp
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
                                  dtype=prepared.dtype)
-        counts = static.count_parameters(model)
+        counts = static.count_parameters(model, layers=stage_layers)
         traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
         moe_layers = len(load.routed_tokens)
+        if stage_layers:
+            traced = traced.extended(stage_layers)
+            layers = moe_layers = stage_layers
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
@@ -451,7 +493,8 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
         candidates.append((routed * (glu * ffn + ffn + h) * element,
                            f"formula: expert activation gradients in backward, [{routed}, {glu * ffn}] + "
                            f"[{routed}, {ffn}] + [{routed}, {h}]: the {routed:,} tokens routed to this rank's experts "
-                           "(tokens x top-k x imbalance / EP, as the dispatcher hands them over)"))
+                           "(each of the EP x ETP ranks that send to them: its tokens x top-k x imbalance / EP), "
+                           "as the dispatcher hands them over"))
     mlp_grads, basis = max(candidates)
     if recomputed_layer:
         out.append(Component(TRANSIENT, "recomputed layer in backward", recomputed_layer + mlp_grads,

@@ -28,6 +28,7 @@ every parameter 18 bytes (6 + 12 / DP with the distributed optimizer).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -88,12 +89,22 @@ class ParameterCounts:
         return sum(self.trainable[part] for part in EXPERT_PARTS)
 
 
-def count_parameters(model: torch.nn.Module) -> ParameterCounts:
+def _layer_index(name: str) -> Optional[int]:
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["decoder", "layers"] and parts[2].isdigit() else None
+
+
+def count_parameters(model: torch.nn.Module, layers: Optional[int] = None) -> ParameterCounts:
+    """Parameters of ``model`` per part; ``layers``: the stage really has that many identical layers, of which
+    the model built only the first ones (the last built one stands for the rest)."""
     frozen = dict.fromkeys(PARTS, 0)
     trainable = dict.fromkeys(PARTS, 0)
     sizes = set()
-    for name, param in model.named_parameters():
-        (trainable if param.requires_grad else frozen)[part_of(name)] += param.numel()
+    indices = [_layer_index(name) for name, _ in model.named_parameters()]
+    last = max((i for i in indices if i is not None), default=None)
+    for (name, param), index in zip(model.named_parameters(), indices):
+        copies = layers - last if layers and last is not None and index == last else 1
+        (trainable if param.requires_grad else frozen)[part_of(name)] += copies * param.numel()
         sizes.add(param.element_size())
     if len(sizes) != 1:
         raise ValueError(f"parameters of {len(sizes)} element sizes {sorted(sizes)}: the model is not cast to one dtype")

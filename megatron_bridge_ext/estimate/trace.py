@@ -7,6 +7,7 @@ estimate's categories. Each storage counts once, in the category of the first mo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -92,12 +93,21 @@ def split(result) -> tuple[dict[str, int], dict[int, int]]:
     """Bytes per category and per layer from a meter result classified by :func:`classifier`."""
     by_category = dict.fromkeys(CATEGORIES, 0)
     by_layer: dict[int, int] = {}
+    for (category, layer), nbytes in split_by_category_and_layer(result).items():
+        by_category[category] += nbytes
+        if layer is not None:
+            by_layer[layer] = by_layer.get(layer, 0) + nbytes
+    return by_category, by_layer
+
+
+def split_by_category_and_layer(result) -> dict[tuple[str, Optional[int]], int]:
+    """Bytes per (category, layer or None) from a meter result classified by :func:`classifier`."""
+    out: dict[tuple[str, Optional[int]], int] = {}
     for key, nbytes in result.by_category.items():
         category, layer = key.split("|")
-        by_category[category] += nbytes
-        if layer:
-            by_layer[int(layer)] = by_layer.get(int(layer), 0) + nbytes
-    return by_category, by_layer
+        index = (category, int(layer) if layer else None)
+        out[index] = out.get(index, 0) + nbytes
+    return out
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,32 @@ class TracedMicrobatch:
     lora_a_saved: dict[str, int]
     """What each LoRA-A saved, per module (for the TE contract): ``...adapter.linear_in``, and CanonicalLoRA's
     ``...adapter.adapter_q.linear_in`` (one per split adapter)."""
+    by_category_and_layer: dict[tuple[str, Optional[int]], int] = dataclasses.field(default_factory=dict)
+
+    def extended(self, layers: int) -> "TracedMicrobatch":
+        """This trace of a stage's first layers, with its last traced layer repeated up to ``layers`` layers.
+
+        For a stage of identical layers (:func:`..memory.traced_layers`): every layer after the first saves
+        what the second does (the first differs only where the embedding's output feeds it).
+        """
+        last = max(self.by_layer)
+        extra = layers - 1 - last
+        if extra <= 0:
+            return self
+        by_category = dict(self.by_category)
+        for (category, layer), nbytes in self.by_category_and_layer.items():
+            if layer == last:
+                by_category[category] += extra * nbytes
+        by_layer = {**self.by_layer, **{last + 1 + i: self.by_layer[last] for i in range(extra)}}
+        lora_a = dict(self.lora_a_saved)
+        prefix = f"decoder.layers.{last}."
+        for name, nbytes in self.lora_a_saved.items():
+            if name.startswith(prefix):
+                for i in range(extra):
+                    lora_a[f"decoder.layers.{last + 1 + i}.{name[len(prefix):]}"] = nbytes
+        saved = self.saved_bytes + extra * self.by_layer[last]
+        return dataclasses.replace(self, saved_bytes=saved, by_category=by_category, by_layer=by_layer,
+                                   lora_a_saved=lora_a)
 
 
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
@@ -143,4 +179,5 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
     persistent = sum(t.numel() * t.element_size() for t in getattr(buffer, "buffer", {}).values())
     lora_a = {name: nbytes for name, nbytes in result.by_module.items()
               if ".adapter." in name and name.endswith(".linear_in")}
-    return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a)
+    return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a,
+                            split_by_category_and_layer(result))

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.support.dist_checks import assert_no_problems
-from tests.support.estimate_grid import points_for, problems, run
+from tests.support.estimate_grid import MOE_GRID, points_for, problems, run
 
 pytestmark = [pytest.mark.functional]
 
@@ -43,5 +43,19 @@ def test_estimate_equals_the_meter_on_the_real_run(tp):
         found = problems(rows) + ([] if world_still_works else ["the estimate left the real parallel state changed"])
         assert len(rows) >= 4
         assert_no_problems(found, dist.group.WORLD)
+    finally:
+        distributed.init_from_env(tensor_parallel=2)
+
+
+def test_moe_estimate_equals_the_meter_on_the_real_run():
+    """EP 1 and 2, TP 1 and 2, LoRA and full fine-tuning (all-gather dispatcher): the balanced load the estimate
+    states is the real load when every token goes to every expert (tests/support/estimate_grid.py, MOE_GRID)."""
+    from megatron_bridge_ext.testing import distributed
+
+    _bridge_config_container()
+    try:
+        rows = run(MOE_GRID)
+        assert len(rows) == len(MOE_GRID)
+        assert_no_problems(problems(rows), dist.group.WORLD)
     finally:
         distributed.init_from_env(tensor_parallel=2)

@@ -38,19 +38,26 @@ class GridPoint:
     swiglu: bool
     dtype: str
     kind: str = "lora"  # the LoRA-family kind (megatron_bridge_ext.peft.kinds)
+    experts: int = 0  # routed experts per layer (0: dense MLP), each token to top-k of them
+    topk: int = 1
+    ep: int = 1
+    dispatcher: str = "allgather"
 
     @property
     def name(self) -> str:
         kind = "" if self.kind == "lora" or self.lora is None else f"{self.kind}-"
+        moe = f"-moe{self.experts}top{self.topk}ep{self.ep}{self.dispatcher}" if self.experts else ""
         return (f"tp{self.tp}-{'sp' if self.sp else 'nosp'}-{kind}{self.lora or 'full_ft'}-{self.recompute}-"
-                f"{self.heads}-{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}")
+                f"{self.heads}-{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}{moe}")
 
     def shape(self):
         from megatron_bridge_ext.testing.tiny_model import TinyGPTShape
 
         heads, kv_heads = (4, 4) if self.heads == MHA else ((8, 4) if self.tp == 4 else (4, 2))
+        moe = dict(experts=self.experts, topk=self.topk, ep=self.ep, etp=1, dispatcher=self.dispatcher) \
+            if self.experts else {}
         return TinyGPTShape(tp=self.tp, sequence_parallel=self.sp, heads=heads, kv_heads=kv_heads, swiglu=self.swiglu,
-                            dtype=self.dtype, peft=self.kind)
+                            dtype=self.dtype, peft=self.kind, **moe)
 
     def peft(self, shape):
         if self.lora is None:
@@ -91,6 +98,20 @@ def _grid() -> list[GridPoint]:
 
 GRID: list[GridPoint] = _grid()
 
+MOE_GRID: list[GridPoint] = [
+    # Every token to every expert (top-k = experts): the real router's load is the balanced load the estimate
+    # states, so the experts' and the dispatcher's saves compare to the byte. A top-1 router over two experts
+    # splits the real tokens unevenly (data-dependent), which the balanced estimate does not claim to match.
+    # The all-to-all dispatcher needs a CUDA stream, so real CPU runs use the all-gather one (the unit tests
+    # show both dispatchers hand the experts the same tokens in the estimate).
+    GridPoint(2, True, "off", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
+    GridPoint(2, True, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
+    GridPoint(2, True, "off", "none", MHA, False, "float32", experts=2, topk=2, ep=2),
+    GridPoint(1, False, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
+    GridPoint(1, False, "off", "none", GQA, True, "float32", experts=2, topk=2, ep=1),
+]
+"""Mixture-of-experts points: EP 1 and 2, LoRA and full fine-tuning, TP 1 and 2, on the suite's two ranks."""
+
 
 def points_for(tp: int) -> list[GridPoint]:
     return [p for p in GRID if p.tp == tp]
@@ -104,6 +125,10 @@ def measured(point: GridPoint) -> dict:
     from megatron_bridge_ext.testing import tiny_model
 
     shape = point.shape()
+    if point.experts:
+        from megatron_bridge_ext.testing import distributed
+
+        distributed.init_from_env(tensor_parallel=point.tp, expert_parallel=point.ep, expert_tensor_parallel=1)
     model = tiny_model.build_gpt(shape, **RECOMPUTE[point.recompute])
     peft = point.peft(shape)
     if peft is not None:

@@ -419,7 +419,8 @@ def test_the_plan_is_the_same_without_the_imports_it_leaves_out(argv):
 
 
 # ------------------------------------------------------------------------------------------------
-# Mixture-of-experts models: --ep/--etp checked before the build; Bridge's figure where ours refuses
+# Mixture-of-experts models: --ep/--etp checked before the build; our estimate beside Bridge's, and Bridge's
+# figure alone where ours refuses (token dropping)
 
 QWEN3_30B_A3B = os.path.join(DATA, "qwen3-30b-a3b", "config.json")
 GPT_OSS_120B = os.path.join(DATA, "gpt-oss-120b", "config.json")
@@ -480,38 +481,62 @@ def _moe_plan(capsys, *argv) -> tuple[int, str]:
     return status, out
 
 
-def test_a_moe_plan_shows_bridges_figure_and_our_refusal_in_one_line(capsys):
+DROPPING = ["model.moe_expert_capacity_factor=1.0"]
+"""Token dropping: an MoE setting our estimate does not model (Bridge's formula reads the config regardless)."""
+
+
+def test_a_moe_plan_prints_our_table_beside_bridges_with_the_expert_load_stated(capsys):
     status, text = _moe_plan(capsys, "--ep", "4", "--dp", "4")
+    assert status == 0
+    lines = text.splitlines()
+    [config] = [line for line in lines if line.startswith("config: ")]
+    assert config.startswith("config: TP=4 PP=1 EP=4 ETP=1 DP=4 SP=on, seq 8192")
+    assert ("128 experts (top-8, 32 on this rank, alltoall dispatcher), expert load 1.0 (balanced, the default; "
+            "--moe-imbalance sets the most loaded expert's share)") in config
+    for row in ("weights: experts", "weights: expert adapters", "moe dispatch", "experts  "):
+        assert any(row in line for line in lines), row
+    assert "Bridge's estimate_training_memory for the same config, per rank" in text
+    assert "routed expert parameters and optimizer" in text and "Bridge minus ours: " in text
+    assert "fits as is" in text and "our estimate: not modelled" not in text
+    assert any("MoE routing: a stated load" in line for line in lines)
+
+
+def test_a_moe_plan_with_token_dropping_shows_bridges_figure_and_our_refusal_in_one_line(capsys):
+    status, text = _moe_plan(capsys, "--ep", "4", "--dp", "4", *DROPPING)
     assert status == plan_cli.NOT_MODELLED_STATUS
     refusals = [line for line in text.splitlines() if line.startswith("our estimate: ")]
-    assert refusals == ["our estimate: not modelled: model.num_moe_experts: mixture-of-experts models are not "
-                        "modelled by the estimate. Fix: estimate a dense GPT config, or use Bridge's "
-                        "estimate_training_memory"]
+    assert refusals == ["our estimate: not modelled: model.moe_expert_capacity_factor: token dropping (expert "
+                        "capacity) is not modelled by the estimate. Fix: estimate the dropless config "
+                        "(moe_expert_capacity_factor=None), an upper bound"]
     assert "Bridge's estimate_training_memory for the same config, per rank" in text
-    assert "routed expert parameters and optimizer" in text
     assert "config: TP=4 PP=1 CP=1 EP=4 ETP=1 DP=4 SP=on, seq 8192, micro-batch 1, 128 experts (top-8)" in text
     assert "fits: no verdict" in text and "fits as is" not in text and "answer:" not in text
 
 
-def test_the_moe_json_carries_bridges_figure_per_rank_and_our_refusal(capsys):
-    """Bridge's routed-expert share is per rank: EP=4 holds half the experts EP=2 holds (128/4 against 128/2).
+def test_the_moe_json_carries_both_estimates_per_rank(capsys):
+    """Both figures are per rank: EP=4 holds half the experts EP=2 holds (128/4 against 128/2), in Bridge's
+    routed-expert share and in our expert weights.
 
     DP grows with EP so that the experts' own DP (GPUs / (ETP x EP)) stays 1: their optimizer states are
     sharded the same way in both runs."""
     reports = {}
     for ep in (2, 4):
         status, out = _moe_plan(capsys, "--ep", str(ep), "--dp", str(ep), "--json")
-        assert status == plan_cli.NOT_MODELLED_STATUS
+        assert status == 0
         reports[ep] = json.loads(out)
     report = reports[4]
-    assert report["estimate"] is None and report["fits_as_is"] is None and report["answer"] is None
-    [refusal] = report["estimate_refused"]
-    assert (refusal["code"], refusal["setting"]) == ("unsupported_model", "model.num_moe_experts")
-    assert report["bridge_estimate_error"] is None
+    assert report["estimate_refused"] in (None, []) and report["bridge_estimate_error"] is None
     assert report["layout"]["ep"] == 4 and report["layout"]["num_moe_experts"] == 128
-    experts = {ep: dict((c["name"], c["bytes"]) for c in reports[ep]["bridge_estimate"]["components"])
-               ["routed expert parameters and optimizer"] for ep in reports}
-    assert experts[2] == 2 * experts[4]
+    bridge = {ep: dict((c["name"], c["bytes"]) for c in reports[ep]["bridge_estimate"]["components"])
+              ["routed expert parameters and optimizer"] for ep in reports}
+    ours = {ep: {c["name"]: c["bytes"] for c in reports[ep]["estimate"]["components"]}["weights: experts"]
+            for ep in reports}
+    assert bridge[2] == 2 * bridge[4] and ours[2] == 2 * ours[4]
+
+
+def test_a_moe_imbalance_below_1_is_refused_before_torch_is_imported():
+    line = _refused_without_torch(QWEN3_30B_A3B, ["--tp", "4", "--ep", "4", "--dp", "4", "--moe-imbalance", "0.9"])
+    assert line.startswith("mbx plan: --moe-imbalance: 0.9 is not a load factor of 1 or more") and ". Fix: " in line, line
 
 
 def _bridge_fails(monkeypatch):
@@ -539,7 +564,7 @@ def test_a_failing_bridge_estimate_is_one_line_and_our_plan_stands(monkeypatch):
 
 def test_a_moe_plan_whose_bridge_estimate_fails_says_both_in_a_line_each(capsys, monkeypatch):
     _bridge_fails(monkeypatch)
-    status, text = _moe_plan(capsys, "--ep", "4", "--dp", "4")
+    status, text = _moe_plan(capsys, "--ep", "4", "--dp", "4", *DROPPING)
     assert status == plan_cli.NOT_MODELLED_STATUS
     assert FAILED in text.splitlines()
     assert len([line for line in text.splitlines() if line.startswith("our estimate: not modelled: ")]) == 1
@@ -552,7 +577,7 @@ def test_an_unset_expert_tp_is_1_with_ep_as_bridge_finalizes_it(capsys):
     reports = {}
     for etp in ([], ["--etp", "1"], ["--etp", "4"]):
         status, out = _moe_plan(capsys, "--ep", "4", "--dp", "4", "--json", *etp)
-        assert status == plan_cli.NOT_MODELLED_STATUS
+        assert status == 0
         reports[tuple(etp)] = json.loads(out)
     assert [reports[k]["layout"]["etp"] for k in reports] == [1, 1, 4]
     figures = [reports[k]["bridge_estimate"]["total_bytes"] for k in reports]
@@ -570,7 +595,7 @@ def test_a_recipes_expert_layout_is_checked_once_built(capsys):
 def test_a_moe_plan_writes_no_plot_and_says_so(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "plan.png"
-    status = cli.main(["plan", *MOE_ARGV, "--ep", "4", "--dp", "4", "--plot", str(path)])
+    status = cli.main(["plan", *MOE_ARGV, "--ep", "4", "--dp", "4", "--plot", str(path), *DROPPING])
     err = capsys.readouterr().err
     assert status == plan_cli.NOT_MODELLED_STATUS and not path.exists()
     assert f"mbx plan: no plot written to {path}: its bars are our estimate's" in err

@@ -30,3 +30,16 @@ def test_optimizer_rules():
 
     rule = optimizer_rule(SGD, param_bytes=2, data_parallel=4, context_parallel=1)
     assert (rule.bytes_per_parameter, rule.shards) == (8, 1)
+
+
+@pytest.mark.parametrize("name, part", [
+    ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", "experts"),
+    ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.adapter.linear_in.weight", "expert adapters"),
+    ("decoder.layers.0.mlp.router.weight", "transformer layers"),
+    ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", "transformer layers"),
+    ("decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight", "adapters"),
+])
+def test_routed_experts_are_their_own_part_router_and_shared_experts_stay_in_the_layers(name, part):
+    from megatron_bridge_ext.estimate.static import part_of
+
+    assert part_of(name) == part

@@ -9,8 +9,10 @@ from megatron_bridge_ext.estimate.trace import (
     CHECKPOINT_INPUTS,
     EMBEDDING,
     LOGITS_LOSS,
+    EXPERTS,
     LORA_INPUTS,
     MLP,
+    MOE_DISPATCH,
     NORMS,
     category_of,
 )
@@ -34,3 +36,20 @@ pytestmark = [pytest.mark.unit]
 ])
 def test_categories_of_module_names(name, category):
     assert category_of(name) == category
+
+
+MOE = frozenset({"decoder.layers.3.mlp"})
+
+
+@pytest.mark.parametrize("name, category", [
+    ("decoder.layers.3.mlp", MOE_DISPATCH),  # the dispatcher's own saves (it is no module)
+    ("decoder.layers.3.mlp.router", MOE_DISPATCH),
+    ("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1", EXPERTS),
+    ("decoder.layers.3.mlp.experts.local_experts.5", EXPERTS),
+    ("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.adapter.linear_in", LORA_INPUTS),
+    ("decoder.layers.3.mlp.shared_experts.linear_fc1", MLP),
+    ("decoder.layers.4.mlp", MLP),  # a dense layer's MLP saves its activation itself
+    ("decoder.layers.3.pre_mlp_layernorm", NORMS),
+])
+def test_categories_of_moe_module_names(name, category):
+    assert category_of(name, MOE) == category
