@@ -72,7 +72,15 @@ def test_shared_experts_is_a_candidate_only_with_shared_experts():
     with_shared = {tuple(m) for m in _step3(_cfg(grouped_gemm=True), {}).estimated}
     without = {tuple(m) for m in _step3(_cfg(grouped_gemm=True, shared=0), {}).estimated}
     assert ("shared_experts",) in with_shared and ("shared_experts",) not in without
-    assert {("moe",), ("moe_act",)} <= without
+    assert ("moe",) in without
+
+
+def test_moe_act_with_grouped_gemm_says_the_estimate_cannot_measure_it():
+    """Core applies moe_act in TEGroupedMLP only; the estimate traces SequentialMLP, where it would measure nothing."""
+    planner = _step3(_cfg(grouped_gemm=True), {"moe_act": 8 * MIB})
+    option = next(o for o in planner.options if o.label == "recompute moe_act")
+    assert not option.applicable and "TEGroupedMLP" in option.reason and "SequentialMLP" in option.reason
+    assert not any("moe_act" in modules for modules in planner.estimated)
 
 
 def _flops_moe_layer() -> int:
@@ -91,13 +99,11 @@ def _flops_shared() -> int:
 def test_cheapest_per_byte_first_and_moe_priced_with_its_repeated_dispatch():
     # shared_experts: about half moe's FLOPs for 50 MiB, moe twice as many for 60 MiB: shared_experts first
     assert _flops_shared() / 50 < _flops_moe_layer() / 60
-    planner = _step3(_cfg(grouped_gemm=True), {"layernorm": 1 * MIB, "shared_experts": 50 * MIB, "moe": 60 * MIB,
-                                               "moe_act": 2 * MIB})
+    planner = _step3(_cfg(grouped_gemm=True), {"layernorm": 1 * MIB, "shared_experts": 50 * MIB, "moe": 60 * MIB})
     applied = [o for o in planner.options if o.applicable]
     assert [o.label for o in applied] == [
-        "recompute_modules=['layernorm']", "recompute_modules=['layernorm', 'moe_act']",
-        "recompute_modules=['layernorm', 'moe_act', 'shared_experts']",
-        "recompute_modules=['layernorm', 'moe_act', 'shared_experts', 'moe']"]
+        "recompute_modules=['layernorm']", "recompute_modules=['layernorm', 'shared_experts']",
+        "recompute_modules=['layernorm', 'shared_experts', 'moe']"]
     moe = applied[-1].cost  # an option's cost is that of every module it recomputes
     assert moe.recomputed_flops == 2 * (_flops_moe_layer() + _flops_shared())  # two MoE layers, one microbatch
     tokens = SEQ // TP * MB
@@ -109,10 +115,8 @@ def test_cheapest_per_byte_first_and_moe_priced_with_its_repeated_dispatch():
 
 
 def test_what_moe_already_recomputes_is_not_added_after_it():
-    planner = _step3(_cfg(grouped_gemm=True), {"moe": 4000 * MIB, "shared_experts": 50 * MIB, "moe_act": 1 * MIB})
+    planner = _step3(_cfg(grouped_gemm=True), {"moe": 4000 * MIB, "shared_experts": 50 * MIB})
     labels = [(o.label, o.applicable) for o in planner.options if o.label.startswith("recompute_modules")]
-    assert labels[0] == ("recompute_modules=['moe_act']", True)
-    assert labels[1] == ("recompute_modules=['moe_act', 'moe']", True)
-    assert labels[2] == ("recompute_modules=['moe_act', 'moe', 'shared_experts']", False)
-    skipped = [o for o in planner.options if o.label == labels[2][0]][0]
+    assert labels == [("recompute_modules=['moe']", True), ("recompute_modules=['moe', 'shared_experts']", False)]
+    skipped = [o for o in planner.options if o.label == labels[1][0]][0]
     assert skipped.reason == "'moe' recompute already recomputes shared_experts (the whole MoE layer)"
