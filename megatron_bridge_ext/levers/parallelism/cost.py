@@ -149,7 +149,8 @@ def expert_dp_size(s: dict, *, ep: int, etp: int) -> int:
 def expert_dp_bytes(s: dict, moe: dict, *, ep: int, etp: int, moe_layers: int, element: int) -> int:
     """Bytes one rank sends per step for its trainable expert weights over the expert-DP group: the gradient
     reduce-scatter and the parameter all-gather of the distributed optimizer (or one all-reduce of the same
-    volume), each (EDP-1)/EDP of the rank's expert parameters. None with PEFT: the base experts are frozen."""
+    volume), each (EDP-1)/EDP of the rank's expert parameters. None with PEFT: the base experts are frozen (the
+    expert adapters' traffic, a small fraction, is left out)."""
     edp = expert_dp_size(s, ep=ep, etp=etp)
     if s.get("peft") or edp <= 1:
         return 0
