@@ -392,7 +392,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
     load = routing.RoutedLoad(imbalance)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load):
+            routing.balanced_routing(load), routing.in_order_streams():
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)

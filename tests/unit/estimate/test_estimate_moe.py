@@ -196,6 +196,21 @@ def test_the_reduced_stage_keeps_the_first_layer_and_one_of_each_kind_after_it()
     assert (second.pattern, second.sources) == ([1, 1], [0, 1, 1, 1, 1])
 
 
+def test_shared_experts_overlapped_with_the_dispatch_trace_without_cuda():
+    """The overlap makes a CUDA side stream when the layer is built; without CUDA the estimate traces the overlapped
+    path in program order. Its saves are not the in-order shared experts': the dispatcher does the shared experts'
+    communication, and what it gathers for them counts as moe dispatch (the grid measures both to the byte)."""
+    import torch
+
+    shared = ["model.moe_shared_expert_intermediate_size=64"]
+    streams = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
+    overlapped = memory.estimate(_tiny(peft="none", extra=[*shared, "model.moe_shared_expert_overlap=True"]))
+    in_order = memory.estimate(_tiny(peft="none", extra=shared))
+    assert (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream) == streams
+    assert overlapped.activations_per_microbatch[MLP] > 0
+    assert overlapped.activations_per_microbatch[MOE_DISPATCH] != in_order.activations_per_microbatch[MOE_DISPATCH]
+
+
 def test_token_dropping_is_not_modelled():
     with pytest.raises(memory.NotModelled) as raised:
         memory.estimate(_tiny(extra=["model.moe_expert_capacity_factor=1.0"]))
