@@ -18,6 +18,20 @@ the package imports it. Everything it changes is listed here.
 * a CPU stand-in for Apex's ``fused_weight_gradient_mlp_cuda`` (wgrad GEMM accumulated into
   ``main_grad``), so that ``gradient_accumulation_fusion=True`` can be exercised. It must be
   installed before ``megatron.core.tensor_parallel.layers`` is imported.
+* CUDA streams and events -> :class:`_CpuStream` (work on the CPU is already in order):
+  ``torch.cuda.Stream``/``Event``/``current_stream``/``stream``. Megatron Core's MoE all-to-all token
+  dispatcher makes one at construction (``transformer/moe/token_dispatcher.py:469``) and copies its
+  split sizes to the host on it (``:922-925``, event ``:946``, synchronised ``:951``); shared experts
+  with ``moe_shared_expert_overlap`` run on one of their own (``transformer/moe/shared_experts.py:98,192,
+  226,237,260,321,335,354,362``, ``transformer/moe/moe_layer.py:595``).
+* the all-to-all dispatcher's host copy of its split sizes (``token_dispatcher.py:927-944`` call
+  ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``) -> :func:`_host_copy`. Upstream copies
+  only CUDA tensors (``moe_utils.py:1184``): on a CPU rank the splits would stay torch tensors, and
+  ``torch.distributed.all_to_all_single`` (``tensor_parallel/mappings.py:460``) refuses them on any
+  backend (its ``ProcessGroup`` binding takes a sequence of ints; the NumPy array a GPU rank passes is one).
+
+The MoE line numbers are Core 0.19.2's; Core 0.18.2 has the same calls at token_dispatcher.py:451,902-926,
+shared_experts.py:92-355, moe_layer.py:586, moe_utils.py:1127 and mappings.py:456.
 
 :func:`bridge_imports` (once, before Bridge's training modules are imported), then
 :func:`bridge_loop` (a context manager held around ``pretrain``/``finetune``, which restores
@@ -40,8 +54,9 @@ everything on exit) add what Bridge's loop needs. Line numbers: Bridge 0.6.2 / C
 * ``torch.cuda`` runtime calls with no CPU meaning -> no-ops: ``synchronize`` (``core/timers.py:152,165``,
   ``train.py:1030``, ``dist_checkpointing/strategies/filesystem_async.py:248``), ``empty_cache``
   (``initialize.py:955``, ``train.py:934,973,1329``, ``checkpointing.py:3199``, ``optim.py:241``),
-  ``set_device``, the ``memory_*`` statistics (``utils/train_utils.py:1280``), and streams/events
-  (``megatron/training/models/dist_utils.py:303-306,366``, ``core/distributed/param_and_grad_buffer.py:632``).
+  ``set_device``, the ``memory_*`` statistics (``utils/train_utils.py:1280``); the loop's streams/events
+  (``megatron/training/models/dist_utils.py:303-306,366``, ``core/distributed/param_and_grad_buffer.py:632``)
+  are :func:`install`'s stand-ins.
 * ``core/optimizer/clip_grads.py:174`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``:
   ``clip_grad_by_total_norm_fp32`` is replaced, in ``core/optimizer/optimizer.py``'s namespace
   (imported by name at :52, called at :410,420,1906,1916), by the same scaling without the device assert.
@@ -84,6 +99,25 @@ def _fake_fused_wgrad_module() -> types.ModuleType:
     return module
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` with the CPU as the device: every tensor gets the host copy (a
+    NumPy array when ``as_numpy``) that upstream makes of a CUDA tensor; ``record_stream`` concerns only
+    the CUDA caching allocator."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    host = tensor.detach().to("cpu", copy=True)
+    return host.numpy() if as_numpy else host
+
+
+def _install_cuda_streams() -> None:
+    """Streams and events with no CUDA: token_dispatcher.py:469,922-951; shared_experts.py:98-362; moe_layer.py:595."""
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuStream
+    torch.cuda.current_stream = _returns(_CPU_STREAM)
+    torch.cuda.default_stream = _returns(_CPU_STREAM)
+    torch.cuda.stream = _returns(contextlib.nullcontext)
+
+
 def install() -> bool:
     """Install the CPU redirections when CUDA is absent. Returns True when installed."""
     global _INSTALLED
@@ -103,6 +137,7 @@ def install() -> bool:
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it; the CPU generator is already seeded
 
+    _install_cuda_streams()
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
@@ -116,6 +151,9 @@ def install() -> bool:
 
     transformer_utils.get_default_causal_mask = cpu_causal_mask
     fused_softmax.get_default_causal_mask = cpu_causal_mask
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     _INSTALLED = True
     return True
 
@@ -203,18 +241,21 @@ def _returns(value):
     return lambda *args, **kwargs: value() if callable(value) else value
 
 
+_CPU_STREAM = _CpuStream()
+"""The one stream of a CPU rank: ``torch.cuda.current_stream()`` and ``default_stream()`` return it."""
+
+
 def _cuda_runtime_stand_ins() -> dict:
     """``torch.cuda`` calls with no CPU meaning: synchronize (core/timers.py:152,165, train.py:1030,
     dist_checkpointing/strategies/filesystem_async.py:248), empty_cache (initialize.py:955, train.py:934,973,1329,
-    checkpointing.py:3199, optim.py:241), memory_stats (utils/train_utils.py:1280), streams
-    (megatron/training/models/dist_utils.py:303-306,366, core/distributed/param_and_grad_buffer.py:632)."""
+    checkpointing.py:3199, optim.py:241), memory_stats (utils/train_utils.py:1280), set_stream. The streams
+    (megatron/training/models/dist_utils.py:303-306,366, core/distributed/param_and_grad_buffer.py:632) are
+    :func:`install`'s."""
     stand_ins = {name: _returns(None) for name in (
         "synchronize", "empty_cache", "set_device", "set_stream", "reset_peak_memory_stats")}
     stand_ins.update({name: _returns(0) for name in (
         "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")})
-    stand_ins.update(memory_stats=_returns(dict), Stream=_CpuStream, Event=_CpuStream,
-                     current_stream=_returns(_CpuStream), default_stream=_returns(_CpuStream),
-                     stream=_returns(contextlib.nullcontext))
+    stand_ins.update(memory_stats=_returns(dict))
     return stand_ins
 
 

@@ -56,6 +56,15 @@ class TinyGPTShape:
     """Expert-parallel size (Core folds the expert layout onto the TP ranks)."""
     etp: int = 1
     """Expert tensor-parallel size."""
+    shared_ffn: int = 0
+    """Core's ``moe_shared_expert_intermediate_size``: with experts, a shared-expert MLP of this width beside the
+    routed ones in every MoE layer; 0 builds none."""
+    shared_overlap: bool = False
+    """Core's ``moe_shared_expert_overlap``: the shared experts' communication runs inside the (all-to-all)
+    dispatcher; their linears then do none of their own."""
+    moe_layer_freq: int | list[int] = 1
+    """Core's ``moe_layer_freq``: which layers are MoE (1 in a list) and which dense (0), e.g. ``[0, 1]``; an int
+    N makes every N-th layer MoE. With dense layers the decoder is Core's block spec of the local spec."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -86,6 +95,8 @@ def shape_problems(shape: TinyGPTShape) -> list[str]:
         (shape.sequence_parallel and shape.seq % shape.tp,
          f"--seq={shape.seq} is not divisible by --tp={shape.tp} (sequence parallelism splits the sequence)"),
         (shape.vocab % shape.tp, f"vocab {shape.vocab} is not divisible by --tp={shape.tp}"),
+        (isinstance(shape.moe_layer_freq, list) and len(shape.moe_layer_freq) != shape.layers,
+         f"moe_layer_freq={shape.moe_layer_freq} does not mark each of the {shape.layers} layers (1 MoE, 0 dense)"),
     )
     return [message for failed, message in checks if failed]
 
@@ -122,10 +133,30 @@ def _moe_fields(shape: TinyGPTShape) -> dict:
     """Megatron Core's MoE config fields for ``shape``; none for a dense shape, so that its config is unchanged."""
     if not shape.experts:
         return {}
-    return dict(num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
-                moe_token_dispatcher_type=shape.dispatcher, expert_model_parallel_size=shape.ep,
-                expert_tensor_parallel_size=shape.etp,
-                moe_router_pre_softmax=shape.topk == 1)  # Core refuses top-1 without it: a softmax over one is 1
+    fields = dict(num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
+                  moe_token_dispatcher_type=shape.dispatcher, expert_model_parallel_size=shape.ep,
+                  expert_tensor_parallel_size=shape.etp,
+                  moe_router_pre_softmax=shape.topk == 1)  # Core refuses top-1 without it: a softmax over one is 1
+    if shape.shared_ffn:
+        fields.update(moe_shared_expert_intermediate_size=shape.shared_ffn,
+                      moe_shared_expert_overlap=shape.shared_overlap)
+    if has_dense_layers(shape):
+        fields.update(moe_layer_freq=copy.copy(shape.moe_layer_freq))
+    return fields
+
+
+def has_dense_layers(shape: TinyGPTShape) -> bool:
+    """Whether an MoE shape's ``moe_layer_freq`` makes some layers dense (Core's default, 1, makes none)."""
+    return bool(shape.experts) and shape.moe_layer_freq != 1 and shape.moe_layer_freq != [1] * shape.layers
+
+
+def moe_layers(shape: TinyGPTShape) -> list[int]:
+    """The indices of the MoE layers, as Core reads ``moe_layer_freq`` (gpt_layer_specs.get_gpt_decoder_layer_specs)."""
+    if not shape.experts:
+        return []
+    freq = shape.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(shape.layers)]
+    return [i for i, moe in enumerate(pattern) if moe]
 
 
 def tiny_config(shape, peft=None, **config_overrides):
@@ -147,6 +178,8 @@ def tiny_config(shape, peft=None, **config_overrides):
     fields["transformer_impl"] = "local"  # the demo builds Megatron Core's local layer spec
     provider = GPTModelProvider(**fields, vocab_size=shape.vocab, seq_length=shape.seq,
                                 share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    if has_dense_layers(shape):
+        provider.transformer_layer_spec = _decoder_block_spec
     cfg = vanilla_gpt_pretrain_config()
     cfg.model, cfg.peft = provider, peft
     cfg.mixed_precision = None  # the tiny config's fields already carry its dtype
@@ -172,7 +205,7 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
     config = transformer_config(shape, **copy.deepcopy(config_overrides))  # Core may edit lists in place
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec if layer_spec is not None else _local_spec(shape),
+        transformer_layer_spec=layer_spec if layer_spec is not None else _local_spec(shape, config),
         vocab_size=shape.vocab,
         max_sequence_length=shape.seq,
         position_embedding_type="rope",
@@ -180,13 +213,24 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
     return model.to(device=device(), dtype=shape.torch_dtype)
 
 
-def _local_spec(shape: TinyGPTShape):
-    """Megatron Core's local layer spec: dense, or MoE with one linear per expert (no grouped GEMM)."""
+def _local_spec(shape: TinyGPTShape, config):
+    """Megatron Core's local layer spec: dense, or MoE with one linear per expert (no grouped GEMM); with dense
+    and MoE layers mixed, Core's decoder block spec of those two local specs."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if not shape.experts:
         return get_gpt_layer_local_spec()
+    if has_dense_layers(shape):
+        return _decoder_block_spec(config)
     return get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False)
+
+
+def _decoder_block_spec(config, vp_stage=None):
+    """Core's decoder block spec of the local dense and MoE layer specs, in ``config.moe_layer_freq``'s order
+    (a callable of the config, as Bridge's provider takes its ``transformer_layer_spec``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 def bridge_lora(shape: TinyGPTShape, **fields):

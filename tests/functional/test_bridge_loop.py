@@ -1,20 +1,20 @@
 """Megatron Bridge's own pretrain/finetune loop with our flags, on the 2 ranks (gloo on CPU, NCCL on GPUs).
 
 The runs (Bridge's ``pretrain``, then ``finetune`` with ``gpt_step.forward_step``, torch_dist
-checkpoints) happen once, in this process, in the ``runs`` fixture; the tests assert on what they
-recorded through Bridge's callbacks and a metered forward step (``megatron_bridge_ext.testing.bridge``).
+checkpoints) happen once, in this process, in the ``runs`` fixture (``tests.support.bridge_runs``); the
+tests assert on what they recorded through Bridge's callbacks and a metered forward step
+(``megatron_bridge_ext.testing.bridge``).
 Our LoRA comes in exactly as the docs tell users: ``MemoryConfig(...).apply(cfg)`` on a config
 whose ``cfg.peft`` is Bridge's LoRA.
 
 Expected numbers come from shapes (saved bytes, recompute counts), from Bridge's own LoRA (bitwise
 where the arithmetic is the same), or from a float64 run of Bridge's LoRA from the same checkpoint
-(``shard_local``, whose sums are ordered differently: see :func:`fp32_bound`).
+(``shard_local``, whose sums are ordered differently: see ``tests.support.bridge_runs.fp32_bound``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import math
 import re
@@ -22,15 +22,27 @@ import runpy
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_bridge_ext.testing.bridge import recipe, runner
-from tests.support.bridge_session import Session, bridge_session, shared_directory, timeout_minutes
-from tests.support.dist_checks import assert_no_problems, max_over_ranks
+from megatron_bridge_ext.testing.bridge import recipe
+from tests.support.bridge_runs import (
+    USER_ALLOCATOR_OPTION,
+    Outcome,
+    Planned,
+    allocator_problems,
+    last,
+    outcome_of,
+    rel_diff,
+    run_all,
+    scalar_tolerance,
+    shard_local_gradient_problems,
+    shard_local_scalar_problems,
+)
+from tests.support.bridge_session import bridge_session, shared_directory
+from tests.support.dist_checks import assert_no_problems
 
 pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
 
@@ -39,30 +51,6 @@ RESUME_STEP = 2
 FINETUNE_ITERATIONS = 4
 MICRO_BATCHES = 2  # global batch 4 = 2 micro-batches of 2 (data-parallel size 1)
 FP32 = torch.finfo(torch.float32)
-# A recipe's own allocator option, which MemoryConfig must keep (Bridge 0.6.2's recipes set expandable segments already).
-USER_ALLOCATOR_OPTION = ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
-
-
-@dataclasses.dataclass
-class Planned:
-    """One Bridge run: which entry point, and how its config is made."""
-
-    name: str
-    entry: str
-    config: Callable[[], object]
-    memory: Optional[dict] = None  # MemoryConfig fields, applied as the docs say
-    meter: bool = False
-    keep_gradients: bool = False
-    user_env_vars: Optional[dict] = None  # added to the recipe's cfg.env_vars (Bridge >= 0.6) before MemoryConfig
-    unclipped: bool = False  # clip_grad=0: Core's clipping asserts fp32 gradients (clip_grads.py), see fp32_bound
-
-
-@dataclasses.dataclass
-class Outcome:
-    run: Optional[runner.Run] = None
-    summary: object = None  # what MemoryConfig.apply returned
-    env_vars: dict = dataclasses.field(default_factory=dict)
-    error: Optional[str] = None
 
 
 def plan(directory: str) -> list[Planned]:
@@ -94,27 +82,6 @@ def plan(directory: str) -> list[Planned]:
     ]
 
 
-def execute(planned: Planned, session: Session) -> Outcome:
-    from megatron_bridge_ext.config import MemoryConfig
-
-    outcome = Outcome()
-    session.next_run()
-    try:
-        cfg = planned.config()
-        cfg.dist.distributed_timeout_minutes = timeout_minutes()
-        if planned.unclipped:
-            cfg.optimizer.clip_grad = 0.0
-        if planned.user_env_vars and _bridge_applies_env_vars():
-            cfg.env_vars.update(planned.user_env_vars)
-        if planned.memory is not None:
-            outcome.summary = MemoryConfig(**planned.memory).apply(cfg)
-        outcome.env_vars = dict(getattr(cfg, "env_vars", None) or {})
-        outcome.run = runner.run(planned.entry, cfg, meter=planned.meter, keep_gradients=planned.keep_gradients)
-    except Exception:  # recorded, then shared with the other rank: both stop together
-        outcome.error = traceback.format_exc(limit=-8)
-    return outcome
-
-
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
     return shared_directory(str(tmp_path_factory.mktemp("bridge_loop")))
@@ -122,27 +89,7 @@ def directory(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(directory) -> dict[str, Outcome]:
-    """Every planned run, in order, on both ranks; after a failure on any rank no further run starts."""
-    outcomes: dict[str, Outcome] = {}
-    with bridge_session() as session:
-        for planned in plan(directory):
-            outcomes[planned.name] = outcome = execute(planned, session)
-            if max_over_ranks(1.0 if outcome.error else 0.0, dist.group.WORLD):
-                break
-    return outcomes
-
-
-def outcome_of(runs: dict[str, Outcome], name: str) -> runner.Run:
-    """The run ``name``; fails (on both ranks) when it did not complete on some rank."""
-    outcome = runs.get(name)
-    problem = ("not run: an earlier run failed" if outcome is None
-               else f"failed on this rank:\n{outcome.error}" if outcome.error else None)
-    assert_no_problems([f"{name}: {problem}"] if problem else [], dist.group.WORLD)
-    return outcome.run
-
-
-def last(run: runner.Run, count: int) -> tuple[list, list]:
-    return run.losses()[-count:], run.grad_norms()[-count:]
+    return run_all(plan(directory))
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,77 +127,12 @@ def test_regather_matches_bridge_lora_bitwise(runs):
     assert_no_problems(problems, dist.group.WORLD)
 
 
-def rel_diff(got: list, want: list) -> float:
-    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
-
-
-def gradient_error(got: dict, want: dict) -> float:
-    """||got - want|| / ||want|| over every trainable parameter (this rank's shards), in float64."""
-    assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    difference = sum(float((got[k] - want[k]).norm() ** 2) for k in want)
-    return math.sqrt(difference / sum(float(want[k].norm() ** 2) for k in want))
-
-
-def fp32_bound(runs) -> float:
-    """How far an fp32 run of these steps may be from exact arithmetic, measured against float64.
-
-    ``float64 bridge <- bridge`` resumes Bridge's step-2 checkpoint in float64 (its fp32 weights and
-    optimizer state load into float64 exactly), and ``bridge <- bridge`` resumes it in fp32: at
-    iteration 3 both start from the same weights, so the distance between their gradients is the
-    fp32 rounding error of one step of this computation (the largest over the ranks). ``shard_local``
-    does the same arithmetic except for the order of two sums (LoRA-A's GEMM over the local sequence
-    shard, its weight gradient reduce-scattered); that reordering changes the result by no more than
-    rounding does, so ``shard_local``'s own error is at most Bridge's error plus that much again: the
-    bound is twice Bridge's measured error. A gradient that is wrong (a missing reduction, a wrong
-    shard, a 1e-4 scaling of LoRA-A's gradient) misses it by orders of magnitude.
-
-    The float64 run has gradient clipping off (Megatron Core's clipping asserts fp32 gradients); that is
-    the same arithmetic as long as the fp32 runs' grad norms stay below ``clip_grad`` (checked).
-    """
-    bridge, reference = outcome_of(runs, "bridge <- bridge"), outcome_of(runs, "float64 bridge <- bridge")
-    clip_grad = recipe.tiny_recipe(train_iters=1).optimizer.clip_grad
-    problems = [] if reference.steps[0].dtypes == ["torch.float64"] else [
-        f"the reference ran in {reference.steps[0].dtypes}, not float64"]
-    if not max(bridge.grad_norms()) < clip_grad:
-        problems.append(f"fp32 grad norms {bridge.grad_norms()} reach clip_grad={clip_grad}: the unclipped "
-                        "float64 run is not the same arithmetic")
-    error = max_over_ranks(gradient_error(bridge.steps[0].gradients, reference.steps[0].gradients), dist.group.WORLD)
-    if not error > 0.0:
-        problems.append("Bridge's fp32 gradient equals the float64 one: the comparison proves nothing")
-    assert_no_problems(problems, dist.group.WORLD)
-    return 2 * error
-
-
-def scalar_tolerance(runs) -> float:
-    """For reported losses and grad norms: the fp32 bound, plus one fp32 ulp for rounding the reported value."""
-    return fp32_bound(runs) + FP32.eps
-
-
 def test_shard_local_gradients_are_within_fp32_rounding_of_a_float64_run(runs):
-    bound = fp32_bound(runs)
-    reference = outcome_of(runs, "float64 bridge <- bridge").steps[0]
-    ours = outcome_of(runs, "shard_local <- bridge").steps[0]  # from Bridge's checkpoint: the same weights
-    error = gradient_error(ours.gradients, reference.gradients)
-    lora_a = [k for k in reference.gradients if "linear_in" in k]
-    lora_a_error = gradient_error({k: ours.gradients[k] for k in lora_a}, {k: reference.gradients[k] for k in lora_a})
-    problems = [f"shard_local gradient error {e:.3g} ({what}) > fp32 bound {bound:.3g}"
-                for what, e in (("all adapters", error), ("LoRA-A", lora_a_error)) if e > bound]
-    assert_no_problems(problems, dist.group.WORLD)
+    assert_no_problems(shard_local_gradient_problems(runs), dist.group.WORLD)
 
 
 def test_shard_local_losses_and_grad_norms_match_bridges_lora_within_the_fp32_bound(runs):
-    tolerance = scalar_tolerance(runs)
-    pairs = (("shard_local", "bridge", True), ("shard_local <- bridge", "bridge <- bridge", True),
-             ("shard_local <- bridge", "float64 bridge <- bridge", False))  # the reference has no grad norm
-    problems = []
-    for ours, theirs, with_norms in pairs:
-        got, want = outcome_of(runs, ours), outcome_of(runs, theirs)
-        error = rel_diff(got.losses(), want.losses())
-        if with_norms:
-            error = max(error, rel_diff(got.grad_norms(), want.grad_norms()))
-        if error > tolerance:
-            problems.append(f"{ours} vs {theirs}: relative difference {error:.3g} > {tolerance:.3g}")
-    assert_no_problems(problems, dist.group.WORLD)
+    assert_no_problems(shard_local_scalar_problems(runs), dist.group.WORLD)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,31 +188,9 @@ def test_core_attn_recompute_runs_in_bridges_loop_and_changes_no_number(runs):
     assert_no_problems(problems, dist.group.WORLD)
 
 
-def _bridge_applies_env_vars() -> bool:
-    from megatron.bridge.training.config import ConfigContainer
-
-    return any(f.name == "env_vars" for f in dataclasses.fields(ConfigContainer))
-
-
 def test_allocator_variables_from_cfg_env_vars_are_in_the_ranks_environment(runs):
-    from megatron_bridge_ext.levers.allocator.options import VARIABLES
-
-    outcome_of(runs, "regather")
-    outcome = runs["regather"]  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
-    allocator = {name: str(value) for name, value in outcome.env_vars.items() if name in VARIABLES}
-    problems = []
-    if _bridge_applies_env_vars():
-        if allocator != {USER_ALLOCATOR_OPTION[0]: USER_ALLOCATOR_OPTION[1] + ",expandable_segments:True"}:
-            problems.append(f"MemoryConfig.apply left cfg.env_vars with {allocator}")
-        for step in outcome.run.steps:
-            seen = {name: step.environment.get(name) for name in allocator}
-            if seen != allocator:
-                problems.append(f"iteration {step.iteration}: the rank's environment has {seen}, cfg.env_vars {allocator}")
-    else:  # Bridge 0.5.1's ConfigContainer has no env_vars: MemoryConfig must say so rather than pretend
-        codes = [f.code for f in outcome.summary.findings]
-        if "bridge_ignores_env_vars" not in codes:
-            problems.append(f"this Bridge ignores cfg.env_vars and MemoryConfig.apply did not say so: {codes}")
-    assert_no_problems(problems, dist.group.WORLD)
+    outcome_of(runs, "regather")  # its recipe keeps an allocator option of its own (USER_ALLOCATOR_OPTION)
+    assert_no_problems(allocator_problems(runs["regather"]), dist.group.WORLD)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,13 +6,19 @@ on, a base linear that gathers its input over the sequence (not one whose commun
 switched off, as for overlapped shared experts), trainable LoRA-A, identity activation, no expert
 or all-to-all adapter, no CUDA graphs, no CPU activation offloading. Recompute differs by strategy:
 
-* ``regather`` is refused under full recompute, and for ``linear_fc1`` under selective ``mlp``
-  recompute: the recomputed region already drops the gathered input, and regather would only add
-  an all-gather per recompute.
+* ``regather`` is refused under full recompute, and for a ``linear_fc1`` inside a selectively
+  recomputed module: a dense layer's under ``mlp``, a shared expert's under ``shared_experts`` or
+  ``moe`` (Core recomputes ``mlp`` in dense layers only). The recomputed region already drops the
+  gathered input, and regather would only add an all-gather per recompute.
 * ``shard_local`` stays correct there and is allowed: inside a recomputed region it still replaces
   the s*b*h all-gather of the input (and the s*b*h reduce-scatter of its grad) with all-gathers of
   the r x h weight, and it shrinks the gathered tensor that lives during the recomputed backward
   from s*b*h to the shard.
+
+On an MoE model the eligible adapters are linear_qkv, a dense layer's linear_fc1 and a shared expert's
+linear_fc1 (Core's shared-expert MLP is a column-parallel linear that gathers its sequence-sharded
+input, unless ``moe_shared_expert_overlap`` hands that gather to the token dispatcher and switches
+the linear's own off). A routed expert's linear_fc1 takes the tokens the dispatcher sent it.
 
 The rules are the same for every LoRA-family kind. The adapters of one base layer (CanonicalLoRA's
 q/k/v on ``linear_qkv``, up/gate on ``linear_fc1``) all take that layer's input, so they take it
@@ -29,6 +35,13 @@ from megatron_bridge_ext.levers.lora_input.sp_lora import OFF, STRATEGIES
 
 ELIGIBLE_SURFACES = ("linear_qkv", "linear_fc1")
 EXPERT_INPUT = "a routed expert's input comes through the token dispatcher, not a sequence-parallel gather"
+SHARED_EXPERT_RECOMPUTE = ("shared_experts", "moe")
+"""Selective recompute modules whose checkpoint holds a shared expert's MLP (Core's moe_layer.py:244-253)."""
+
+
+def is_shared_expert(layer_name: str) -> bool:
+    """A layer of an MoE layer's shared-expert MLP (Core's ``SharedExpertMLP``, module ``...mlp.shared_experts``)."""
+    return ".shared_experts." in f".{layer_name}."
 
 
 @dataclass(frozen=True)
@@ -77,21 +90,38 @@ def _base_skips_sequence_parallel_comm(base) -> bool:
     )
 
 
-def recompute_reason(config, surface: str, strategy: str) -> Optional[str]:
+def _fc1_recompute_module(config, shared_expert: Optional[bool]) -> Optional[str]:
+    """The selective recompute module whose checkpoint holds a linear_fc1, or None.
+
+    A dense layer's MLP is recomputed under ``mlp`` (Core sets ``recompute_mlp`` for dense layers only,
+    transformer_layer.py:514-516), a shared expert under ``shared_experts`` or with its MoE layer under ``moe``.
+    ``shared_expert`` None (before the model exists): either kind of linear_fc1, shared ones where the config
+    has shared experts.
+    """
+    modules = getattr(config, "recompute_modules", None) or []
+    candidates = [] if shared_expert else ["mlp"]
+    if shared_expert or (shared_expert is None and getattr(config, "moe_shared_expert_intermediate_size", None)):
+        candidates += SHARED_EXPERT_RECOMPUTE
+    return next((name for name in candidates if name in modules), None)
+
+
+def recompute_reason(config, surface: str, strategy: str, shared_expert: Optional[bool] = None) -> Optional[str]:
     """Why ``strategy`` is not used for a ``surface`` adapter under the config's recompute settings, or None.
 
     ``config`` needs ``recompute_granularity`` and ``recompute_modules`` (a TransformerConfig or a
-    Bridge model provider); ``MemoryConfig.validate`` asks the same question before the model exists.
+    Bridge model provider); ``MemoryConfig.validate`` asks the same question before the model exists
+    (``shared_expert`` None: whether the linear_fc1 is a shared expert's is not known yet).
     """
     if STRATEGIES[strategy].inside_recompute:
         return None
     granularity = getattr(config, "recompute_granularity", None)
-    modules = getattr(config, "recompute_modules", None) or []
     allowed = ", ".join(name for name, s in STRATEGIES.items() if s.inside_recompute)
     if granularity == "full":
         return f"full activation recompute already drops the gathered input ({allowed} is allowed here)"
-    if granularity == "selective" and surface == "linear_fc1" and "mlp" in modules:
-        return f"selective 'mlp' recompute already covers linear_fc1 ({allowed} is allowed here)"
+    module = _fc1_recompute_module(config, shared_expert) if surface == "linear_fc1" else None
+    if granularity == "selective" and module:
+        which = "a shared expert's linear_fc1" if module in SHARED_EXPERT_RECOMPUTE else "linear_fc1"
+        return f"selective '{module}' recompute already covers {which} ({allowed} is allowed here)"
     return None
 
 
@@ -118,7 +148,7 @@ def ineligibility(wrapper, strategy: str, adapter=None) -> Optional[str]:
     for failed, reason in checks:
         if failed:
             return reason
-    return recompute_reason(base_config, surface, strategy)
+    return recompute_reason(base_config, surface, strategy, shared_expert=is_shared_expert(adapter.base_linear_name))
 
 
 def is_te_layernorm_linear(base) -> bool:
@@ -168,6 +198,10 @@ def retained(wrapper, strategy: str, adapter=None, shared_by: int = 1) -> str:
         shared = f", one storage for the {n} adapters of this layer" if n > 1 else ""
         return (f"the sequence shard [s/t, b, h], the storage TE keeps for its own backward{shared}: "
                 "s*b*h elements less than Bridge (which also keeps the gathered copy)")
+    if is_shared_expert(adapter.base_linear_name):
+        shared = f", one storage for the {n} adapters of this layer" if n > 1 else ""
+        return (f"the sequence shard [s/t, b, h], the MoE layer's input that Core's router keeps for its own "
+                f"backward{shared}: s*b*h*{n} elements less than Bridge's gathered cop{'ies' if n > 1 else 'y'}")
     if n > 1:
         return (f"the sequence shard [s/t, b, h], one storage for the {n} adapters of this layer: s*b*h*({n}-1/t) "
                 f"elements less than Bridge's {n} gathered copies")

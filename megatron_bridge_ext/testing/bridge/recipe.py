@@ -1,7 +1,8 @@
 """The tiny Bridge recipe: Megatron Bridge's vanilla GPT recipe shrunk to a model that trains in seconds on 2 CPU ranks.
 
 fp32 so that Bridge's LoRA and ours compare exactly, Megatron Core's local layer spec, TP=2 with sequence
-parallelism. ``mbx demo --bridge``, the tests of Bridge's loop and the README's example use it.
+parallelism. ``mbx demo --bridge``, the tests of Bridge's loop and the README's example use it;
+:func:`with_experts` makes its MLPs a mixture of experts (``moe=True`` in the config builders).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ TENSOR_PARALLEL = 2  # = ranks started by mbx demo --bridge
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 2, 64, 4, 32, 256
 FFN = 4 * HIDDEN  # Megatron Core's default ffn_hidden_size
 MICRO_BATCH, GLOBAL_BATCH = 2, 4
+EXPERTS, MOE_TOPK, MOE_FFN = 4, 2, 32  # the MoE recipe: routed experts per layer, top-k, each expert's FFN width
+EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL = 2, 1  # folded onto the TENSOR_PARALLEL ranks: experts/2 on each
 
 
 def tiny_gpt(cfg, *, train_iters: int, dtype=None):
@@ -66,11 +69,27 @@ def tiny_gpt(cfg, *, train_iters: int, dtype=None):
     return cfg
 
 
-def tiny_recipe(*, train_iters: int, dtype=None):
-    """Bridge's vanilla GPT recipe, shrunk by :func:`tiny_gpt`."""
+def with_experts(cfg):
+    """Make every layer's MLP of the tiny recipe ``cfg`` a mixture of experts, in place; returns ``cfg``.
+
+    Megatron Core's MoE layer of the local spec: :data:`EXPERTS` SequentialMLP experts (one linear per
+    expert, no grouped GEMM) of width :data:`MOE_FFN`, a top-:data:`MOE_TOPK` router, the allgather token
+    dispatcher; expert parallelism :data:`EXPERT_PARALLEL` with expert tensor parallelism
+    :data:`EXPERT_TENSOR_PARALLEL`, on the same ranks as the tensor-parallel layout.
+    """
+    model = cfg.model
+    model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size = EXPERTS, MOE_TOPK, MOE_FFN
+    model.moe_grouped_gemm, model.moe_token_dispatcher_type = False, "allgather"
+    model.expert_model_parallel_size, model.expert_tensor_parallel_size = EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL
+    return cfg
+
+
+def tiny_recipe(*, train_iters: int, dtype=None, moe: bool = False):
+    """Bridge's vanilla GPT recipe, shrunk by :func:`tiny_gpt` (and with ``moe``, :func:`with_experts`)."""
     from megatron.bridge.recipes.gpt import vanilla_gpt_pretrain_config
 
-    return tiny_gpt(vanilla_gpt_pretrain_config(), train_iters=train_iters, dtype=dtype)
+    cfg = tiny_gpt(vanilla_gpt_pretrain_config(), train_iters=train_iters, dtype=dtype)
+    return with_experts(cfg) if moe else cfg
 
 
 def bridge_lora():
@@ -83,17 +102,17 @@ def bridge_lora():
     return LoRA(target_modules=list(LORA_TARGETS), dim=LORA_RANK, alpha=LORA_ALPHA)
 
 
-def pretrain_config(save: str):
+def pretrain_config(save: str, *, moe: bool = False):
     """The base model: :data:`BASE_ITERATIONS` pretraining steps, saved to ``save``."""
-    cfg = tiny_recipe(train_iters=BASE_ITERATIONS)
+    cfg = tiny_recipe(train_iters=BASE_ITERATIONS, moe=moe)
     cfg.checkpoint.save, cfg.checkpoint.save_interval = save, BASE_ITERATIONS
     return cfg
 
 
 def finetune_config(pretrained: str, *, train_iters: int = 4, save: Optional[str] = None, load: Optional[str] = None,
-                    ckpt_step: Optional[int] = None, dtype=None):
-    """LoRA fine-tuning of the base model with Bridge's LoRA (apply a MemoryConfig for ours)."""
-    cfg = tiny_recipe(train_iters=train_iters, dtype=dtype)
+                    ckpt_step: Optional[int] = None, dtype=None, moe: bool = False):
+    """LoRA fine-tuning of the base model with Bridge's LoRA (apply a MemoryConfig for ours); ``moe`` as the base."""
+    cfg = tiny_recipe(train_iters=train_iters, dtype=dtype, moe=moe)
     cfg.checkpoint.pretrained_checkpoint = pretrained
     cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.ckpt_step = save, load, ckpt_step
     cfg.peft = bridge_lora()

@@ -66,7 +66,8 @@ def test_bridge_loop_replaces_upstream_only_while_it_is_held():
 
         def state():
             return {
-                "synchronize": torch.cuda.synchronize, "Stream": torch.cuda.Stream, "dynamo": torch._dynamo.config.disable,
+                "synchronize": torch.cuda.synchronize, "empty_cache": torch.cuda.empty_cache,
+                "dynamo": torch._dynamo.config.disable,
                 "clip": core_optimizer.clip_grad_by_total_norm_fp32, "init": setup.initialize_megatron,
                 "seed": initialize._set_random_seed,
             }
@@ -85,7 +86,69 @@ def test_bridge_loop_replaces_upstream_only_while_it_is_held():
         report(replaced=sorted(k for k in before if inside[k] is not before[k]),
                restored=sorted(k for k in before if after[k] is before[k]), on_cpu=on_cpu, outside=outside)
     """)
-    assert result["replaced"] == ["Stream", "clip", "dynamo", "init", "seed", "synchronize"]
-    assert result["restored"] == ["Stream", "clip", "dynamo", "init", "seed", "synchronize"]
+    assert result["replaced"] == ["clip", "dynamo", "empty_cache", "init", "seed", "synchronize"]
+    assert result["restored"] == ["clip", "dynamo", "empty_cache", "init", "seed", "synchronize"]
     assert result["on_cpu"] == "cpu"
     assert result["outside"] != "cpu"  # the device mode is gone too
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the emulation is for machines without CUDA")
+def test_the_all_to_all_dispatchers_split_sizes_reach_all_to_all_single_as_on_a_gpu():
+    """Upstream's host copy leaves the dispatcher's split sizes torch tensors on a CPU rank, which
+    ``all_to_all_single`` refuses; the stand-in gives the NumPy copy a GPU rank passes, and the exchange runs."""
+    result = run("""
+        from megatron_bridge_ext.testing import cpu_emulation
+
+        cpu_emulation.install()
+        import torch
+        import torch.distributed as dist
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        tokens = torch.arange(6.0).reshape(3, 2)
+        splits = torch.tensor([3])  # tokens per rank, as the dispatcher computes them on the device
+
+        def exchange(host_copy):
+            out = torch.empty_like(tokens)
+            sizes = host_copy(splits, as_numpy=True)
+            try:
+                dist.all_to_all_single(out, tokens, output_split_sizes=sizes, input_split_sizes=sizes)
+            except TypeError:
+                return "TypeError"
+            return out.tolist()
+
+        report(upstream=exchange(moe_utils.maybe_move_tensor_to_cpu),
+               ours=exchange(token_dispatcher.maybe_move_tensor_to_cpu), tokens=tokens.tolist())
+    """)
+    assert result["upstream"] == "TypeError"
+    assert result["ours"] == result["tokens"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the emulation is for machines without CUDA")
+def test_the_moe_streams_run_in_order_on_the_cpu():
+    """What the all-to-all dispatcher and overlapped shared experts do with streams and events works after
+    install(), and fails without it (no CUDA)."""
+    result = run("""
+        import torch
+
+        def use_streams():
+            try:
+                side = torch.cuda.Stream()
+                on_side = torch.cuda.current_stream() != side
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    value = torch.ones(2).sum().item()
+                side.record_event().synchronize()
+                torch.cuda.current_stream().wait_stream(side)
+                return [on_side, value]
+            except (RuntimeError, AssertionError) as exc:  # torch.AcceleratorError is a RuntimeError
+                return "raised " + type(exc).__name__
+
+        before = use_streams()
+        from megatron_bridge_ext.testing import cpu_emulation
+
+        cpu_emulation.install()
+        report(before=before, after=use_streams(), same=torch.cuda.current_stream() is torch.cuda.default_stream())
+    """)
+    assert str(result["before"]).startswith("raised ")
+    assert result["after"] == [True, 2.0] and result["same"]

@@ -85,3 +85,4 @@ def test_a_dense_shape_sets_no_moe_field_and_an_moe_shape_sets_core_s():
     moe = tiny_model.transformer_config(tiny_model.TinyGPTShape(experts=4, topk=2, moe_ffn=48, ep=2, etp=1))
     assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size, moe.moe_token_dispatcher_type,
             moe.expert_model_parallel_size, moe.expert_tensor_parallel_size) == (4, 2, 48, "allgather", 2, 1)
+

@@ -12,7 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_bridge_ext.levers.lora_input.eligibility import Decision, decide, decide_wrapper, ineligibility
+from megatron_bridge_ext.levers.lora_input.eligibility import (
+    Decision,
+    decide,
+    decide_wrapper,
+    ineligibility,
+    recompute_reason,
+)
 from tests.support.peft import _adapter, _split_wrapper
 
 pytestmark = [pytest.mark.unit]
@@ -52,16 +58,20 @@ def _stand_in(
     recompute_granularity=None,
     recompute_modules=None,
     te=False,
+    shared_expert=False,
+    shared_expert_ffn=None,
 ):
-    """The attributes of Bridge's LoRALinear (adapter, to_wrap and their configs) that the rules read."""
+    """The attributes of Bridge's LoRALinear (adapter, to_wrap and their configs) that the rules read;
+    ``shared_expert`` puts the layer in an MoE layer's shared-expert MLP."""
     config = SimpleNamespace(
         sequence_parallel=sequence_parallel, tensor_model_parallel_size=tp, cuda_graph_impl=cuda_graph_impl,
         enable_cuda_graph=enable_cuda_graph, cpu_offloading=cpu_offloading,
         cpu_offloading_activations=cpu_offloading_activations, recompute_granularity=recompute_granularity,
-        recompute_modules=recompute_modules,
+        recompute_modules=recompute_modules, moe_shared_expert_intermediate_size=shared_expert_ffn,
     )
+    parent = "mlp.shared_experts" if shared_expert else "block"
     adapter = SimpleNamespace(
-        base_linear_name=f"decoder.layers.3.block.{surface}", input_is_parallel=row_parallel,
+        base_linear_name=f"decoder.layers.3.{parent}.{surface}", input_is_parallel=row_parallel,
         tp_group=_Group(tp) if tp_group else None, config=config, is_expert=expert, use_a2a=a2a,
         linear_in=SimpleNamespace(weight=torch.zeros(2, 2, requires_grad=lora_a_trainable)),
         activation=activation if activation is not None else nn.Identity(),
@@ -104,6 +114,18 @@ RULES = [
     ("mlp recompute, linear_qkv", dict(recompute_granularity="selective", recompute_modules=["mlp"]), (), None),
     ("core_attn recompute, linear_fc1", dict(surface="linear_fc1", recompute_granularity="selective",
                                              recompute_modules=["core_attn"]), (), None),
+    ("shared_experts recompute, shared expert linear_fc1",
+     dict(surface="linear_fc1", shared_expert=True, recompute_granularity="selective",
+          recompute_modules=["shared_experts"]), ("regather",), "selective 'shared_experts' recompute"),
+    ("moe recompute, shared expert linear_fc1",
+     dict(surface="linear_fc1", shared_expert=True, recompute_granularity="selective", recompute_modules=["moe"]),
+     ("regather",), "selective 'moe' recompute already covers a shared expert's linear_fc1"),
+    ("mlp recompute, shared expert linear_fc1 (Core recomputes dense MLPs only)",
+     dict(surface="linear_fc1", shared_expert=True, recompute_granularity="selective", recompute_modules=["mlp"]),
+     (), None),
+    ("moe recompute, dense linear_fc1", dict(surface="linear_fc1", recompute_granularity="selective",
+                                             recompute_modules=["moe", "shared_experts"]), (), None),
+    ("eligible shared expert linear_fc1", dict(surface="linear_fc1", shared_expert=True), (), None),
     ("eligible linear_qkv", dict(), (), None),
     ("eligible linear_fc1", dict(surface="linear_fc1"), (), None),
 ]
@@ -121,6 +143,24 @@ def test_eligibility_rule(strategy, case, fields, refused_by, reason):
     else:
         assert (decision.strategy, decision.eligible, decision.reason) == (strategy, True, "eligible")
         assert ineligibility(lora_linear, strategy) is None
+
+
+@pytest.mark.parametrize("shared_expert_ffn, refused", [(None, False), (32, True)])
+def test_before_the_model_exists_moe_recompute_refuses_regather_only_with_shared_experts(shared_expert_ffn, refused):
+    """``MemoryConfig.validate`` asks without a layer: 'moe' recompute covers a linear_fc1 only where the model
+    has shared experts (a routed expert's is never eligible)."""
+    config = _stand_in(shared_expert_ffn=shared_expert_ffn).to_wrap.config
+    config.recompute_granularity, config.recompute_modules = "selective", ["moe"]
+    reason = recompute_reason(config, "linear_fc1", "regather")
+    assert (reason is not None) == refused
+    assert recompute_reason(config, "linear_fc1", "shard_local") is None
+
+
+def test_a_shared_experts_lora_a_shares_the_routers_copy_of_the_shard():
+    """A shared expert's input is the MoE layer's input, which Core's router saves for its own backward: the
+    shard is no new tensor and the report states the whole s*b*h saving."""
+    decision = decide(_stand_in(surface="linear_fc1", shared_expert=True), "shard_local")
+    assert decision.eligible and "router" in decision.retains and "s*b*h*1 elements less" in decision.retains
 
 
 def test_an_expert_adapter_retains_the_dispatched_tokens():
