@@ -26,16 +26,36 @@ LOCAL = "local"
 ATTENTIONS = (FUSED, LOCAL)
 
 
+def moe_layer_pattern(provider) -> list[int]:
+    """1 for each MoE layer of the model, 0 for each dense one, as Megatron Core reads ``moe_layer_freq``
+    (``gpt_layer_specs.get_gpt_decoder_layer_specs``: an int N makes every N-th layer MoE, from the first; a
+    list marks each layer); every layer dense without experts."""
+    if not getattr(provider, "num_moe_experts", None):
+        return [0] * provider.num_layers
+    freq = getattr(provider, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(provider.num_layers)]
+    return [int(moe) for moe in freq]
+
+
 def layer_spec(provider, attention: str):
     """Megatron Core's local GPT layer spec for ``provider``'s norms and experts, with the attention kind asked for.
 
     With experts it is Core's local MoE spec: the router, the config's token dispatcher and SequentialMLP
     experts (the local backend has no grouped GEMM, whatever ``moe_grouped_gemm`` asks; the estimate
-    says so in its assumptions).
+    says so in its assumptions). With dense and MoE layers mixed (``moe_layer_freq``), a block spec of the
+    two in the model's pattern, as Core's ``get_gpt_decoder_block_spec`` makes it on the local backend.
     """
+    pattern = moe_layer_pattern(provider)
+    if len(set(pattern)) > 1:
+        return _mixed_block_spec(provider, attention)
+    return _local_layer_spec(provider, attention, moe=1 in pattern)
+
+
+def _local_layer_spec(provider, attention: str, *, moe: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    experts = getattr(provider, "num_moe_experts", None)
+    experts = provider.num_moe_experts if moe else None
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=bool(getattr(provider, "moe_grouped_gemm",
                                                                                         False)) if experts else False,
                                     qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization)
@@ -44,6 +64,24 @@ def layer_spec(provider, attention: str):
 
         spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
     return spec
+
+
+def _mixed_block_spec(provider, attention: str):
+    """The decoder block spec of a model with dense and MoE layers: a callable of the config, as Bridge's provider
+    takes its ``transformer_layer_spec``, that builds this stage's slice of the pattern (Core's layer offset and
+    layer count, the final norm of a single-layer spec)."""
+    specs = {0: _local_layer_spec(provider, attention, moe=False), 1: _local_layer_spec(provider, attention, moe=True)}
+
+    def block_spec(config, vp_stage=None):
+        from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
+                                                                 get_num_layers_to_build)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        pattern = moe_layer_pattern(config)[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+        return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in pattern], layer_norm=LayerNormImpl)
+
+    return block_spec
 
 
 def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, device: str,

@@ -189,11 +189,6 @@ def _unsupported_moe(model) -> list[Finding]:
         out.append(Finding("unsupported_model", ERROR, "model.moe_expert_capacity_factor",
                            "token dropping (expert capacity) is not modelled by the estimate",
                            "estimate the dropless config (moe_expert_capacity_factor=None), an upper bound"))
-    freq = getattr(model, "moe_layer_freq", 1)
-    if freq != 1:
-        out.append(Finding("unsupported_model", ERROR, "model.moe_layer_freq",
-                           f"{freq!r}: dense layers between MoE layers are not modelled by the estimate",
-                           "estimate with moe_layer_freq=1 (every layer MoE), an upper bound"))
     if getattr(model, "moe_latent_size", None):
         out.append(Finding("unsupported_model", ERROR, "model.moe_latent_size",
                            "latent MoE projections are not modelled by the estimate", "estimate without them"))
@@ -350,28 +345,46 @@ def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
 
 
 TRACED_LAYERS = 2
-"""Layers of a stage an MoE model is traced with (:func:`traced_layers`): the first, and one that stands for the rest."""
+"""Layers of a stage of identical MoE layers it is traced with (:func:`traced_layers`): the first, and one that stands
+for the rest."""
 
 
-def traced_layers(provider) -> Optional[int]:
-    """The layers of a stage, when an MoE model's stage can be traced with :data:`TRACED_LAYERS` layers and the last
-    of them repeated; else None (every layer is traced).
+@dataclass(frozen=True)
+class ReducedStage:
+    """A stage traced with fewer layers: ``pattern`` (1 MoE, 0 dense) of the layers built and traced, and for each
+    layer of the real stage the traced layer whose saves and parameters it has (``sources``)."""
 
-    An MoE layer traces each of its local experts (dozens), so a whole stage takes minutes; its layers are
-    identical (every layer MoE, the same spec), and every layer after the first saves what the second does.
-    The shortcut needs an even pipeline split without embedding or loss in it, no interleaving and no full
-    recompute (whose checkpoints the decoder keeps outside the layers).
+    pattern: list[int]
+    sources: list[int]
+
+
+def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
+    """How an MoE model's ``stage`` can be traced with a few layers; None: every layer is traced.
+
+    An MoE layer traces each of its local experts (dozens), so a whole stage takes minutes. Every layer after the
+    first saves what a later layer of the same kind (dense or MoE, the same spec) saves: its input is the
+    previous layer's fresh output whatever that layer's kind. So the stage is traced as its first layer, then one
+    layer of each kind that follows, in the order they first follow (at least :data:`TRACED_LAYERS` layers), and
+    each later layer repeats the last traced layer of its kind. The shortcut needs an even pipeline split without
+    embedding or loss in it, no interleaving and no full recompute (whose checkpoints the decoder keeps outside
+    the layers).
     """
+    from megatron_bridge_ext.estimate.build import moe_layer_pattern
+
     pp = provider.pipeline_model_parallel_size
-    stage = provider.num_layers // pp
+    size = provider.num_layers // pp
     even = not (provider.num_layers_in_first_pipeline_stage or provider.num_layers_in_last_pipeline_stage
                 or getattr(provider, "account_for_embedding_in_pipeline_split", False)
                 or getattr(provider, "account_for_loss_in_pipeline_split", False))
-    if (not getattr(provider, "num_moe_experts", None) or stage <= TRACED_LAYERS or not even
+    if (not getattr(provider, "num_moe_experts", None) or size <= TRACED_LAYERS or not even
             or provider.num_layers % pp or (provider.virtual_pipeline_model_parallel_size or 1) > 1
             or provider.recompute_granularity == "full"):
         return None
-    return stage
+    layers = moe_layer_pattern(provider)[stage * size:(stage + 1) * size]
+    pattern = [layers[0]] + list(dict.fromkeys(layers[1:]))
+    pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
+    last = {kind: index for index, kind in enumerate(pattern)}
+    return ReducedStage(pattern, [0] + [last[kind] for kind in layers[1:]])
 
 
 def expert_sizes(provider) -> tuple[int, int]:
@@ -395,26 +408,28 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
     load = routing.RoutedLoad(imbalance)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load):
+            routing.balanced_routing(load), routing.in_order_streams():
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
         stage_provider.virtual_pipeline_model_parallel_size = None  # a stage's chunks traced as one model
-        stage_layers = traced_layers(provider)
-        if stage_layers:
-            stage_provider.num_layers = TRACED_LAYERS * pp
+        reduced = traced_layers(provider, stage)
+        if reduced:
+            stage_provider.num_layers = len(reduced.pattern) * pp
+            if getattr(provider, "moe_layer_freq", 1) != 1:
+                stage_provider.moe_layer_freq = reduced.pattern * pp
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
                                  dtype=prepared.dtype)
-        counts = static.count_parameters(model, layers=stage_layers)
+        counts = static.count_parameters(model, reduced.sources if reduced else None)
         fp8 = precision.fp8_of(stage_provider)
         traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
         moe_layers = len(load.routed_tokens)
-        if stage_layers:
-            traced = traced.extended(stage_layers)
-            layers = moe_layers = stage_layers
+        if reduced:
+            traced = traced.extended(reduced.sources)
+            layers, moe_layers = len(reduced.sources), sum(reduced.pattern[source] for source in reduced.sources)
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
@@ -530,9 +545,21 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
 def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str) -> int:
     """What one layer saves when full recompute runs it again in backward: layer 0 of a one-layer-per-stage
     build without recompute (the first layer of a frozen-embedding PEFT model saves a little less than later
-    ones; the difference is its LoRA-A input gradient path, not its saved inputs)."""
+    ones; the difference is its LoRA-A input gradient path, not its saved inputs). With dense and MoE layers
+    mixed, the larger of the two kinds."""
+    from megatron_bridge_ext.estimate.build import moe_layer_pattern
+
+    kinds = sorted(set(moe_layer_pattern(provider)))
+    return max(_one_layer_bytes(provider, prepared, attention, mode, device, kind if len(kinds) > 1 else None)
+               for kind in kinds)
+
+
+def _one_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str, kind: Optional[int]) -> int:
+    """What layer 0 of a one-layer-per-stage build without recompute saves; ``kind``: 1 MoE, 0 dense (mixed models)."""
     one_layer = copy.deepcopy(provider)
     one_layer.num_layers = provider.pipeline_model_parallel_size
+    if kind is not None:
+        one_layer.moe_layer_freq = [kind] * one_layer.num_layers
     one_layer.num_layers_in_first_pipeline_stage = one_layer.num_layers_in_last_pipeline_stage = None
     one_layer.virtual_pipeline_model_parallel_size = None
     one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None

@@ -20,6 +20,12 @@ share, an upper bound for that rank). What the stand-ins replace, in
 * ``sort_chunks_by_idxs`` (``moe_utils.py``) as the all-to-all dispatcher calls it: with equal
   chunks it is a reordering that saves nothing, done here without reading the chunk sizes.
 
+:func:`in_order_streams`, on a host without CUDA only: shared experts overlapped with the dispatch
+(``moe_shared_expert_overlap``, ``transformer/moe/shared_experts.py``) make a side stream when built and
+run their layers on it while the dispatcher runs; their saves differ from the shared experts run in order
+(the dispatcher does their communication). ``torch.cuda.Stream``, ``current_stream`` and ``stream`` are
+then in-order stand-ins, so that the overlapped path itself is traced, in program order.
+
 It models the load for tracing on fake tensors only: no numerics, and nothing of it is used in training.
 """
 
@@ -129,6 +135,48 @@ def _sort_equal_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False)
 
 class _NoStream:
     """Stands in for the CUDA stream ``MoEAlltoAllTokenDispatcher`` makes once for its host copies."""
+
+
+class _InOrderStream:
+    """A CUDA stream where there is none: the traced work runs in program order, which every wait already implies."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def in_order_streams() -> Iterator[None]:
+    """Trace Core's side-stream paths (overlapped shared experts) without CUDA (see the module docstring); a host
+    with CUDA keeps its own streams. Restores torch and Core's cached stream on exit."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    current = _InOrderStream()
+    saved = [(torch.cuda, name, getattr(torch.cuda, name)) for name in ("Stream", "current_stream", "stream")]
+    saved.append((SharedExpertMLP, "stream", SharedExpertMLP.stream))
+    torch.cuda.Stream = _InOrderStream
+    torch.cuda.current_stream = lambda device=None: current
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    SharedExpertMLP.stream = None
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 @contextlib.contextmanager

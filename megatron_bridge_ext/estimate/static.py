@@ -94,16 +94,15 @@ def _layer_index(name: str) -> Optional[int]:
     return int(parts[2]) if parts[:2] == ["decoder", "layers"] and parts[2].isdigit() else None
 
 
-def count_parameters(model: torch.nn.Module, layers: Optional[int] = None) -> ParameterCounts:
-    """Parameters of ``model`` per part; ``layers``: the stage really has that many identical layers, of which
-    the model built only the first ones (the last built one stands for the rest)."""
+def count_parameters(model: torch.nn.Module, sources: Optional[list[int]] = None) -> ParameterCounts:
+    """Parameters of ``model`` per part; ``sources``: the model built a reduced stage, and layer i of the real
+    stage has the parameters of built layer ``sources[i]`` (:func:`..memory.traced_layers`)."""
     frozen = dict.fromkeys(PARTS, 0)
     trainable = dict.fromkeys(PARTS, 0)
     sizes = set()
-    indices = [_layer_index(name) for name, _ in model.named_parameters()]
-    last = max((i for i in indices if i is not None), default=None)
-    for (name, param), index in zip(model.named_parameters(), indices):
-        copies = layers - last if layers and last is not None and index == last else 1
+    for name, param in model.named_parameters():
+        index = _layer_index(name)
+        copies = sources.count(index) if sources and index is not None else 1
         (trainable if param.requires_grad else frozen)[part_of(name)] += copies * param.numel()
         sizes.add(param.element_size())
     if len(sizes) != 1:

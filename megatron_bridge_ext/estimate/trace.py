@@ -127,30 +127,29 @@ class TracedMicrobatch:
     ``...adapter.adapter_q.linear_in`` (one per split adapter)."""
     by_category_and_layer: dict[tuple[str, Optional[int]], int] = dataclasses.field(default_factory=dict)
 
-    def extended(self, layers: int) -> "TracedMicrobatch":
-        """This trace of a stage's first layers, with its last traced layer repeated up to ``layers`` layers.
+    def extended(self, sources: list[int]) -> "TracedMicrobatch":
+        """This trace of a reduced stage as the real stage, whose layer i saves what traced layer ``sources[i]`` did.
 
-        For a stage of identical layers (:func:`..memory.traced_layers`): every layer after the first saves
-        what the second does (the first differs only where the embedding's output feeds it).
+        For a stage whose layers after the first save what a traced layer of the same kind (dense or MoE) saves
+        (:func:`..memory.traced_layers`; the first differs only where the embedding's output feeds it).
         """
-        last = max(self.by_layer)
-        extra = layers - 1 - last
-        if extra <= 0:
-            return self
-        by_category = dict(self.by_category)
-        for (category, layer), nbytes in self.by_category_and_layer.items():
-            if layer == last:
-                by_category[category] += extra * nbytes
-        by_layer = {**self.by_layer, **{last + 1 + i: self.by_layer[last] for i in range(extra)}}
-        lora_a = dict(self.lora_a_saved)
-        prefix = f"decoder.layers.{last}."
-        for name, nbytes in self.lora_a_saved.items():
-            if name.startswith(prefix):
-                for i in range(extra):
-                    lora_a[f"decoder.layers.{last + 1 + i}.{name[len(prefix):]}"] = nbytes
-        saved = self.saved_bytes + extra * self.by_layer[last]
+        per = dict(self.by_category_and_layer)
+        outside = {key: nbytes for key, nbytes in per.items() if key[1] is None}
+        layered = {(category, layer): per.get((category, source), 0)
+                   for layer, source in enumerate(sources) for category in CATEGORIES}
+        by_category_and_layer = {**outside, **{key: nbytes for key, nbytes in layered.items() if nbytes}}
+        by_category = dict.fromkeys(CATEGORIES, 0)
+        for (category, _), nbytes in by_category_and_layer.items():
+            by_category[category] += nbytes
+        by_layer = {layer: self.by_layer.get(source, 0) for layer, source in enumerate(sources)}
+        lora_a = {name: nbytes for name, nbytes in self.lora_a_saved.items() if layer_of(name) is None}
+        for layer, source in enumerate(sources):
+            prefix = f"decoder.layers.{source}."
+            lora_a.update({f"decoder.layers.{layer}.{name[len(prefix):]}": nbytes
+                           for name, nbytes in self.lora_a_saved.items() if name.startswith(prefix)})
+        saved = self.saved_bytes - sum(self.by_layer.values()) + sum(by_layer.values())
         return dataclasses.replace(self, saved_bytes=saved, by_category=by_category, by_layer=by_layer,
-                                   lora_a_saved=lora_a)
+                                   lora_a_saved=lora_a, by_category_and_layer=by_category_and_layer)
 
 
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,

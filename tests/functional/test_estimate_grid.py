@@ -48,8 +48,11 @@ def test_estimate_equals_the_meter_on_the_real_run(tp):
 
 
 def test_moe_estimate_equals_the_meter_on_the_real_run():
-    """EP 1 and 2, TP 1 and 2, LoRA and full fine-tuning (all-gather dispatcher): the balanced load the estimate
-    states is the real load when every token goes to every expert (tests/support/estimate_grid.py, MOE_GRID)."""
+    """EP 1 and 2, TP 1 and 2, both dispatchers, shared experts (overlapped and not), LoRA-A off/regather/shard_local
+    and full fine-tuning, MoE recompute, dense and MoE layers mixed: the balanced load the estimate states is the
+    real load when every token goes to every expert. Top-1 and top-2 of 4 experts route unevenly: the estimate at
+    the measured load (linear in each layer's routed tokens) equals the meter, and the estimate at the most loaded
+    expert's factor bounds it (tests/support/estimate_grid.py, MOE_GRID)."""
     from megatron_bridge_ext.testing import distributed
 
     _bridge_config_container()

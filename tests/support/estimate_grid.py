@@ -25,6 +25,7 @@ RECOMPUTE = {
     "core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
     "mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
 }
 
 
@@ -42,11 +43,16 @@ class GridPoint:
     topk: int = 1
     ep: int = 1
     dispatcher: str = "allgather"
+    shared_ffn: int = 0  # a shared-expert MLP of this width beside the routed experts (0: none)
+    shared_overlap: bool = False
+    moe_layer_freq: tuple = ()  # 1 MoE, 0 dense, per layer (empty: every layer MoE)
 
     @property
     def name(self) -> str:
         kind = "" if self.kind == "lora" or self.lora is None else f"{self.kind}-"
         moe = f"-moe{self.experts}top{self.topk}ep{self.ep}{self.dispatcher}" if self.experts else ""
+        moe += f"-shared{self.shared_ffn}{'overlap' if self.shared_overlap else ''}" if self.shared_ffn else ""
+        moe += f"-freq{''.join(map(str, self.moe_layer_freq))}" if self.moe_layer_freq else ""
         return (f"tp{self.tp}-{'sp' if self.sp else 'nosp'}-{kind}{self.lora or 'full_ft'}-{self.recompute}-"
                 f"{self.heads}-{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}{moe}")
 
@@ -54,8 +60,9 @@ class GridPoint:
         from megatron_bridge_ext.testing.tiny_model import TinyGPTShape
 
         heads, kv_heads = (4, 4) if self.heads == MHA else ((8, 4) if self.tp == 4 else (4, 2))
-        moe = dict(experts=self.experts, topk=self.topk, ep=self.ep, etp=1, dispatcher=self.dispatcher) \
-            if self.experts else {}
+        moe = dict(experts=self.experts, topk=self.topk, ep=self.ep, etp=1, dispatcher=self.dispatcher,
+                   shared_ffn=self.shared_ffn, shared_overlap=self.shared_overlap,
+                   moe_layer_freq=list(self.moe_layer_freq) or 1) if self.experts else {}
         return TinyGPTShape(tp=self.tp, sequence_parallel=self.sp, heads=heads, kv_heads=kv_heads, swiglu=self.swiglu,
                             dtype=self.dtype, peft=self.kind, **moe)
 
@@ -100,17 +107,30 @@ GRID: list[GridPoint] = _grid()
 
 MOE_GRID: list[GridPoint] = [
     # Every token to every expert (top-k = experts): the real router's load is the balanced load the estimate
-    # states, so the experts' and the dispatcher's saves compare to the byte. A top-1 router over two experts
-    # splits the real tokens unevenly (data-dependent), which the balanced estimate does not claim to match.
-    # The all-to-all dispatcher needs a CUDA stream, so real CPU runs use the all-gather one (the unit tests
-    # show both dispatchers hand the experts the same tokens in the estimate).
+    # states, so the experts' and the dispatcher's saves compare to the byte: both dispatchers, shared experts
+    # (overlapped with the all-to-all dispatcher, and not), LoRA-A off/regather/shard_local, recompute of the MoE
+    # layer, and dense and MoE layers mixed.
     GridPoint(2, True, "off", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
     GridPoint(2, True, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
     GridPoint(2, True, "off", "none", MHA, False, "float32", experts=2, topk=2, ep=2),
     GridPoint(1, False, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
     GridPoint(1, False, "off", "none", GQA, True, "float32", experts=2, topk=2, ep=1),
+    GridPoint(2, True, "shard_local", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2, dispatcher="alltoall"),
+    GridPoint(1, False, None, "none", GQA, True, "float32", experts=2, topk=2, ep=2, dispatcher="alltoall"),
+    GridPoint(2, True, "regather", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1, shared_ffn=32),
+    GridPoint(2, True, None, "none", MHA, True, "float32", experts=2, topk=2, ep=2, dispatcher="alltoall",
+              shared_ffn=32, shared_overlap=True),
+    GridPoint(2, True, "off", "moe", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
+    GridPoint(2, True, "shard_local", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2, moe_layer_freq=(0, 1)),
+    # Top-1 and top-2 of 4 experts: the router's real, uneven load (run() measures each local expert's tokens).
+    # With EP 1 every expert is local, so the rank's experts receive tokens x top-k however they are split, and
+    # the balanced estimate is exact; with EP 2 the rank's two experts receive a data-dependent share, which the
+    # estimate predicts at the measured load (problems()).
+    GridPoint(2, True, None, "none", GQA, True, "float32", experts=4, topk=1, ep=1),
+    GridPoint(2, True, None, "none", GQA, True, "float32", experts=4, topk=2, ep=2),
+    GridPoint(1, False, "off", "none", GQA, True, "float32", experts=4, topk=1, ep=2, dispatcher="alltoall"),
 ]
-"""Mixture-of-experts points: EP 1 and 2, LoRA and full fine-tuning, TP 1 and 2, on the suite's two ranks."""
+"""Mixture-of-experts points on the suite's two ranks: EP 1 and 2, TP 1 and 2, LoRA and full fine-tuning."""
 
 
 def points_for(tp: int) -> list[GridPoint]:
@@ -136,46 +156,126 @@ def measured(point: GridPoint) -> dict:
     # Contiguous tokens, as Megatron's GPT dataset hands them over: the demo's batch slices one
     # [b, s + 1] tensor, and at TP 1 the embedding keeps its input, i.e. that whole storage (+8 B per row).
     batch = {name: tensor.contiguous() for name, tensor in tiny_model.synthetic_batch(shape).items()}
+    tokens: dict[str, int] = {}
+    hooks = [module.register_forward_pre_hook(_count_tokens(tokens, name)) for name, module in model.named_modules()
+             if _is_local_expert(name)]
     with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
         loss = tiny_model.loss_of(model, batch)
+    for hook in hooks:
+        hook.remove()
     loss.backward()
     result = meter.result()
     by_category, by_layer = split(result)
-    return {"total": result.total_bytes, "by_category": by_category, "by_layer": by_layer}
+    return {"total": result.total_bytes, "by_category": by_category, "by_layer": by_layer, "expert_tokens": tokens}
 
 
-def estimated(point: GridPoint) -> dict:
-    """What the estimate says one microbatch saves on a rank of ``point`` (traced on fake CPU tensors)."""
+def _is_local_expert(name: str) -> bool:
+    """A routed expert of this rank (Core's SequentialMLP: ``...mlp.experts.local_experts.N``)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[-2] == "local_experts" and parts[-1].isdigit()
+
+
+def _count_tokens(tokens: dict, name: str):
+    """A pre-hook noting the tokens the router sent to the expert ``name`` on this rank (its input's rows)."""
+
+    def hook(module, args):
+        tokens[name] = args[0].shape[0]
+
+    return hook
+
+
+def estimated(point: GridPoint, imbalance: float = 1.0) -> dict:
+    """What the estimate says one microbatch saves on a rank of ``point`` (traced on fake CPU tensors), at the expert
+    load ``imbalance`` (``moe_imbalance``)."""
     from megatron_bridge_ext.estimate import estimate
     from megatron_bridge_ext.estimate.device import saved_per_microbatch
     from megatron_bridge_ext.testing.tiny_model import tiny_config
 
     shape = point.shape()
     cfg = tiny_config(shape, point.peft(shape), **RECOMPUTE[point.recompute])
-    est = estimate(cfg, attention="local", transformer_impl="local", device="cpu")
+    est = estimate(cfg, attention="local", transformer_impl="local", device="cpu", moe_imbalance=imbalance)
     return {"total": saved_per_microbatch(est), "by_category": est.activations_per_microbatch,
-            "by_layer": est.activations_per_layer}
+            "by_layer": est.activations_per_layer, "routed": est.settings.get("routed_tokens_per_layer", 0),
+            "imbalance": imbalance}
 
 
 def run(points: list[GridPoint]) -> list[dict]:
-    """Measure and estimate every point on this rank; one row per point."""
+    """Measure and estimate every point on this rank; one row per point. A point routed unevenly (top-k below the
+    experts) is estimated twice more: at the load the run had on this rank's most loaded expert, and the linear
+    prediction of the measurement from the two estimates (:func:`at_measured_load`)."""
     rows = []
     for point in points:
         real = measured(point)
-        rows.append({"point": point.name, "measured": real, "estimated": estimated(point)})
+        row = {"point": point.name, "measured": real, "estimated": estimated(point)}
+        if point.experts and point.topk < point.experts:
+            row["estimated_at_max_load"] = estimated(point, max_load(point, real, row["estimated"]))
+            row["expected"] = at_measured_load(real, row["estimated"], row["estimated_at_max_load"])
+        rows.append(row)
     return rows
 
 
+def tokens_per_layer(real: dict) -> dict[int, int]:
+    """The tokens this rank's experts received in each MoE layer of the measured run."""
+    from megatron_bridge_ext.estimate.trace import layer_of
+
+    out: dict[int, int] = {}
+    for name, tokens in real["expert_tokens"].items():
+        out[layer_of(name)] = out.get(layer_of(name), 0) + tokens
+    return out
+
+
+def max_load(point: GridPoint, real: dict, balanced: dict) -> float:
+    """The run's most loaded local expert over the balanced share the estimate states (its tokens per local expert)."""
+    share = balanced["routed"] / (point.experts // point.ep)
+    return max(real["expert_tokens"].values()) / share
+
+
+def at_measured_load(real: dict, balanced: dict, loaded: dict) -> dict:
+    """What the estimate predicts the run saved, from its balanced and its max-load traces: what an MoE layer saves
+    (every category, the layer's bytes) is linear in the tokens its local experts receive, so each MoE layer saves
+    the balanced bytes plus (its measured tokens - the balanced tokens) x the per-token bytes that the two traces
+    differ by (their difference over their routed tokens' difference). Exact fractions; the measurement must be
+    equal to the byte."""
+    from fractions import Fraction
+
+    tokens = tokens_per_layer(real)
+    step = loaded["routed"] - balanced["routed"]
+    excess = sum(t - balanced["routed"] for t in tokens.values())
+    by_category = {c: balanced["by_category"][c] + Fraction(loaded["by_category"][c] - balanced["by_category"][c],
+                                                             len(tokens) * step) * excess
+                   for c in balanced["by_category"]}
+    by_layer = {layer: b + (Fraction(loaded["by_layer"][layer] - b, step) * (tokens[layer] - balanced["routed"])
+                            if layer in tokens else 0)
+                for layer, b in balanced["by_layer"].items()}
+    total = balanced["total"] + sum(by_layer.values()) - sum(balanced["by_layer"].values())
+    return {"total": _exact(total), "by_category": {c: _exact(n) for c, n in by_category.items()},
+            "by_layer": {layer: _exact(n) for layer, n in by_layer.items()}}
+
+
+def _exact(value):
+    """A whole number of bytes as an int (a fraction left over stays visible as a float, and differs)."""
+    return int(value) if value.denominator == 1 else float(value)
+
+
 def problems(rows: list[dict]) -> list[str]:
-    """Every point whose estimate differs from the measurement: in total, in a category or in a layer."""
+    """Every point whose estimate differs from the measurement: in total, in a category or in a layer. For a point
+    routed unevenly, the estimate's prediction at the measured load must equal the measurement and the max-load
+    estimate must bound it in total and per category."""
     out = []
     for row in rows:
-        real, est = row["measured"], row["estimated"]
+        real, est = row["measured"], row.get("expected", row["estimated"])
         for view in ("total", "by_category", "by_layer"):
             if est[view] != real[view]:
                 out.append(f"{row['point']} {view}: estimated {est[view]}, measured {real[view]}")
         if real["total"] == 0:
             out.append(f"{row['point']}: measured 0 B (a comparison of zeros proves nothing)")
+        loaded = row.get("estimated_at_max_load")
+        if loaded and (loaded["total"] < real["total"]
+                       or any(loaded["by_category"][c] < n for c, n in real["by_category"].items())):
+            out.append(f"{row['point']}: the max-load estimate {loaded['by_category']} is below the measurement "
+                       f"{real['by_category']}")
+        if loaded and loaded["routed"] <= row["estimated"]["routed"]:
+            out.append(f"{row['point']}: the run's most loaded expert had no more than the balanced share")
     return out
 
 

@@ -140,12 +140,75 @@ def test_a_stage_traced_with_two_layers_is_the_stage_traced_whole(monkeypatch):
     """The shortcut (two layers traced, the second repeated) gives every component and category of the full trace."""
     cfg = _tiny(layers=4)
     short = memory.estimate(cfg)
-    monkeypatch.setattr(memory, "traced_layers", lambda provider: None)
+    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
     whole = memory.estimate(cfg)
     assert short.settings["layers_on_stage"] == whole.settings["layers_on_stage"] == 4
     assert [(c.name, c.bytes) for c in short.components] == [(c.name, c.bytes) for c in whole.components]
     assert short.activations_per_microbatch == whole.activations_per_microbatch
     assert short.activations_per_layer == whole.activations_per_layer
+
+
+MIXED = [0, 1, 0, 1, 1]
+"""Dense and MoE layers mixed (``moe_layer_freq``): the first layer dense, then MoE and dense in turn."""
+
+
+def test_mixed_dense_and_moe_layers_hold_experts_and_a_dense_mlp_where_the_pattern_says():
+    """Experts and expert adapters on the 3 MoE layers only; each dense layer's MLP (fc1 [2 ffn / TP, h], fc2
+    [h, ffn / TP]) where the other two hold the router; a dense layer saves mlp, an MoE layer experts."""
+    layers, tp, ep = len(MIXED), 2, 4
+    est = memory.estimate(_tiny(tp=tp, ep=ep, layers=layers, extra=[f"model.moe_layer_freq={MIXED}"]))
+    moe, dense = sum(MIXED), len(MIXED) - sum(MIXED)
+    assert _part(est, "weights: experts") == _expert_params(moe, EXPERTS_N // ep) * BF16
+    assert _part(est, "weights: expert adapters") == _expert_adapter_params(moe, EXPERTS_N // ep) * BF16
+    assert est.settings["moe_layers_on_stage"] == moe and est.settings["layers_on_stage"] == layers
+    dense_est = memory.estimate(_tiny(tp=tp, ep=ep, layers=layers, extra=["model.moe_layer_freq=[0, 0, 0, 0, 0]"]))
+    # A dense layer's MLP: the whole model dense holds 5 of them, the mixed model 2, and the router per MoE layer.
+    dense_mlp = (2 * FFN * H + FFN * H) // tp
+    router = EXPERTS_N * H
+    layer_weights = _part(dense_est, "weights: transformer layers") // BF16 - layers * dense_mlp
+    assert _part(est, "weights: transformer layers") // BF16 == layer_weights + dense * dense_mlp + moe * router
+    per_layer = est.activations_per_layer
+    assert per_layer[1] == per_layer[3] == per_layer[4] != per_layer[2]
+
+
+def test_a_mixed_stage_traced_with_one_layer_of_each_kind_is_the_stage_traced_whole(monkeypatch):
+    """The shortcut for a pattern of dense and MoE layers (the first, then one of each kind, each later layer
+    repeating the last traced one of its kind) gives every component and category of the full trace."""
+    cfg = _tiny(layers=len(MIXED), extra=[f"model.moe_layer_freq={MIXED}"])
+    assert memory.traced_layers(cfg.model) is not None
+    short = memory.estimate(cfg)
+    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
+    whole = memory.estimate(cfg)
+    assert [(c.name, c.bytes) for c in short.components] == [(c.name, c.bytes) for c in whole.components]
+    assert short.activations_per_microbatch == whole.activations_per_microbatch
+    assert short.activations_per_layer == whole.activations_per_layer
+    assert short.settings == whole.settings
+
+
+def test_the_reduced_stage_keeps_the_first_layer_and_one_of_each_kind_after_it():
+    class Provider:
+        num_moe_experts, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size = 8, 2, None
+        num_layers_in_first_pipeline_stage = num_layers_in_last_pipeline_stage = recompute_granularity = None
+        num_layers, moe_layer_freq = 10, [0, 0, 1, 0, 1, 1, 1, 1, 1, 1]
+
+    first, second = memory.traced_layers(Provider(), 0), memory.traced_layers(Provider(), 1)
+    assert (first.pattern, first.sources) == ([0, 0, 1], [0, 1, 2, 1, 2])
+    assert (second.pattern, second.sources) == ([1, 1], [0, 1, 1, 1, 1])
+
+
+def test_shared_experts_overlapped_with_the_dispatch_trace_without_cuda():
+    """The overlap makes a CUDA side stream when the layer is built; without CUDA the estimate traces the overlapped
+    path in program order. Its saves are not the in-order shared experts': the dispatcher does the shared experts'
+    communication, and what it gathers for them counts as moe dispatch (the grid measures both to the byte)."""
+    import torch
+
+    shared = ["model.moe_shared_expert_intermediate_size=64"]
+    streams = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
+    overlapped = memory.estimate(_tiny(peft="none", extra=[*shared, "model.moe_shared_expert_overlap=True"]))
+    in_order = memory.estimate(_tiny(peft="none", extra=shared))
+    assert (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream) == streams
+    assert overlapped.activations_per_microbatch[MLP] > 0
+    assert overlapped.activations_per_microbatch[MOE_DISPATCH] != in_order.activations_per_microbatch[MOE_DISPATCH]
 
 
 def test_token_dropping_is_not_modelled():
