@@ -111,6 +111,8 @@ MOE_GRID: list[GridPoint] = [
     # (overlapped with the all-to-all dispatcher, and not), LoRA-A off/regather/shard_local, recompute of the MoE
     # layer, and dense and MoE layers mixed.
     GridPoint(2, True, "off", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
+    GridPoint(2, True, "regather", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
+    GridPoint(2, True, "shard_local", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
     GridPoint(2, True, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
     GridPoint(2, True, "off", "none", MHA, False, "float32", experts=2, topk=2, ep=2),
     GridPoint(1, False, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
