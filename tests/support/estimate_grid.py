@@ -282,7 +282,8 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    """Under torchrun with a world of ``--tp`` ranks: run that TP's points, all ranks' verdicts to ``--out``."""
+    """Under torchrun with a world of ``--tp`` ranks: run that TP's points (``--moe``: the MoE points, on 2 ranks),
+    all ranks' verdicts to ``--out``."""
     import torch.distributed as dist
 
     from megatron_bridge_ext.testing import distributed
@@ -290,9 +291,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts points (MOE_GRID, 2 ranks)")
     args = parser.parse_args()
     distributed.init_from_env(tensor_parallel=args.tp)
-    rows = run(points_for(args.tp))
+    rows = run(MOE_GRID if args.moe else points_for(args.tp))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"rank": dist.get_rank(), "rows": rows, "problems": problems(rows)})
     if dist.get_rank() == 0:
