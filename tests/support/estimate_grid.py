@@ -10,6 +10,11 @@ Bridge's path); a few use DoRA and CanonicalLoRA. The two must be equal to the b
 per layer (all TP ranks hold the same shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
 ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.testing.cpu_run tests.support.estimate_grid
 --tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/estimate/test_estimate_grid_tp4.py``).
+
+The mixture-of-experts points (``MOE_GRID``) also count each local expert's tokens in the real run. Where the
+router spreads tokens unevenly (top-k below the experts) the estimate is traced at the balanced load and at the
+most loaded expert's factor, and the measurement must equal the estimate at the measured load, the linear
+prediction between those two traces (:func:`at_measured_load`), while the max-load estimate bounds it.
 """
 
 from __future__ import annotations

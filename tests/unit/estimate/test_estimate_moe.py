@@ -198,7 +198,8 @@ def test_full_recompute_of_mixed_layers_prices_the_larger_kind_of_layer(pattern)
     full = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 
     def recomputed(freq):
-        return _recomputed_layer(memory.estimate(_tiny(layers=len(MIXED), extra=[*full, f"model.moe_layer_freq={freq}"])))
+        cfg = _tiny(layers=len(MIXED), extra=[*full, f"model.moe_layer_freq={freq}"])
+        return _recomputed_layer(memory.estimate(cfg))
 
     dense, moe = recomputed([0] * len(MIXED)), recomputed([1] * len(MIXED))
     assert dense != moe
