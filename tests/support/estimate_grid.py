@@ -10,6 +10,11 @@ Bridge's path); a few use DoRA and CanonicalLoRA. The two must be equal to the b
 per layer (all TP ranks hold the same shapes). ``tests/functional/test_estimate_grid.py`` runs the TP 1 and 2 points on the suite's two
 ranks; TP 4 needs four ranks: ``python -m megatron_bridge_ext.testing.cpu_run tests.support.estimate_grid
 --tp 4 --out FILE`` under ``torchrun --nproc_per_node=4`` (``tests/unit/estimate/test_estimate_grid_tp4.py``).
+
+The mixture-of-experts points (``MOE_GRID``) also count each local expert's tokens in the real run. Where the
+router spreads tokens unevenly (top-k below the experts) the estimate is traced at the balanced load and at the
+most loaded expert's factor, and the measurement must equal the estimate at the measured load, the linear
+prediction between those two traces (:func:`at_measured_load`), while the max-load estimate bounds it.
 """
 
 from __future__ import annotations
@@ -111,6 +116,8 @@ MOE_GRID: list[GridPoint] = [
     # (overlapped with the all-to-all dispatcher, and not), LoRA-A off/regather/shard_local, recompute of the MoE
     # layer, and dense and MoE layers mixed.
     GridPoint(2, True, "off", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
+    GridPoint(2, True, "regather", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
+    GridPoint(2, True, "shard_local", "none", GQA, True, "bfloat16", experts=2, topk=2, ep=1),
     GridPoint(2, True, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
     GridPoint(2, True, "off", "none", MHA, False, "float32", experts=2, topk=2, ep=2),
     GridPoint(1, False, None, "none", GQA, True, "bfloat16", experts=2, topk=2, ep=2),
@@ -280,7 +287,8 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    """Under torchrun with a world of ``--tp`` ranks: run that TP's points, all ranks' verdicts to ``--out``."""
+    """Under torchrun with a world of ``--tp`` ranks: run that TP's points (``--moe``: the MoE points, on 2 ranks),
+    all ranks' verdicts to ``--out``."""
     import torch.distributed as dist
 
     from megatron_bridge_ext.testing import distributed
@@ -288,9 +296,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts points (MOE_GRID, 2 ranks)")
     args = parser.parse_args()
     distributed.init_from_env(tensor_parallel=args.tp)
-    rows = run(points_for(args.tp))
+    rows = run(MOE_GRID if args.moe else points_for(args.tp))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"rank": dist.get_rank(), "rows": rows, "problems": problems(rows)})
     if dist.get_rank() == 0:

@@ -185,6 +185,27 @@ def test_a_mixed_stage_traced_with_one_layer_of_each_kind_is_the_stage_traced_wh
     assert short.settings == whole.settings
 
 
+def _recomputed_layer(est) -> int:
+    """The bytes one layer saves when full recompute runs it again, as the transient's basis states them."""
+    basis = est.component("recomputed layer in backward").basis
+    return int(basis.split("measured: ")[1].split(" B")[0].replace(",", ""))
+
+
+@pytest.mark.parametrize("pattern", [MIXED, [1, 0, 1, 1, 0]])
+def test_full_recompute_of_mixed_layers_prices_the_larger_kind_of_layer(pattern):
+    """Full recompute runs one layer again in backward: with dense and MoE layers mixed, the larger of the two, each
+    as an all-dense and an all-MoE model of the same shape price it, whichever kind comes first."""
+    full = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+
+    def recomputed(freq):
+        cfg = _tiny(layers=len(MIXED), extra=[*full, f"model.moe_layer_freq={freq}"])
+        return _recomputed_layer(memory.estimate(cfg))
+
+    dense, moe = recomputed([0] * len(MIXED)), recomputed([1] * len(MIXED))
+    assert dense != moe
+    assert recomputed(pattern) == max(dense, moe)
+
+
 def test_the_reduced_stage_keeps_the_first_layer_and_one_of_each_kind_after_it():
     class Provider:
         num_moe_experts, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size = 8, 2, None
