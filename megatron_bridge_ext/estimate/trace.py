@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from megatron_bridge_ext.estimate.precision import LINEARS
 from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
 
 NORMS = "norms"
@@ -126,6 +127,12 @@ class TracedMicrobatch:
     """What each LoRA-A saved, per module (for the TE contract): ``...adapter.linear_in``, and CanonicalLoRA's
     ``...adapter.adapter_q.linear_in`` (one per split adapter)."""
     by_category_and_layer: dict[tuple[str, Optional[int]], int] = dataclasses.field(default_factory=dict)
+    linear_saved: dict[str, int] = dataclasses.field(default_factory=dict)
+    """What each dense linear of a layer saved (:func:`is_dense_linear`), per module, shared or not (for the FP8
+    contract, :mod:`.te_fp8`)."""
+    linear_alone: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The part of ``linear_saved`` in storages no other module saved: what goes when TE keeps that input
+    quantised instead."""
 
     def extended(self, layers: int) -> "TracedMicrobatch":
         """This trace of a stage's first layers, with its last traced layer repeated up to ``layers`` layers.
@@ -142,15 +149,32 @@ class TracedMicrobatch:
             if layer == last:
                 by_category[category] += extra * nbytes
         by_layer = {**self.by_layer, **{last + 1 + i: self.by_layer[last] for i in range(extra)}}
-        lora_a = dict(self.lora_a_saved)
-        prefix = f"decoder.layers.{last}."
-        for name, nbytes in self.lora_a_saved.items():
-            if name.startswith(prefix):
-                for i in range(extra):
-                    lora_a[f"decoder.layers.{last + 1 + i}.{name[len(prefix):]}"] = nbytes
         saved = self.saved_bytes + extra * self.by_layer[last]
         return dataclasses.replace(self, saved_bytes=saved, by_category=by_category, by_layer=by_layer,
-                                   lora_a_saved=lora_a)
+                                   lora_a_saved=_repeat_layer(self.lora_a_saved, last, extra),
+                                   linear_saved=_repeat_layer(self.linear_saved, last, extra),
+                                   linear_alone=_repeat_layer(self.linear_alone, last, extra))
+
+
+def _repeat_layer(per_module: dict[str, int], last: int, extra: int) -> dict[str, int]:
+    """``per_module`` with the modules of layer ``last`` repeated as layers ``last + 1`` ... ``last + extra``."""
+    out = dict(per_module)
+    prefix = f"decoder.layers.{last}."
+    for name, nbytes in per_module.items():
+        if name.startswith(prefix):
+            for i in range(extra):
+                out[f"decoder.layers.{last + 1 + i}.{name[len(prefix):]}"] = nbytes
+    return out
+
+
+def is_dense_linear(module: str) -> bool:
+    """A dense linear of a transformer layer (``decoder.layers.N.mlp.linear_fc1``), or the base linear a PEFT wraps
+    in it (``...linear_fc1.to_wrap``)."""
+    parts = module.split(".")
+    if layer_of(module) is None:
+        return False
+    path = ".".join(parts[3:-1] if parts[-1] == "to_wrap" else parts[3:])
+    return path in LINEARS
 
 
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
@@ -180,4 +204,6 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
     lora_a = {name: nbytes for name, nbytes in result.by_module.items()
               if ".adapter." in name and name.endswith(".linear_in")}
     return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a,
-                            split_by_category_and_layer(result))
+                            split_by_category_and_layer(result),
+                            {name: n for name, n in result.by_module.items() if is_dense_linear(name)},
+                            {name: n for name, n in result.by_module_alone.items() if is_dense_linear(name)})
