@@ -139,11 +139,32 @@ def test_delayed_and_current_scaling_differ_by_linear_projs_quantised_copy():
     assert delayed["mlp"] == current["mlp"]
 
 
-def _lora(recipe_name):
+def test_layernorm_recompute_leaves_the_norm_linears_inputs_as_traced_and_says_so():
+    """Only linear_fc2's input is converted; linear_qkv's and linear_fc1's (and the LoRA shards of those layers)
+    stay as traced, named among the assumptions. (Core refuses the config without TE >= 2.6, so it is checked on
+    the contract itself.)"""
+    traced = SimpleNamespace(
+        linear_saved={"decoder.layers.0.self_attention.linear_qkv": _n(QKV) * BF16,
+                      "decoder.layers.0.mlp.linear_fc1": _n(FC1) * BF16,
+                      "decoder.layers.0.mlp.linear_fc2": _n(FC2) * BF16},
+        linear_alone={"decoder.layers.0.self_attention.linear_qkv": _n(QKV) * BF16,
+                      "decoder.layers.0.mlp.linear_fc1": _n(FC1) * BF16,
+                      "decoder.layers.0.mlp.linear_fc2": _n(FC2) * BF16},
+        lora_a_saved={})
+    fp8 = precision.Fp8(recipe="tensorwise", fp8_format="hybrid", params=True, bf16_at_start=0, bf16_at_end=0,
+                        num_layers=1, weight_cache=True)
+    acts = te_fp8.contract(traced, fp8, te_fp8.Shapes(64, 1, 64, 32, 64, 2, True), lambda layer: True,
+                           norm_linears=False)
+    assert acts.added == {"mlp": _float8(FC2)} and acts.removed == {"mlp": _n(FC2) * BF16}
+    assert any(a.startswith("FP8 activations with selective layernorm recompute") for a in te_fp8.assumptions(acts))
+
+
+def _lora(recipe_name, strategy=None):
     from megatron_bridge_ext.peft import LoRA
 
     cfg = _tiny(recipe_name)
-    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=8, alpha=16)
+    cfg.peft = LoRA(target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dim=8, alpha=16,
+                    sequence_parallel_input_strategy=strategy)
     return cfg
 
 
@@ -171,6 +192,23 @@ def test_under_transformer_engine_an_fp8_layers_shard_is_quantised_and_a_bf16_la
     got = _activations(est)
     assert got["TE norm-output shards (contract)"] == 2 * 2 * _n(QKV) * BF16
     assert got["TE FP8 norm-output shards (contract)"] == 2 * _float8(QKV)
+
+
+@pytest.mark.parametrize("strategy", ["regather", "shard_local"])
+def test_our_lora_a_keeps_the_bf16_shard_and_te_its_quantised_copy_beside_it(strategy):
+    """Our LoRA-A takes TE's non-gathered norm output, the bf16 shard TE returns (layernorm_linear.py L223-225):
+    in a bf16 layer the same storage as TE's (nothing added), in an FP8 layer TE keeps its quantised copy
+    (L250-251): one per adapted linear_qkv / linear_fc1 of the one FP8 layer (current scaling)."""
+    from megatron_bridge_ext.estimate import estimate
+
+    def run(recipe_name):
+        return _activations(estimate(_lora(recipe_name, strategy), data_parallel_size=1, num_microbatches=1,
+                                     transformer_impl="transformer_engine"))
+
+    bf16, got = run("bf16_mixed"), run("bf16_with_fp8_current_scaling_mixed")
+    assert "TE norm-output shards (contract)" not in bf16
+    assert got.pop("TE FP8 norm-output shards (contract)") == 2 * _float8(QKV)
+    assert got == bf16
 
 
 def test_the_plan_names_no_fp8_activations_as_not_modelled_but_blockwise():
