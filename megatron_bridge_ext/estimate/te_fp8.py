@@ -46,14 +46,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from megatron_bridge_ext.estimate import te
+from megatron_bridge_ext.estimate.precision import BLOCKWISE, DELAYED, MXFP8, MXFP8_BLOCK, TE_SOURCE, Fp8, round_up
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
-from megatron_bridge_ext.estimate.precision import BLOCKWISE, DELAYED, MXFP8, MXFP8_BLOCK, Fp8, round_up
 from megatron_bridge_ext.estimate.trace import category_of, layer_of
 
 ROWWISE, COLUMNWISE = "rowwise", "columnwise"
 NORM_LINEARS = ("linear_qkv", "linear_fc1")
 """The linears Core's TE spec fuses with their norm (``LayerNormLinear``); the others are ``Linear``."""
-TE_SOURCE = "TE v2.8"
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,7 @@ class Shapes:
         return self.seq // shard * self.micro_batch
 
     def of(self, linear: str) -> tuple[int, int]:
+        """Rows and columns of the input of ``linear`` (``linear_qkv`` ... ``linear_fc2``)."""
         cols = {"linear_qkv": self.hidden, "linear_fc1": self.hidden, "linear_proj": self.proj_in,
                 "linear_fc2": self.ffn}[linear]
         return self.rows(linear in NORM_LINEARS), cols
@@ -83,8 +83,9 @@ class Shapes:
 @dataclass(frozen=True)
 class Fp8Activations:
     """What the FP8 contract changes per microbatch, by category: ``removed`` bf16 inputs TE does not keep,
-    ``added`` the quantised inputs it keeps; ``lora_shards`` quantised norm-output shards beside a LoRA-A
-    (``lora_shard_bytes`` in all)."""
+    ``added`` the quantised inputs it keeps (``converted`` linears; ``kept_bf16``: linear_proj inputs saved as
+    they are); ``lora_shards`` quantised norm-output shards beside a LoRA-A (``lora_shard_bytes`` in all);
+    ``norm_linears`` False where linear_qkv's and linear_fc1's inputs were left as traced."""
 
     removed: dict[str, int] = field(default_factory=dict)
     added: dict[str, int] = field(default_factory=dict)
@@ -96,6 +97,7 @@ class Fp8Activations:
     norm_linears: bool = True
 
     def net(self, category: str) -> int:
+        """The bytes the contract adds to ``category`` (negative: it takes them off)."""
         return self.added.get(category, 0) - self.removed.get(category, 0)
 
 
