@@ -18,11 +18,11 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import configs, precision, routing, static, te, unmodelled
+from megatron_bridge_ext.estimate import configs, precision, routing, static, te, te_fp8, unmodelled
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
-from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, trace_microbatch
+from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
 
@@ -439,16 +439,24 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                        group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     element = static.dtype_bytes(prepared.dtype)
     components = _static(prepared, counts, precision.fp8_weights(model, fp8) if fp8 else None, fp8)
+    in_fp8 = _fp8_layers(model, fp8)
+    modelled = fp8 is not None and not te_fp8.refused(fp8)  # TE's quantised shard replaces the bf16 one
     contract = te.TeContract(0, 0, 0, 0)
     if impl == TE and prepared.peft is not None:
         contract = te.norm_output_contract(traced.lora_a_saved, seq=prepared.seq, micro_batch=prepared.micro_batch,
                                            hidden=provider.hidden_size, tp=tp, sequence_parallel=sp,
-                                           element_size=element)
-    components += _activations(traced, in_flight, contract)
+                                           element_size=element,
+                                           quantised=lambda base: modelled and in_fp8(layer_of(base)))
+    fp8_acts = None
+    if fp8 is not None:  # FP8 linears are Transformer Engine's whatever spec is traced
+        fp8_acts = te_fp8.contract(traced, fp8, _fp8_shapes(provider, prepared, sp), in_fp8,
+                                   norm_linears=not _recomputes_layernorm(provider))
+    components += _activations(traced, in_flight, contract, fp8_acts)
+    shard_shape = f"[{prepared.seq // tp if sp else prepared.seq}, {prepared.micro_batch}, {provider.hidden_size}]"
     if contract.layers:
-        components.append(te.te_component(contract, in_flight, shard_shape=f"[{prepared.seq // tp}, "
-                                                                           f"{prepared.micro_batch}, "
-                                                                           f"{provider.hidden_size}]"))
+        components.append(te.te_component(contract, in_flight, shard_shape=shard_shape))
+    if fp8_acts is not None and fp8_acts.lora_shards:
+        components.append(te_fp8.lora_component(fp8_acts, in_flight, fp8, shard_shape=shard_shape))
     if traced.persistent_buffer_bytes:
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
@@ -460,6 +468,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         settings.update(_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
     return MemoryEstimate(stage=stage, components=components, settings=settings,
                           assumptions=_assumptions(prepared, attention, impl, device, contract)
+                          + te_fp8.assumptions(fp8_acts)
                           + _moe_assumptions(provider, imbalance, routed),
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer))
@@ -491,17 +500,39 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
     return out + [c for c in [precision.component(fp8_weights, fp8)] if c]
 
 
-def _activations(traced, in_flight: float, contract: te.TeContract) -> list[Component]:
+def _fp8_layers(model, fp8: Optional[precision.Fp8]):
+    """Whether the traced layer of index ``local`` (None outside the layers) runs in FP8, by its global number."""
+    layers = model.decoder.layers
+    offset = layers[0].layer_number - 1 if len(layers) else 0
+    return lambda local: fp8 is not None and local is not None and fp8.layer_in_fp8(offset + local)
+
+
+def _recomputes_layernorm(provider) -> bool:
+    return provider.recompute_granularity == "selective" and "layernorm" in (provider.recompute_modules or [])
+
+
+def _fp8_shapes(provider, prepared: Prepared, sp: bool) -> te_fp8.Shapes:
+    tp = provider.tensor_model_parallel_size
+    return te_fp8.Shapes(seq=prepared.seq, micro_batch=prepared.micro_batch, hidden=provider.hidden_size,
+                         proj_in=provider.num_attention_heads * provider.kv_channels // tp,
+                         ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp)
+
+
+def _activations(traced, in_flight: float, contract: te.TeContract,
+                 fp8_acts: Optional[te_fp8.Fp8Activations] = None) -> list[Component]:
     out = []
     for category in CATEGORIES:
         per = traced.by_category[category]
         shared = contract.shared_bytes if category == LORA_INPUTS else 0
+        fp8_net = fp8_acts.net(category) if fp8_acts is not None else 0
         if per:
             basis = f"measured: {per:,} B saved for backward by one microbatch"
             if shared:
                 basis += (f", less {shared:,} B: {contract.shared_copies} gathered copies that CanonicalLoRA's adapters "
                           "share under Transformer Engine (contract)")
-            out.append(Component(ACTIVATIONS, category, round((per - shared) * in_flight),
+            if fp8_net:
+                basis += te_fp8.basis(fp8_acts, category)
+            out.append(Component(ACTIVATIONS, category, round((per - shared + fp8_net) * in_flight),
                                  f"{basis} x {in_flight:g} in flight"))
     return out
 

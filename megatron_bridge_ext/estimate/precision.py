@@ -33,8 +33,8 @@ others. The dense linears of an FP8 layer (``linear_qkv``, ``linear_proj``, ``li
 The gradient buffer and the optimizer do not change: Megatron's DDP gives a quantised parameter the
 grad dtype of its nominal dtype (fp32 with ``grad_reduce_in_fp32``, else bf16), and the optimizer
 keeps an fp32 main copy of it like any 16-bit parameter. What FP8 changes in the activations (the
-FP8 linears save quantised inputs, some of them beside a bf16 copy another op keeps) is not traced: TE
-does not run here, so they are shown as traced in bf16 and named (:func:`activation_note`).
+FP8 linears save quantised inputs, some of them beside a bf16 copy another op keeps) is TE's contract
+in :mod:`.te_fp8`, applied to the bf16 trace; what it leaves as traced is named (:func:`activation_note`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Fp8:
     bf16_at_end: int
     num_layers: int
     weight_cache: bool
+    dot_product_attention: bool = False
 
     def layer_in_fp8(self, layer_no: int) -> bool:
         """Whether global layer ``layer_no`` (0-based) runs in FP8: Core's ``is_first_last_bf16_layer`` negated."""
@@ -91,7 +92,8 @@ def fp8_of(model) -> Optional[Fp8]:
                bf16_at_start=getattr(model, "num_layers_at_start_in_bf16", 0) if keep else 0,
                bf16_at_end=getattr(model, "num_layers_at_end_in_bf16", 0) if keep else 0,
                num_layers=model.num_layers,
-               weight_cache=not getattr(model, "disable_parameter_transpose_cache", False))
+               weight_cache=not getattr(model, "disable_parameter_transpose_cache", False),
+               dot_product_attention=bool(getattr(model, "fp8_dot_product_attention", False)))
 
 
 def mixed_precision_of(cfg):
@@ -128,17 +130,17 @@ def quantized_bytes(shape, recipe: str) -> int:
     if recipe in (TENSORWISE, DELAYED):
         return 2 * data + 4
     if recipe == MXFP8:
-        rowwise_scales = _round_up(rows, 128) * _round_up(cols // MXFP8_BLOCK, 4)
-        columnwise_scales = _round_up(rows // MXFP8_BLOCK, 4) * _round_up(cols, 128)
+        rowwise_scales = round_up(rows, 128) * round_up(cols // MXFP8_BLOCK, 4)
+        columnwise_scales = round_up(rows // MXFP8_BLOCK, 4) * round_up(cols, 128)
         return 2 * data + rowwise_scales + columnwise_scales
     if recipe == BLOCKWISE:
-        rowwise_scales = math.ceil(rows / BLOCK) * _round_up(math.ceil(cols / BLOCK), 4)
-        columnwise_scales = math.ceil(cols / BLOCK) * _round_up(math.ceil(rows / BLOCK), 4)
+        rowwise_scales = math.ceil(rows / BLOCK) * round_up(math.ceil(cols / BLOCK), 4)
+        columnwise_scales = math.ceil(cols / BLOCK) * round_up(math.ceil(rows / BLOCK), 4)
         return 2 * data + 4 * (rowwise_scales + columnwise_scales)
     raise ValueError(f"fp8_recipe={recipe!r}: the estimate knows {', '.join(RECIPES)}")
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -201,32 +203,30 @@ def stored_apart(weights: Fp8Weights, fp8: Optional[Fp8]) -> int:
     return weights.elements if fp8 is not None and fp8.params else 0
 
 
-def activation_note(fp8: Fp8) -> str:
-    """The partial refusal of FP8 activations, by name, with what the bf16 trace does and does not bound.
-
-    Megatron Core makes ``linear_proj`` save its bf16 input (the attention output, which attention keeps
-    anyway) instead of a quantised copy for every recipe but delayed scaling (``transformer/attention.py``,
-    ``set_save_original_input``, with TE >= 2.6); under delayed scaling the quantised copy comes on top.
-    """
-    proj = ("linear_proj's input, which attention keeps for its backward and delayed scaling quantises again "
-            "(1 B per element of [s, b, h/t] per FP8 layer and microbatch), and " if fp8.recipe == DELAYED else "")
-    shared = ("" if fp8.recipe == DELAYED else " linear_proj keeps its bf16 input, shared with attention (Core's "
-              "set_save_original_input for this recipe, TE >= 2.6).")
-    return (f"activations under FP8 are not modelled ({fp8.describe()}): Transformer Engine does not run here, so "
-            "they are shown as traced in bf16. For the inputs the FP8 linears save that is an upper bound (TE keeps "
-            "them quantised, 1 B per element), but TE's quantised copy comes on top where another op keeps the bf16 "
-            f"tensor too, and is not added: {proj}the sequence-parallel norm-output shard beside a LoRA-A that "
-            f"keeps it (regather, shard_local).{shared}")
+def activation_note(fp8: Fp8) -> Optional[str]:
+    """The part of the activations under FP8 the estimate does not model, by name: blockwise scaling's (the
+    other recipes follow TE's contract, :mod:`.te_fp8`, which says what it models among the assumptions)."""
+    if fp8.recipe != BLOCKWISE:
+        return None
+    return (f"activations under FP8 are not modelled for blockwise scaling ({fp8.describe()}): Transformer Engine "
+            "quantises activations in 1 x 128 blocks in layouts that follow its all-gather usage, which the FP8 "
+            "contract (estimate.te_fp8) does not follow; they are shown as traced in bf16, above what the FP8 "
+            "linears keep of their own inputs; a LoRA-adapted linear_qkv / linear_fc1 counts a bf16 norm-output "
+            "shard under sequence parallelism (above TE's quantised one), and none without it, where TE keeps a "
+            "quantised copy beside LoRA-A's input")
 
 
 def notes(fp8: Optional[Fp8]) -> list[str]:
     """What the estimate assumes or leaves out for this FP8 config (empty without FP8)."""
     if fp8 is None:
         return []
-    out = [activation_note(fp8),
-           "FP8 weights: Hopper layout (Float8 tensors keep a transpose; Blackwell, with non-TN FP8 GEMMs, keeps "
-           "none: 1 B per element less for tensorwise and delayed scaling); dense linears only (grouped expert "
-           "linears are not counted here)"]
+    out = [line for line in [activation_note(fp8)] if line]
+    if fp8.dot_product_attention:
+        out.append("fp8_dot_product_attention: attention in FP8 is not modelled (what it saves is shown as traced in "
+                   "bf16)")
+    out.append("FP8 weights: Hopper layout (Float8 tensors keep a transpose; Blackwell, with non-TN FP8 GEMMs, keeps "
+               "none: 1 B per element less for tensorwise and delayed scaling); dense linears only (grouped expert "
+               "linears are not counted here)")
     if not fp8.weight_cache and not fp8.params:
         out.append("disable_parameter_transpose_cache: TE quantises each weight for every microbatch and keeps that "
                    "copy for backward; not modelled")

@@ -19,14 +19,15 @@ output. Bridge's LoRA makes it return the norm output (``return_layernorm_output
 * a trainable base (full fine-tuning) keeps the norm output either way: nothing is added.
 
 The same contract is implemented, line by line, by the CPU fake the tests use for TE's LoRA path.
-FP8 is outside it: there TE keeps a quantised copy of the shard (v2.4 L237 and L245) that our
-LoRA-A cannot share, so ours saves s*b*h*bytes*(1-1/t) per layer, not s*b*h*bytes; the estimate does
-not trace FP8 activations and names them as not modelled (:mod:`.precision`).
+In an FP8 layer TE keeps a quantised copy of the shard instead (v2.4 L237 and L245; v2.8 L240, L250-251,
+L268), which our LoRA-A cannot share either: :mod:`.te_fp8` counts it, and this contract skips those
+layers' shards (``quantised``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
 
@@ -61,10 +62,13 @@ def is_te_lora_input(module: str) -> bool:
 
 
 def norm_output_contract(lora_a_saved: dict[str, int], *, seq: int, micro_batch: int, hidden: int, tp: int,
-                         sequence_parallel: bool, element_size: int) -> TeContract:
+                         sequence_parallel: bool, element_size: int,
+                         quantised: Callable[[str], bool] = lambda base: False) -> TeContract:
     """TE's contract against the trace, from what each LoRA-A saved (per module).
 
-    A LoRA-A that saved at least the gathered [s, b, h] input is on Bridge's gathered path.
+    A LoRA-A that saved at least the gathered [s, b, h] input is on Bridge's gathered path. ``quantised``:
+    the adapted layers whose shard TE keeps quantised, an FP8 layer's (counted by :mod:`.te_fp8`, not here);
+    their adapters still share the gathered copy.
     """
     if not sequence_parallel or tp == 1:
         return TeContract(0, 0, 0, 0)
@@ -73,7 +77,8 @@ def norm_output_contract(lora_a_saved: dict[str, int], *, seq: int, micro_batch:
     for module, nbytes in lora_a_saved.items():
         if is_te_lora_input(module) and nbytes >= gathered:
             per_layer[base_layer_of(module)] = per_layer.get(base_layer_of(module), 0) + 1
-    layers, copies = len(per_layer), sum(n - 1 for n in per_layer.values())
+    layers = sum(1 for base in per_layer if not quantised(base))
+    copies = sum(n - 1 for n in per_layer.values())
     return TeContract(layers, layers * gathered // tp, copies, copies * gathered)
 
 

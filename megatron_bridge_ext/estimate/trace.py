@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from megatron_bridge_ext.estimate.precision import LINEARS
 from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
 
 NORMS = "norms"
@@ -126,6 +127,12 @@ class TracedMicrobatch:
     """What each LoRA-A saved, per module (for the TE contract): ``...adapter.linear_in``, and CanonicalLoRA's
     ``...adapter.adapter_q.linear_in`` (one per split adapter)."""
     by_category_and_layer: dict[tuple[str, Optional[int]], int] = dataclasses.field(default_factory=dict)
+    linear_saved: dict[str, int] = dataclasses.field(default_factory=dict)
+    """What each dense linear of a layer saved (:func:`is_dense_linear`), per module, shared or not (for the FP8
+    contract, :mod:`.te_fp8`)."""
+    linear_alone: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The part of ``linear_saved`` in storages no other module saved: what goes when TE keeps that input
+    quantised instead."""
 
     def extended(self, sources: list[int]) -> "TracedMicrobatch":
         """This trace of a reduced stage as the real stage, whose layer i saves what traced layer ``sources[i]`` did.
@@ -142,14 +149,33 @@ class TracedMicrobatch:
         for (category, _), nbytes in by_category_and_layer.items():
             by_category[category] += nbytes
         by_layer = {layer: self.by_layer.get(source, 0) for layer, source in enumerate(sources)}
-        lora_a = {name: nbytes for name, nbytes in self.lora_a_saved.items() if layer_of(name) is None}
-        for layer, source in enumerate(sources):
-            prefix = f"decoder.layers.{source}."
-            lora_a.update({f"decoder.layers.{layer}.{name[len(prefix):]}": nbytes
-                           for name, nbytes in self.lora_a_saved.items() if name.startswith(prefix)})
         saved = self.saved_bytes - sum(self.by_layer.values()) + sum(by_layer.values())
         return dataclasses.replace(self, saved_bytes=saved, by_category=by_category, by_layer=by_layer,
-                                   lora_a_saved=lora_a, by_category_and_layer=by_category_and_layer)
+                                   lora_a_saved=_from_sources(self.lora_a_saved, sources),
+                                   linear_saved=_from_sources(self.linear_saved, sources),
+                                   linear_alone=_from_sources(self.linear_alone, sources),
+                                   by_category_and_layer=by_category_and_layer)
+
+
+def _from_sources(per_module: dict[str, int], sources: list[int]) -> dict[str, int]:
+    """``per_module`` (keyed by module name) for the real stage: layer i's modules are traced layer ``sources[i]``'s;
+    modules outside the layers are kept."""
+    out = {name: nbytes for name, nbytes in per_module.items() if layer_of(name) is None}
+    for layer, source in enumerate(sources):
+        prefix = f"decoder.layers.{source}."
+        out.update({f"decoder.layers.{layer}.{name[len(prefix):]}": nbytes
+                    for name, nbytes in per_module.items() if name.startswith(prefix)})
+    return out
+
+
+def is_dense_linear(module: str) -> bool:
+    """A dense linear of a transformer layer (``decoder.layers.N.mlp.linear_fc1``), or the base linear a PEFT wraps
+    in it (``...linear_fc1.to_wrap``)."""
+    parts = module.split(".")
+    if layer_of(module) is None:
+        return False
+    path = ".".join(parts[3:-1] if parts[-1] == "to_wrap" else parts[3:])
+    return path in LINEARS
 
 
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
@@ -179,4 +205,6 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
     lora_a = {name: nbytes for name, nbytes in result.by_module.items()
               if ".adapter." in name and name.endswith(".linear_in")}
     return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a,
-                            split_by_category_and_layer(result))
+                            split_by_category_and_layer(result),
+                            {name: n for name, n in result.by_module.items() if is_dense_linear(name)},
+                            {name: n for name, n in result.by_module_alone.items() if is_dense_linear(name)})

@@ -125,7 +125,8 @@ def drop_cuda_graphs(model) -> list[str]:
 
 def config_lines(cfg) -> list[str]:
     """What the plan says the estimates leave out of a Bridge config (beyond the margin's list): CUDA graph
-    pools, and the activations of FP8 layers (:func:`megatron_bridge_ext.estimate.precision.activation_note`)."""
+    pools, and the activations of FP8 layers under blockwise scaling
+    (:func:`megatron_bridge_ext.estimate.precision.activation_note`)."""
     from megatron_bridge_ext.estimate import precision
 
     fp8 = precision.fp8_of_config(cfg)

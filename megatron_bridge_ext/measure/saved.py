@@ -65,6 +65,8 @@ class SavedActivations:
     * ``by_category_per_module``: the sum of ``by_module`` over the modules of each category,
       i.e. what the modules of a category saved without deduplication across modules. Use it to
       ask "how much does LoRA-A save", and ``by_category`` to ask "how much memory is it".
+    * ``by_module_alone``: per module, the part of ``by_module`` in storages no other module saved:
+      what would go if that module kept its tensors another way (the estimate's FP8 contract).
     * ``module_categories``: the category of each module in ``by_module``.
     * ``parameter_bytes``: storages of parameters and buffers that autograd referenced, each
       once; not activations, so not in ``total_bytes``.
@@ -73,6 +75,7 @@ class SavedActivations:
     total_bytes: int = 0
     by_category: dict[str, int] = dataclasses.field(default_factory=dict)
     by_module: dict[str, int] = dataclasses.field(default_factory=dict)
+    by_module_alone: dict[str, int] = dataclasses.field(default_factory=dict)
     by_category_per_module: dict[str, int] = dataclasses.field(default_factory=dict)
     module_categories: dict[str, str] = dataclasses.field(default_factory=dict)
     parameter_bytes: int = 0
@@ -145,6 +148,7 @@ class SavedActivationMeter:
             self._result,
             by_category=dict(self._result.by_category),
             by_module=dict(self._result.by_module),
+            by_module_alone=dict(self._result.by_module_alone),
             by_category_per_module=dict(self._result.by_category_per_module),
             module_categories=dict(self._result.module_categories),
         )
@@ -173,6 +177,7 @@ class SavedActivationMeter:
             seen = self._seen[key] = _SeenStorage(weakref.ref(storage), set())
             self._add_storage(key, module, storage.nbytes())
         if key not in self._parameter_keys and module not in seen.modules:
+            self._add_alone(seen.modules, module, storage.nbytes())
             seen.modules.add(module)
             self._add_module(module, storage.nbytes())
 
@@ -190,6 +195,16 @@ class SavedActivationMeter:
         category = self._category(module)
         self._result.total_bytes += nbytes
         self._result.by_category[category] = self._result.by_category.get(category, 0) + nbytes
+
+    def _add_alone(self, earlier: set[str], module: str, nbytes: int) -> None:
+        """Count a storage as ``module``'s alone while no other module saved it; a second module takes it off the
+        first one's."""
+        alone = self._result.by_module_alone
+        if not earlier:
+            alone[module] = alone.get(module, 0) + nbytes
+        elif len(earlier) == 1:
+            [first] = earlier
+            alone[first] -= nbytes
 
     def _add_module(self, module: str, nbytes: int) -> None:
         category = self._category(module)

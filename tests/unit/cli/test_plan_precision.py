@@ -36,12 +36,12 @@ def test_fp8_current_scaling_stores_15_fp8_layers_of_a_stage_quantised(capsys):
     report = json.loads(out)
     components = {c["name"]: c["bytes"] for c in report["estimate"]["components"]}
     assert components["weights: FP8 linear weights"] == 15 * (2 * LAYER + 4 * 4)
-    [line] = [n for n in report["not_modelled"] if n.startswith("activations under FP8 are not modelled")]
-    assert "shown as traced in bf16" in line
+    assert not [n for n in report["not_modelled"] if "activations under FP8" in n]  # TE's contract models them
+    assert [a for a in report["estimate"]["assumptions"] if a.startswith("FP8 activations by Transformer Engine")]
 
 
-def test_the_text_plan_names_fp8_activations_once_as_not_modelled(capsys):
-    status, out, _ = _run(capsys, "mixed_precision=bf16_with_fp8_current_scaling_mixed")
+def test_the_text_plan_names_blockwise_fp8_activations_once_as_not_modelled(capsys):
+    status, out, _ = _run(capsys, "mixed_precision=bf16_with_fp8_subchannel_scaling_mixed")
     assert status == 0
     named = [line for line in out.splitlines() if "activations under FP8 are not modelled" in line]
     assert len(named) == 1 and named[0].startswith("not modelled: activations under FP8")

@@ -139,6 +139,27 @@ def test_storage_saved_by_two_modules_counts_once_in_total_and_in_each_module():
     assert result.module_categories == {"first": "cat_a", "second": "cat_b"}
 
 
+class SharedAndOwnInput(SharedInput):
+    def __init__(self, d_in: int = 3):
+        super().__init__(d_in)
+        self.third = nn.Linear(d_in, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.third(x * 2).sum()
+
+
+def test_a_storage_is_a_modules_alone_only_while_no_other_module_saved_it():
+    """``first`` and ``second`` share x (neither keeps it alone); ``third`` alone keeps 2 x (made outside it)."""
+    n, d_in = 4, 3
+    model = SharedAndOwnInput(d_in)
+    with SavedActivationMeter(model) as meter:
+        model(torch.randn(n, d_in))
+    result = meter.result()
+    x_bytes = n * d_in * FP32
+    assert result.by_module == {"first": x_bytes, "second": x_bytes, "third": x_bytes}
+    assert result.by_module_alone == {"first": 0, "third": x_bytes}
+
+
 class Adapter(nn.Module):
     def __init__(self, hidden: int, rank: int):
         super().__init__()
@@ -368,6 +389,7 @@ def test_result_is_json_serialisable():
         "total_bytes",
         "by_category",
         "by_module",
+        "by_module_alone",
         "by_category_per_module",
         "module_categories",
         "parameter_bytes",
