@@ -2,7 +2,7 @@
 
 The model, stated once (every term is a function below; nothing here is fitted to a measurement):
 
-* **compute**: the GEMM FLOPs of one microbatch on this rank's layers, from the shapes in the
+* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest), from the shapes in the
   estimate's settings, at the device's peak dense bf16 (FP8 when the config trains in FP8) rate
   with **no efficiency factor** (100% of peak: the figures are a lower bound on time, and a
   percentage change between two configs is what the plan prints). Forward: 2 FLOPs per
@@ -115,11 +115,12 @@ def gpu(name: str = DEFAULT_GPU, **overrides: Optional[float]) -> Gpu:
         raise UnknownGpu(f"{name!r} is not a GPU preset ({', '.join(GPUS)})")
     preset = GPUS[name]
     given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return preset
+    named = ", ".join(sorted(given))
     if "bf16_flops" in given:
         given.setdefault("fp8_flops", given["bf16_flops"] * preset.fp8_flops / preset.bf16_flops)
-    if given:
-        preset = replace(preset, **given, source=f"{preset.source}; overridden: {', '.join(sorted(given))}")
-    return preset
+    return replace(preset, **given, source=f"{preset.source}; overridden: {named}")
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,9 @@ def p2p_bytes(s: dict) -> int:
 
 def step_time(s: dict, device: Gpu, *, offload_bytes: int = 0) -> StepTime:
     """The step time of the config whose estimate settings are ``s`` (``offload_bytes``: to the host and
-    back per step under CPU offloading)."""
+    back per step under CPU offloading), on the last pipeline stage: with the output layer it is the
+    slowest, and it paces the pipeline (its layers are the estimate's stage's: stages hold equal layers)."""
+    s = {**s, "stage": s["pp"] - 1}
     m, pp, vpp, cp = s["num_microbatches"], s["pp"], s["vpp"] or 1, s["cp"] or 1
     tp_span, dp_span = s["tp"], s["tp"] * cp * s["dp"]
     compute_mb = microbatch_flops(s) / device.peak(bool(s.get("fp8"))) + recompute_hbm_bytes(s) / device.hbm
