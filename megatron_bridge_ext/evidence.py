@@ -29,6 +29,12 @@ FRAGMENTATION_FIX = Evidence(
 PP_DOUBLING = Evidence("PP 4->8: -5.9% throughput", LLAMA3_70B_SFT)
 TP_DOUBLING = Evidence("TP 4->8: -28.4% throughput", LLAMA3_70B_SFT)
 MLP_RECOMPUTE = Evidence("selective `mlp` recompute: about -16% throughput for about 3 GB", LLAMA3_70B_SFT)
+MOE_README = ("Megatron Core MoE README, Performance Best Practice, Tuning Guide of Parallel Mappings "
+              "(github.com/NVIDIA/Megatron-LM, megatron/core/transformer/moe/README.md)")
+EP_OVER_TP = Evidence(
+    "prefer EP over TP for the expert layer: TP saves more memory, EP has better GEMM efficiency and less "
+    "communication; EP8TP1 beats EP4TP2 on Mixtral 8x7B; per-layer communication TP high, EP and PP medium",
+    MOE_README)
 CORE_ATTN_FUSED = Evidence(
     "core_attn recompute with fused attention: -0.01% memory for +3.85% step time", "Megatron Bridge, Moonlight 16B")
 QWEN3_8B_REGATHER = Evidence(
@@ -59,8 +65,10 @@ LEVERS: tuple[dict[str, str | int], ...] = (
      "cost": f"`mlp` recompute: about -16% throughput for about 3 GB ({LLAMA3_70B})",
      "source": MEMORY_TUNING_DOC},
     {"step": 4, "name": "parallelism",
-     "action": "raise PP at the cost of DP, or double TP",
-     "cost": f"PP 4->8: -5.9% throughput; TP 4->8: -28.4% ({LLAMA3_70B})",
+     "action": "raise EP (mixture of experts: the same GPUs, the dense DP kept), raise PP at the cost of DP, raise "
+               "the expert TP (mixture of experts), or double TP",
+     "cost": f"PP 4->8: -5.9% throughput; TP 4->8: -28.4% ({LLAMA3_70B}); EP over TP for the expert layer "
+             "(Megatron Core's MoE guide)",
      "source": MEMORY_TUNING_DOC},
     {"step": 5, "name": "CPU offloading",
      "action": "cpu_offloading=True (activations and weights of some layers to host memory)",

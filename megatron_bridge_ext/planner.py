@@ -7,9 +7,11 @@ in their order, each applied on top of the ones before:
 
 1. allocator: expandable segments shrink the fragmentation margin (no memory saved, no cost);
 2. LoRA-A input under sequence parallelism: ``shard_local`` (re-estimated);
-3. selective recompute: the modules that save memory here, cheapest (recomputed FLOPs per byte
-   saved) first, added one at a time (each re-estimated);
-4. parallelism: PP x 2, then TP x 2, at the cost of DP (re-estimated);
+3. selective recompute: the modules that save memory here (``moe_act``, ``moe`` and ``shared_experts`` too on
+   a mixture-of-experts model), cheapest (recomputed FLOPs per byte saved) first, added one at a time (each
+   re-estimated);
+4. parallelism (re-estimated): on a mixture-of-experts model EP x 2 first (the same GPUs, the dense DP kept),
+   PP x 2 at the cost of DP, the expert TP x 2 (MoE), then TP x 2 at the cost of DP;
 5. CPU offloading of layer activations (a formula on the measured per-layer bytes).
 
 Each step is its lever's ``advice`` module (``megatron_bridge_ext/levers/<lever>/advice.py``): the
@@ -19,9 +21,10 @@ them (:data:`STEPS`) and records each option through :class:`Planner`.
 Each option carries its predicted peak, its cost (collective bytes per step, recomputed FLOPs per
 step, the predicted step-time change of a roofline model (:mod:`.levers.steptime`) against the config
 as is, the published throughput figure where one exists) and its constraints, which come from
-``MemoryConfig.validate`` (the checks a user gets when applying the flags). The first option that
-fits is the answer (among options of one step with equal predicted peaks, the fastest:
-:func:`order_equal_memory`), as a :class:`MemoryConfig` and as override strings that Bridge's own override
+``MemoryConfig.validate`` (the checks a user gets when applying the flags) and, for a resize, Megatron
+Core's layout rules. An option the estimate cannot predict is recorded with its cost and the estimate's
+reason, without a peak. The first option that fits is the answer (among options of one step with equal
+predicted peaks, the fastest: :func:`order_equal_memory`), as a :class:`MemoryConfig` and as override strings that Bridge's own override
 parser turns into the same config (the PEFT change only where overrides built the PEFT; otherwise a
 note says why not and gives the ``MemoryConfig(...).apply(cfg)`` line).
 """

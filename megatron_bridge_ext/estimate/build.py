@@ -27,10 +27,18 @@ ATTENTIONS = (FUSED, LOCAL)
 
 
 def layer_spec(provider, attention: str):
-    """Megatron Core's local GPT layer spec for ``provider``'s norms, with the attention kind asked for."""
+    """Megatron Core's local GPT layer spec for ``provider``'s norms and experts, with the attention kind asked for.
+
+    With experts it is Core's local MoE spec: the router, the config's token dispatcher and SequentialMLP
+    experts (the local backend has no grouped GEMM, whatever ``moe_grouped_gemm`` asks; the estimate
+    says so in its assumptions).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization)
+    experts = getattr(provider, "num_moe_experts", None)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=bool(getattr(provider, "moe_grouped_gemm",
+                                                                                        False)) if experts else False,
+                                    qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization)
     if attention == FUSED:
         from megatron_bridge_ext.estimate.standins import FusedAttentionStandIn
 

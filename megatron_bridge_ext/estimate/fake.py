@@ -37,7 +37,7 @@ Why each change (all undone on exit; none of them outlives the context):
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -49,10 +49,24 @@ _C10D_GLOBALS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config"
                  "_group_count", "_backend", "_default_pg_init_method")
 
 
+def ranks_per_stage(*, tp: int, cp: int, ep: int = 1, etp: int = 1) -> int:
+    """Ranks of one pipeline stage in the fake world: the fewest that both Megatron Core's dense grid
+    (TP x CP x DP) and its expert grid (ETP x EP x expert-DP) divide into whole groups, i.e. the least
+    common multiple of TP x CP and ETP x EP (the dense DP this adds only shapes the groups)."""
+    import math
+
+    return math.lcm(tp * cp, ep * etp)
+
+
 @contextlib.contextmanager
-def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str) -> Iterator[None]:
-    """This process is global rank ``rank`` of a fake ``tp * pp * cp`` world (DP is 1: it only shards
-    optimizer state, a formula), with Megatron Core's parallel state for it, tracing on ``device``."""
+def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str, ep: int = 1,
+                        etp: Optional[int] = None) -> Iterator[None]:
+    """This process is global rank ``rank`` of a fake world of ``pp`` stages of :func:`ranks_per_stage`
+    ranks each, with Megatron Core's parallel state for it (expert groups included), tracing on ``device``.
+
+    The dense DP of the fake world is whatever the expert layout needs (1 without experts): the real DP
+    only shards optimizer state, a formula. ``etp`` None: Core's default, TP.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -61,6 +75,8 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str) ->
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    etp = etp or tp
+    world = pp * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_isolated_c10d())
         stack.enter_context(_isolated_parallel_state())
@@ -71,10 +87,10 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str) ->
         stack.enter_context(_attention_environment())
         stack.enter_context(_fp8_state_without_te())
         stack.enter_context(scoped_patch(core_local_norm_sequence_parallel.PATCH))
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp * pp * cp)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-            create_gloo_process_groups=False)
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, create_gloo_process_groups=False)
         yield
 
 

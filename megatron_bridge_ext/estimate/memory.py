@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import configs, static, te
+from megatron_bridge_ext.estimate import configs, routing, static, te
 from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
+from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
@@ -35,7 +36,7 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
 
 
 class NotModelled(Refused):
-    """The estimate cannot model this config (MoE, MLA, MTP, FP8, CP); the config itself may train.
+    """The estimate cannot model this config (MLA, MTP, FP8, CP, MoE token dropping); the config itself may train.
 
     Raised after the layout checks pass, so that a caller can still show an estimate that models it
     (Bridge's) where a :class:`Refused` for a broken config stops everything.
@@ -141,11 +142,13 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
 
 def _unsupported(model) -> list[Finding]:
     out = []
-    for field, what in (("num_moe_experts", "mixture-of-experts models"), ("multi_latent_attention", "multi-latent "
-                        "attention"), ("mtp_num_layers", "multi-token prediction")):
+    for field, what in (("multi_latent_attention", "multi-latent attention"),
+                        ("mtp_num_layers", "multi-token prediction")):
         if getattr(model, field, None):
             out.append(Finding("unsupported_model", ERROR, f"model.{field}", f"{what} are not modelled by the estimate",
-                               "estimate a dense GPT config, or use Bridge's estimate_training_memory"))
+                               "estimate a GPT config without it, or use Bridge's estimate_training_memory"))
+    if getattr(model, "num_moe_experts", None):
+        out += _unsupported_moe(model)
     if getattr(model, "fp8", None) or getattr(model, "fp4", None):
         out.append(Finding("unsupported_model", ERROR, "model.fp8", "FP8/FP4 training is not modelled by the estimate",
                            "estimate the bf16 config (FP8 keeps smaller copies of some activations)"))
@@ -153,6 +156,38 @@ def _unsupported(model) -> list[Finding]:
         out.append(Finding("unsupported_model", ERROR, "model.context_parallel_size",
                            "context parallelism is not modelled by the estimate", "estimate with context_parallel_size=1"))
     return out
+
+
+MOE_DISPATCHERS = ("allgather", "alltoall")
+"""The token dispatchers the estimate traces (Core's ``flex`` needs DeepEP or HybridEP kernels)."""
+
+
+def _unsupported_moe(model) -> list[Finding]:
+    """MoE settings the balanced-load stand-in (:mod:`.routing`) does not model: other dispatchers, token dropping."""
+    out = []
+    dispatcher = getattr(model, "moe_token_dispatcher_type", "allgather")
+    if dispatcher not in MOE_DISPATCHERS:
+        out.append(Finding("unsupported_model", ERROR, "model.moe_token_dispatcher_type",
+                           f"the {dispatcher!r} token dispatcher is not modelled by the estimate",
+                           f"estimate with one of {list(MOE_DISPATCHERS)} (same expert shapes)"))
+    if getattr(model, "moe_expert_capacity_factor", None) is not None or \
+            getattr(model, "moe_pad_expert_input_to_capacity", False):
+        out.append(Finding("unsupported_model", ERROR, "model.moe_expert_capacity_factor",
+                           "token dropping (expert capacity) is not modelled by the estimate",
+                           "estimate the dropless config (moe_expert_capacity_factor=None), an upper bound"))
+    if getattr(model, "moe_latent_size", None):
+        out.append(Finding("unsupported_model", ERROR, "model.moe_latent_size",
+                           "latent MoE projections are not modelled by the estimate", "estimate without them"))
+    return out
+
+
+def imbalance_problem(value, setting: str = "moe_imbalance") -> Optional[Finding]:
+    """A load factor below 1 (the most loaded expert carries at least the balanced load), as one finding, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        return Finding("bad_input", ERROR, setting, f"{value!r} is not a load factor of 1 or more (the most loaded "
+                       "expert's tokens over the balanced share)", "give 1.0 for a balanced load, e.g. 1.5 for "
+                       "an expert 50% over it")
+    return None
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
@@ -235,7 +270,7 @@ def _attention_from(model) -> str:
 
 def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches: Optional[int] = None,
              attention: Optional[str] = None, transformer_impl: Optional[str] = None,
-             device: str = "cuda") -> MemoryEstimate:
+             device: str = "cuda", moe_imbalance: float = BALANCED) -> MemoryEstimate:
     """Per-rank memory of the most loaded pipeline stage of a Bridge ``ConfigContainer`` at its backward peak.
 
     ``attention``: ``"fused"`` traces a stand-in that keeps what fused (flash/cuDNN) attention keeps,
@@ -246,9 +281,14 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     ``"cuda"`` (fake CUDA tensors, no GPU needed) for GPU estimates, ``"cpu"`` to compare with CPU runs.
     ``data_parallel_size`` defaults to ``cfg.data_parallel_size`` (set when Bridge validates the
     config), ``num_microbatches`` to global batch / (micro-batch x DP).
+    ``moe_imbalance`` (MoE models): the tokens of the traced rank's experts over the balanced share,
+    1.0 (balanced) or more (:mod:`.routing`).
     Raises :class:`megatron_bridge_ext.findings.Refused` (one line per problem) for configs it cannot model.
     """
     start = time.perf_counter()
+    problem = imbalance_problem(moe_imbalance)
+    if problem:
+        raise Refused(WHAT, [problem])
     prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
     attention = _choice(attention or _attention_from(prepared.provider), ATTENTIONS, "attention")
     impl = _choice(transformer_impl or getattr(prepared.provider, "transformer_impl", TE), IMPLS, "transformer_impl")
@@ -258,7 +298,8 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
         raise Refused(WHAT, problems)
     pp = prepared.provider.pipeline_model_parallel_size
     stages = [0] if pp == 1 else [0, pp - 1]
-    results = [_estimate_stage(prepared, stage, attention=attention, impl=impl, device=device) for stage in stages]
+    results = [_estimate_stage(prepared, stage, attention=attention, impl=impl, device=device,
+                               imbalance=float(moe_imbalance)) for stage in stages]
     best = max(results, key=lambda r: r.peak_bytes)
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
     best.seconds = time.perf_counter() - start
@@ -281,16 +322,28 @@ def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
     return []
 
 
-def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str) -> MemoryEstimate:
+def expert_sizes(provider) -> tuple[int, int]:
+    """EP and ETP of a finalized provider (1 and TP for a dense model, as Core's defaults leave them)."""
+    ep = getattr(provider, "expert_model_parallel_size", 1) or 1
+    etp = getattr(provider, "expert_tensor_parallel_size", None) or provider.tensor_model_parallel_size
+    return ep, etp
+
+
+def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,
+                    imbalance: float = BALANCED) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from megatron_bridge_ext.estimate.fake import fake_parallel_world
+    from megatron_bridge_ext.estimate.fake import fake_parallel_world, ranks_per_stage
 
     provider = prepared.provider
     tp, pp, cp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size, provider.context_parallel_size
+    ep, etp = expert_sizes(provider)
     sp = bool(provider.sequence_parallel) and tp > 1
-    with fake_parallel_world(tp=tp, pp=pp, cp=cp, rank=stage * tp * cp, device=device):
+    rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
+    load = routing.RoutedLoad(imbalance)
+    with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
+            routing.balanced_routing(load):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
@@ -302,6 +355,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
+        moe_layers = len(load.routed_tokens)
+        routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
             if provider.recompute_granularity == "full" else 0
@@ -325,10 +380,13 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
                                     "allocated by the forward and kept"))
     components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
-                              recomputed_layer=recomputed_layer)
+                              recomputed_layer=recomputed_layer, routed=routed, dense_layers=layers > moe_layers)
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
+    if getattr(provider, "num_moe_experts", None):
+        settings.update(_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
     return MemoryEstimate(stage=stage, components=components, settings=settings,
-                          assumptions=_assumptions(prepared, attention, impl, device, contract),
+                          assumptions=_assumptions(prepared, attention, impl, device, contract)
+                          + _moe_assumptions(provider, imbalance, routed),
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer))
 
@@ -346,7 +404,12 @@ def _static(prepared: Prepared, counts: static.ParameterCounts) -> list[Componen
     rule = static.optimizer_rule(prepared.optimizer, param_bytes=counts.element_size,
                                  data_parallel=prepared.data_parallel,
                                  context_parallel=prepared.provider.context_parallel_size)
-    return static.static_components(counts, grad_bytes=grad_bytes, rule=rule)
+    ep, etp = expert_sizes(prepared.provider)
+    expert_dp = static.expert_data_parallel(data_parallel=prepared.data_parallel,
+                                            tensor_parallel=prepared.provider.tensor_model_parallel_size,
+                                            context_parallel=prepared.provider.context_parallel_size,
+                                            expert_parallel=ep, expert_tensor_parallel=etp)
+    return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp)
 
 
 def _activations(traced, in_flight: float, contract: te.TeContract) -> list[Component]:
@@ -365,7 +428,9 @@ def _activations(traced, in_flight: float, contract: te.TeContract) -> list[Comp
 
 
 def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int, sp: bool,
-                recomputed_layer: int) -> list[Component]:
+                recomputed_layer: int, routed: int = 0, dense_layers: bool = True) -> list[Component]:
+    """The loss's logits and one layer's backward (``routed``: the tokens the local experts of an MoE layer
+    received; ``dense_layers``: the stage has layers with a dense MLP)."""
     s, b, h = prepared.seq, prepared.micro_batch, provider.hidden_size
     tp = provider.tensor_model_parallel_size
     out = []
@@ -373,11 +438,21 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
         out.append(Component(TRANSIENT, "logits at the loss", s * b * vocab_local * element,
                              f"formula: the [{s}, {b}, {vocab_local}] logits (or their gradient) in the training "
                              "dtype, next to the fp32 copy the loss keeps"))
-    ffn = provider.ffn_hidden_size // tp
     glu = 2 if provider.gated_linear_unit else 1
-    mlp_grads = s * b * (glu * ffn + ffn + h) * element
-    basis = (f"formula: MLP activation gradients in backward, [{s}, {b}, {glu * ffn}] + [{s}, {b}, {ffn}] + "
-             f"[{s}, {b}, {h}]{' (gathered before the reduce-scatter)' if sp else ''}")
+    candidates = []
+    if dense_layers:
+        ffn = provider.ffn_hidden_size // tp
+        candidates.append((s * b * (glu * ffn + ffn + h) * element,
+                           f"formula: MLP activation gradients in backward, [{s}, {b}, {glu * ffn}] + [{s}, {b}, {ffn}] + "
+                           f"[{s}, {b}, {h}]{' (gathered before the reduce-scatter)' if sp else ''}"))
+    if routed:
+        _, etp = expert_sizes(provider)
+        ffn = provider.moe_ffn_hidden_size // etp
+        candidates.append((routed * (glu * ffn + ffn + h) * element,
+                           f"formula: expert activation gradients in backward, [{routed}, {glu * ffn}] + "
+                           f"[{routed}, {ffn}] + [{routed}, {h}]: the {routed:,} tokens routed to this rank's experts "
+                           "(tokens x top-k x imbalance / EP, as the dispatcher hands them over)"))
+    mlp_grads, basis = max(candidates)
     if recomputed_layer:
         out.append(Component(TRANSIENT, "recomputed layer in backward", recomputed_layer + mlp_grads,
                              f"measured: {recomputed_layer:,} B one layer saves when recomputed (full recompute); "
@@ -403,6 +478,31 @@ def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, 
                               hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                               sequence_parallel_tp=sp_tp)
     return traced.by_layer[0]
+
+
+def _moe_settings(provider, *, imbalance: float, routed: int, moe_layers: int) -> dict[str, Any]:
+    ep, etp = expert_sizes(provider)
+    return {"num_moe_experts": provider.num_moe_experts, "moe_router_topk": provider.moe_router_topk,
+            "moe_ffn": provider.moe_ffn_hidden_size, "ep": ep, "etp": etp,
+            "local_experts": provider.num_moe_experts // ep,
+            "moe_token_dispatcher": provider.moe_token_dispatcher_type, "moe_imbalance": imbalance,
+            "moe_layers_on_stage": moe_layers, "routed_tokens_per_layer": routed}
+
+
+def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
+    """How the MoE layers were traced: the stated load, the experts' implementation, the dispatcher."""
+    if not getattr(provider, "num_moe_experts", None):
+        return []
+    load = ("balanced (1.0, the default): every expert receives tokens x top-k / experts" if imbalance == BALANCED
+            else f"{imbalance:g} x the balanced share for each expert of the traced rank (the most loaded rank)")
+    return [
+        f"MoE routing: a stated load, not the router's choice: {load}; {routed:,} tokens reach this rank's experts "
+        "per MoE layer per microbatch (estimate.routing; mbx plan --moe-imbalance sets it)",
+        f"MoE experts: Megatron Core's SequentialMLP traced (the local spec's: one MLP per local expert, each "
+        f"saving its own tokens' GEMM and activation inputs) with Core's {provider.moe_token_dispatcher_type} "
+        "dispatcher; a grouped GEMM (TEGroupedMLP on Transformer Engine) keeps the same GEMM inputs concatenated, "
+        "while its fused activation may keep a different set (not modelled)",
+    ]
 
 
 def _peft_settings(peft) -> dict[str, Any]:

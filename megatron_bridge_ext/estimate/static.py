@@ -13,6 +13,14 @@ are exact. What each parameter costs follows Megatron Core's rules:
   divided over DP x CP ranks by the distributed optimizer. With the distributed optimizer the
   16-bit parameters live in its parameter buffer, so they are not counted twice.
 
+Mixture-of-experts layers: the rank builds only its local experts (experts / EP, each sharded over
+ETP), counted as their own part ``experts``, with LoRA adapters on them as ``expert adapters``; the
+router and shared experts stay in ``transformer layers`` (every rank has them). Trainable expert
+parameters (full fine-tuning, or expert adapters) have their optimizer state divided over the
+expert-data-parallel ranks instead: the distributed optimizer shards expert parameters over Core's
+expert-DP group, DP x TP x CP / (EP x ETP) ranks (Core folds the expert layout onto the same GPUs).
+Frozen experts (LoRA) have no gradient and no optimizer state.
+
 This is where a PEFT run differs most from Bridge's ``estimate_training_memory``, which charges
 every parameter 18 bytes (6 + 12 / DP with the distributed optimizer).
 """
@@ -29,7 +37,11 @@ EMBEDDING = "embedding"
 LAYERS = "transformer layers"
 OUTPUT_LAYER = "output layer"
 ADAPTERS = "adapters"
-PARTS = (EMBEDDING, LAYERS, OUTPUT_LAYER, ADAPTERS)
+EXPERTS = "experts"
+EXPERT_ADAPTERS = "expert adapters"
+PARTS = (EMBEDDING, LAYERS, EXPERTS, OUTPUT_LAYER, ADAPTERS, EXPERT_ADAPTERS)
+EXPERT_PARTS = (EXPERTS, EXPERT_ADAPTERS)
+"""The parts whose optimizer state the expert-data-parallel ranks divide."""
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
 
@@ -42,9 +54,12 @@ def dtype_bytes(dtype) -> int:
 
 
 def part_of(name: str) -> str:
-    """Where a parameter of a GPTModel belongs, by name."""
+    """Where a parameter of a GPTModel belongs, by name (routed experts: ``...mlp.experts.local_experts...``)."""
+    routed = ".mlp.experts." in name
     if ".adapter." in name:
-        return ADAPTERS
+        return EXPERT_ADAPTERS if routed else ADAPTERS
+    if routed:
+        return EXPERTS
     if name.startswith("embedding."):
         return EMBEDDING
     if name.startswith("output_layer."):
@@ -68,6 +83,10 @@ class ParameterCounts:
     def trainable_total(self) -> int:
         return sum(self.trainable.values())
 
+    @property
+    def trainable_experts(self) -> int:
+        return sum(self.trainable[part] for part in EXPERT_PARTS)
+
 
 def count_parameters(model: torch.nn.Module) -> ParameterCounts:
     frozen = dict.fromkeys(PARTS, 0)
@@ -88,6 +107,7 @@ class OptimizerRule:
     bytes_per_parameter: int
     shards: int
     description: str
+    distributed: bool = False
 
 
 def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, context_parallel: int) -> OptimizerRule:
@@ -110,11 +130,16 @@ def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, co
     terms = " + ".join(str(b) for b in ([main] if main else []) + moment_bytes)
     description = (f"{name}: {terms} = {per} B ({source})"
                    + (f", distributed over DP x CP = {shards}" if distributed else ", not distributed"))
-    return OptimizerRule(per, shards, description)
+    return OptimizerRule(per, shards, description, distributed)
 
 
-def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: OptimizerRule) -> list[Component]:
-    """Weights per part, the grad buffer and the optimizer state of one rank."""
+def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: OptimizerRule,
+                      expert_shards: int = 1) -> list[Component]:
+    """Weights per part, the grad buffer and the optimizer state of one rank.
+
+    ``expert_shards``: the ranks the distributed optimizer divides trainable expert parameters' state
+    over (expert DP; :func:`expert_data_parallel`), where ``rule.shards`` divides the others'.
+    """
     out = []
     size = counts.element_size
     for part in PARTS:
@@ -127,6 +152,23 @@ def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: Optimiz
     trainable = counts.trainable_total
     out.append(Component(STATIC, "gradients (main_grad buffer)", trainable * grad_bytes,
                          f"{trainable:,} trainable parameters x {grad_bytes} B; frozen parameters have none"))
-    out.append(Component(STATIC, "optimizer states", -(-trainable * rule.bytes_per_parameter // rule.shards),
-                         f"{trainable:,} trainable parameters x {rule.description}"))
+    experts = counts.trainable_experts
+    if not experts:
+        out.append(Component(STATIC, "optimizer states", -(-trainable * rule.bytes_per_parameter // rule.shards),
+                             f"{trainable:,} trainable parameters x {rule.description}"))
+        return out
+    shards = expert_shards if rule.distributed else 1
+    dense = trainable - experts
+    nbytes = -(-dense * rule.bytes_per_parameter // rule.shards) + -(-experts * rule.bytes_per_parameter // shards)
+    out.append(Component(STATIC, "optimizer states", nbytes,
+                         f"{dense:,} trainable parameters x {rule.description}; {experts:,} trainable expert "
+                         f"parameters x {rule.bytes_per_parameter} B"
+                         + (f", distributed over expert DP = DP x TP x CP / (EP x ETP) = {shards}"
+                            if rule.distributed else ", not distributed")))
     return out
+
+
+def expert_data_parallel(*, data_parallel: int, tensor_parallel: int, context_parallel: int, expert_parallel: int,
+                         expert_tensor_parallel: int) -> int:
+    """Core's expert-data-parallel size: a stage's GPUs (DP x TP x CP) over one expert grid (EP x ETP)."""
+    return max(1, data_parallel * tensor_parallel * context_parallel // (expert_parallel * expert_tensor_parallel))

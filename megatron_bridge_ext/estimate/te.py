@@ -54,8 +54,10 @@ def base_layer_of(module: str) -> str:
 
 
 def is_te_lora_input(module: str) -> bool:
-    """LoRA-A of a column-parallel target that TE would fuse with its norm."""
-    return base_layer_of(module).rsplit(".", 1)[-1] in COLUMN_TARGETS
+    """LoRA-A of a column-parallel target that TE would fuse with its norm (a routed expert's ``linear_fc1`` takes
+    the dispatched tokens, not a norm output: TE has no norm to fuse there)."""
+    layer = base_layer_of(module)
+    return layer.rsplit(".", 1)[-1] in COLUMN_TARGETS and ".mlp.experts." not in layer
 
 
 def norm_output_contract(lora_a_saved: dict[str, int], *, seq: int, micro_batch: int, hidden: int, tp: int,

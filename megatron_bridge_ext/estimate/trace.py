@@ -17,19 +17,24 @@ from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
 NORMS = "norms"
 ATTENTION = "attention"
 MLP = "mlp"
+MOE_DISPATCH = "moe dispatch"
+EXPERTS = "experts"
 LORA_INPUTS = "lora inputs"
 EMBEDDING = "embedding"
 LOGITS_LOSS = "logits and loss"
 CHECKPOINT_INPUTS = "recompute checkpoints"
-CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MLP, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
+CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MLP, MOE_DISPATCH, EXPERTS, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
 
 
-def category_of(module: str) -> str:
+def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     """The estimate's category of a module of a Megatron Core GPTModel, by its qualified name.
 
     Adapters (``...adapter...``) are LoRA inputs wherever they sit; norms (``*layernorm``) before
     attention and MLP so that q/k norms count as norms; the rotary embedding's cos/sin count with
-    attention. Saves made by the decoder itself (outside every layer) are the inputs that full
+    attention. In a mixture-of-experts layer (``moe_layers``: the names of its MoE modules), the routed
+    experts are experts, the router and what the MoE module saves itself (the token dispatcher is no
+    module: permutation indices, gathered or all-to-all'd tokens and probabilities) are moe dispatch, and
+    shared experts are mlp. Saves made by the decoder itself (outside every layer) are the inputs that full
     recompute checkpoints keep; the model's own forward (``<root>``: the logits cast and the loss)
     and the output layer are logits and loss.
     """
@@ -40,6 +45,13 @@ def category_of(module: str) -> str:
         return NORMS
     if "self_attention" in parts or "rotary_pos_emb" in parts:
         return ATTENTION
+    owner = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in moe_layers), None)
+    if owner is not None:
+        below = parts[len(owner.split(".")):]
+        if below[:1] == ["experts"]:
+            return EXPERTS
+        if not below or below[:1] == ["router"]:
+            return MOE_DISPATCH
     if "mlp" in parts:
         return MLP
     if parts[0] == "embedding":
@@ -59,14 +71,25 @@ def layer_of(module: str) -> Optional[int]:
     return None
 
 
-def category_and_layer(module: str) -> str:
+def classifier(moe_layers: frozenset = frozenset()):
     """A classifier for the meter: ``category|layer`` (layer empty outside the layers); see :func:`split`."""
-    layer = layer_of(module)
-    return f"{category_of(module)}|{'' if layer is None else layer}"
+
+    def category_and_layer(module: str) -> str:
+        layer = layer_of(module)
+        return f"{category_of(module, moe_layers)}|{'' if layer is None else layer}"
+
+    return category_and_layer
+
+
+def moe_layers_of(model: torch.nn.Module) -> frozenset:
+    """The qualified names of the model's MoE modules (Megatron Core's ``BaseMoELayer``)."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    return frozenset(name for name, module in model.named_modules() if isinstance(module, BaseMoELayer))
 
 
 def split(result) -> tuple[dict[str, int], dict[int, int]]:
-    """Bytes per category and per layer from a meter result classified by :func:`category_and_layer`."""
+    """Bytes per category and per layer from a meter result classified by :func:`classifier`."""
     by_category = dict.fromkeys(CATEGORIES, 0)
     by_layer: dict[int, int] = {}
     for key, nbytes in result.by_category.items():
@@ -112,7 +135,7 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
             received = torch.empty(seq // sequence_parallel_tp, micro_batch, hidden, dtype=dtype, device=device,
                                    requires_grad=True)
             model.set_input_tensor(received)
-        with SavedActivationMeter(model, classifier=category_and_layer) as meter:
+        with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
             model(ids, positions, None, labels=labels)
     result = meter.result()
     by_category, by_layer = split(result)

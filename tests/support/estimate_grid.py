@@ -99,7 +99,7 @@ def points_for(tp: int) -> list[GridPoint]:
 def measured(point: GridPoint) -> dict:
     """What one forward of the real tiny model saves on this rank (the meter), in total, per category and per
     layer, as the estimate splits it; backward runs afterwards."""
-    from megatron_bridge_ext.estimate.trace import category_and_layer, split
+    from megatron_bridge_ext.estimate.trace import classifier, moe_layers_of, split
     from megatron_bridge_ext.measure import SavedActivationMeter
     from megatron_bridge_ext.testing import tiny_model
 
@@ -111,7 +111,7 @@ def measured(point: GridPoint) -> dict:
     # Contiguous tokens, as Megatron's GPT dataset hands them over: the demo's batch slices one
     # [b, s + 1] tensor, and at TP 1 the embedding keeps its input, i.e. that whole storage (+8 B per row).
     batch = {name: tensor.contiguous() for name, tensor in tiny_model.synthetic_batch(shape).items()}
-    with SavedActivationMeter(model, classifier=category_and_layer) as meter:
+    with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
         loss = tiny_model.loss_of(model, batch)
     loss.backward()
     result = meter.result()

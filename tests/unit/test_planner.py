@@ -132,6 +132,53 @@ def test_a_device_size_of_zero_bytes_is_refused_in_bytes():
 
 
 # ------------------------------------------------------------------------------------------------
+# Mixture of experts: EP x 2 is the first parallelism option, and it saves half the rank's expert weights.
+
+MOE_LAYERS, EXPERTS, MOE_FFN, HIDDEN, MOE_TP = 4, 8, 256, 64, 2
+
+
+def _moe_cfg():
+    """The tiny GPT with an MoE MLP on every layer (alltoall dispatcher, top-2), full fine-tuning, the distributed
+    optimizer, TP 2 x DP 2 and ETP 2 (EP 1): every rank holds all 8 experts at half width."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=MOE_LAYERS, hidden=HIDDEN, ffn=256, heads=8, kv_heads=4, seq=1024, micro_batch=2,
+                         vocab=128, tp=MOE_TP, dtype="bfloat16", swiglu=True, experts=EXPERTS, topk=2,
+                         moe_ffn=MOE_FFN, dispatcher="alltoall", ep=1, etp=MOE_TP)
+    cfg = tiny_config(shape, None)
+    cfg.optimizer.use_distributed_optimizer = True
+    cfg.ddp.grad_reduce_in_fp32 = True  # Megatron DDP's main_grad buffer in fp32
+    cfg.data_parallel_size = 2
+    cfg.train.global_batch_size = shape.micro_batch * 2
+    return cfg
+
+
+def test_expert_parallelism_halves_the_expert_weights_first_in_step_4():
+    cfg = _moe_cfg()
+    everything_fails = _plan(cfg, 1)
+    step4 = [o for o in everything_fails.options if o.step == 4]
+    assert [o.label.split(" ")[0] for o in step4] == ["EP", "PP", "ETP", "TP"]
+    ep = step4[0]
+    assert ep.label == "EP 1 -> 2, expert DP 2 -> 1" and ep.applicable
+    before = [o for o in everything_fails.options if o.step < 4 and o.applicable][-1]  # the state step 4 starts from
+    # Each rank held 8 experts x (fc1 64 -> 2 x 256, fc2 256 -> 64) / ETP 2 per layer; EP 2 keeps 4 of them: half
+    # the expert weights (bf16) and their main_grad go. Their optimizer state stays: the distributed optimizer
+    # divided it over expert DP 2, now 1, for half the parameters. Activations stay: under balanced routing a
+    # rank's experts still receive tokens x top-k copies.
+    expert_params = MOE_LAYERS * EXPERTS * (HIDDEN * 2 * MOE_FFN + MOE_FFN * HIDDEN) // MOE_TP
+    saved = expert_params // 2 * (2 + 4)  # bf16 weight, fp32 main_grad
+    assert ep.peak_bytes == before.peak_bytes - saved
+    assert ep.breakdown["weights"] == before.breakdown["weights"] - expert_params // 2 * 2
+    assert ep.config.model.expert_model_parallel_size == 2 and ep.config.data_parallel_size == 2  # the dense DP kept
+
+    result = _plan(_moe_cfg(), _device_for((ep.peak_bytes + before.peak_bytes) / 2, planner.EXPANDABLE_MARGIN))
+    chosen = result.chosen
+    assert chosen.step == 4 and chosen.label == ep.label
+    assert "model.expert_model_parallel_size=2" in chosen.overrides
+    assert chosen.cost.collective_bytes == ep.cost.collective_bytes and "EP over TP" in chosen.cost.published
+
+
+# ------------------------------------------------------------------------------------------------
 # The answer, pasted: every option's overrides through Bridge's own override parser (and, where the
 # option says overrides cannot reach cfg.peft, its MemoryConfig) give the config the option estimated.
 

@@ -59,6 +59,8 @@ class RecomputeConfig:
             out.append(Finding("recompute_moe_on_dense", NO_EFFECT, "recompute_modules",
                                f"{moe_only} recompute MoE layers, and the model has none (num_moe_experts is unset)",
                                f"drop {moe_only}"))
+        elif moe_only:
+            out += _moe_findings(model, modules)
         return out
 
     def effect_findings(self, model) -> list[Finding]:
@@ -109,6 +111,35 @@ class RecomputeConfig:
         """The Bridge overrides that make :meth:`apply`'s ``changes``: ``model.<field>=<value>`` each, the
         full-recompute fields it clears included."""
         return [f"{c.field}={hydra_value(c.new)}" for c in changes]
+
+
+def _moe_findings(model, modules: list[str]) -> list[Finding]:
+    """Megatron Core's refusals of the MoE modules on an MoE model (``TransformerConfig.__post_init__``, Core
+    0.17-0.19), beyond ``moe_act``'s grouped GEMM, and ``shared_experts`` on a model without shared experts."""
+    out = []
+    shared = getattr(model, "moe_shared_expert_intermediate_size", None)
+    if "shared_experts" in modules and not shared:
+        out.append(Finding("recompute_no_shared_experts", NO_EFFECT, "recompute_modules",
+                           "'shared_experts' recomputes the shared experts, and the model has none "
+                           "(moe_shared_expert_intermediate_size is unset)", "drop 'shared_experts'"))
+    if "shared_experts" in modules and shared and getattr(model, "moe_shared_expert_overlap", False):
+        out.append(Finding("shared_experts_overlap", ERROR, "recompute_modules",
+                           "'shared_experts' recompute cannot work with model.moe_shared_expert_overlap",
+                           "drop 'shared_experts' or set model.moe_shared_expert_overlap=False"))
+    if "moe" in modules and getattr(model, "overlap_moe_expert_parallel_comm", False):
+        out.append(Finding("moe_recompute_ep_overlap", ERROR, "recompute_modules",
+                           "'moe' recompute cannot work with model.overlap_moe_expert_parallel_comm",
+                           "drop 'moe' or set model.overlap_moe_expert_parallel_comm=False"))
+    offloaded = sorted({"moe_act", "expert_fc1", "fused_group_mlp"} & set(getattr(model, "offload_modules", None) or []))
+    if "moe" in modules and offloaded and getattr(model, "fine_grained_activation_offloading", False):
+        out.append(Finding("moe_recompute_offload", ERROR, "recompute_modules",
+                           f"'moe' recompute checkpoints the whole MoE layer, and model.offload_modules offloads "
+                           f"{offloaded} inside it", f"drop 'moe' or remove {offloaded} from model.offload_modules"))
+    if "moe_act" in modules and getattr(model, "fp8", None) and getattr(model, "fp8_recipe", None) == "delayed":
+        out.append(Finding("moe_act_fp8_delayed", ERROR, "recompute_modules",
+                           "'moe_act' recompute is not supported with FP8 delayed scaling",
+                           "drop 'moe_act' or use another model.fp8_recipe"))
+    return out
 
 
 def module_list(value, setting: str) -> list[str]:

@@ -1,0 +1,154 @@
+"""A stated expert load in place of the router's data-dependent choice, so that an MoE layer traces on fake tensors.
+
+Megatron Core's router picks each token's top-k experts from its logits, and the token dispatchers
+read how many tokens each expert got (``tokens_per_expert``, the all-to-all split sizes) back to the
+host to size their buffers. On fake tensors there are no logits to read. Inside :func:`balanced_routing`
+the router, the permutation and every saved tensor stay Core's; only the counts the dispatchers read
+are stated instead: every expert of the traced rank receives ``ceil(load x tokens x top-k / experts)``
+tokens from each rank that sends it tokens, where ``load`` is the imbalance factor (1.0: the balanced
+load; above 1: the traced rank's experts are the most loaded ones, each ``load`` times the balanced
+share, an upper bound for that rank). What the stand-ins replace, in
+``megatron/core/transformer/moe/token_dispatcher.py`` (Core 0.19):
+
+* ``MoEAllGatherTokenDispatcher.dispatch_postprocess``: the counts and the probability
+  ``masked_select``, whose output size is data-dependent (a stand-in that saves what
+  ``masked_select`` saves: its input and the mask); the slices and ``permute`` are Core's;
+* ``MoEAlltoAllTokenDispatcher.preprocess``: the split sizes, computed from the stated load as
+  Core's device-to-host copy would leave them (host tensors); ``_maybe_dtoh_and_synchronize``: no
+  side stream to copy on (the counts are already on the host); the stream its constructor makes
+  is a placeholder (no CUDA needed);
+* ``sort_chunks_by_idxs`` (``moe_utils.py``) as the all-to-all dispatcher calls it: with equal
+  chunks it is a reordering that saves nothing, done here without reading the chunk sizes.
+
+It models the load for tracing on fake tensors only: no numerics, and nothing of it is used in training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy
+import torch
+
+BALANCED = 1.0
+
+
+@dataclass
+class RoutedLoad:
+    """The stated load, and the tokens each traced MoE layer's local experts received (for the transients)."""
+
+    imbalance: float = BALANCED
+    routed_tokens: list[int] = field(default_factory=list)
+
+    def per_expert(self, source_tokens: int, topk: int, experts: int) -> int:
+        """Tokens one expert receives from ``source_tokens`` tokens routed top-``topk`` over ``experts``."""
+        return math.ceil(self.imbalance * source_tokens * topk / experts)
+
+
+class _MaskedSelectSaves(torch.autograd.Function):
+    """``source.masked_select(mask)`` with a stated output size: saves what torch's keeps (source and mask)."""
+
+    @staticmethod
+    def forward(ctx, source, mask, size: int):
+        ctx.save_for_backward(source, mask)
+        return source.new_empty(size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        source, _ = ctx.saved_tensors
+        return torch.zeros_like(source), None, None
+
+
+def _host_tensor(values) -> torch.Tensor:
+    """A real host tensor of counts, made outside the fake mode (Core reads it with ``tolist``)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.tensor(values, dtype=torch.long)
+
+
+def _allgather_dispatch_postprocess(load: RoutedLoad):
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        """Core's ``MoEAllGatherTokenDispatcher.dispatch_postprocess`` with the stated counts."""
+        self.hidden_shape_before_permute = hidden_states.shape
+        first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        self.local_map = self.routing_map[:, first:last].contiguous()
+        self.local_probs = probs[:, first:last].contiguous()
+        each = load.per_expert(self.local_map.shape[0], self.router_topk, self.config.num_moe_experts)
+        total = each * self.num_local_experts
+        load.routed_tokens.append(total)
+        permuted, _, self.reversed_local_input_permutation_mapping, _, _ = token_dispatcher.permute(
+            hidden_states, self.local_map, num_out_tokens=total, fused=self.config.moe_permute_fusion)
+        self.local_probs = _MaskedSelectSaves.apply(self.local_probs.T.contiguous(), self.local_map.T.contiguous(),
+                                                    total)
+        self.routing_map = None
+        return permuted, _host_tensor([each] * self.num_local_experts), self.local_probs
+
+    return dispatch_postprocess
+
+
+def _alltoall_preprocess(load: RoutedLoad):
+    def preprocess(self, routing_map):
+        """Core's ``MoEAlltoAllTokenDispatcher.preprocess`` (dropless) with the stated counts, as its host copies
+        leave them (numpy split sizes, host tensors of counts)."""
+        tokens, topk = routing_map.size(0), self.config.moe_router_topk
+        self.num_out_tokens = tokens * topk
+        each = load.per_expert(tokens, topk, self.num_experts)  # from one source rank to one local expert
+        sources = self.tp_size * self.ep_size
+        load.routed_tokens.append(each * sources * self.num_local_experts)
+        sent = [self.num_out_tokens // self.ep_size + (r < self.num_out_tokens % self.ep_size)
+                for r in range(self.ep_size)]
+        self.input_splits = numpy.array(sent)
+        self.output_splits = numpy.array([each * self.num_local_experts] * self.ep_size)
+        self.output_splits_tp = numpy.array([each * self.num_local_experts * self.ep_size] * self.tp_size)
+        self.num_global_tokens_per_local_expert = _host_tensor([[each] * self.num_local_experts] * sources)
+        return _host_tensor([each * sources] * self.num_local_experts)
+
+    return preprocess
+
+
+def _counts_on_host(self, point, tokens_per_expert=None):
+    """The counts are host tensors already: nothing to copy, no stream to wait for."""
+    return tokens_per_expert
+
+
+def _sort_equal_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
+    """``sort_chunks_by_idxs`` for equal chunks: the same shapes, saving nothing (as split and cat save nothing)."""
+    chunks = split_sizes.numel()
+
+    def reorder(tensor):
+        return torch.cat(list(torch.split(tensor, tensor.shape[0] // chunks, dim=0)), dim=0)
+
+    return reorder(input), (reorder(probs) if probs is not None else None)
+
+
+class _NoStream:
+    """Stands in for the CUDA stream ``MoEAlltoAllTokenDispatcher`` makes once for its host copies."""
+
+
+@contextlib.contextmanager
+def balanced_routing(load: RoutedLoad) -> Iterator[RoutedLoad]:
+    """Build and trace MoE layers with the stated ``load`` (see the module docstring); restores Core on exit."""
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    allgather, alltoall = td.MoEAllGatherTokenDispatcher, td.MoEAlltoAllTokenDispatcher
+    saved = [(allgather, "dispatch_postprocess", allgather.__dict__["dispatch_postprocess"]),
+             (alltoall, "preprocess", alltoall.__dict__["preprocess"]),
+             (alltoall, "_maybe_dtoh_and_synchronize", alltoall.__dict__["_maybe_dtoh_and_synchronize"]),
+             (alltoall, "cuda_dtoh_stream", alltoall.__dict__["cuda_dtoh_stream"]),
+             (td, "sort_chunks_by_idxs", td.sort_chunks_by_idxs)]
+    allgather.dispatch_postprocess = _allgather_dispatch_postprocess(load)
+    alltoall.preprocess = _alltoall_preprocess(load)
+    alltoall._maybe_dtoh_and_synchronize = _counts_on_host
+    alltoall.cuda_dtoh_stream = alltoall.cuda_dtoh_stream or _NoStream()
+    td.sort_chunks_by_idxs = _sort_equal_chunks
+    try:
+        yield load
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
