@@ -24,7 +24,8 @@ as is, the published throughput figure where one exists) and its constraints, wh
 ``MemoryConfig.validate`` (the checks a user gets when applying the flags) and, for a resize, Megatron
 Core's layout rules. An option the estimate cannot predict is recorded with its cost and the estimate's
 reason, without a peak. The first option that fits is the answer (among options of one step with equal
-predicted peaks, the fastest: :func:`order_equal_memory`), as a :class:`MemoryConfig` and as override strings that Bridge's own override
+predicted peaks, the fastest: :func:`order_equal_memory`), as a :class:`MemoryConfig` and as override
+strings that Bridge's own override
 parser turns into the same config (the PEFT change only where overrides built the PEFT; otherwise a
 note says why not and gives the ``MemoryConfig(...).apply(cfg)`` line).
 """
@@ -45,6 +46,7 @@ from megatron_bridge_ext.levers.lora_input import advice as lora_input_advice
 from megatron_bridge_ext.levers.parallelism import advice as parallelism_advice
 from megatron_bridge_ext.levers.recompute import advice as recompute_advice
 from megatron_bridge_ext.levers import steptime
+from megatron_bridge_ext.levers.parallelism.cost import moe_shape
 from megatron_bridge_ext.levers.step import Option, State, breakdown
 from megatron_bridge_ext.overrides import PEFT_OBJECT_REASON
 
@@ -55,9 +57,9 @@ reserved memory), and the estimate leaves out NCCL buffers, the CUDA context and
 EXPANDABLE_MARGIN = 0.03
 """Share kept free with expandable segments: no split segments, only block rounding and what the
 estimate leaves out."""
-EQUAL_PEAK_BYTES = 16 * 2**20
-"""Predicted peaks closer than this are equal memory: under the 0.01 GiB the plan prints, and far under what
-the estimate leaves out; between such options the plan puts the faster first."""
+EQUAL_PEAK_SHARE = 0.005
+"""Predicted peaks within this share of each other are equal memory (0.2 GiB at 40 GiB: well under what the
+estimate leaves out, which the margin covers); between such options the plan puts the faster first."""
 STEPS = (allocator_advice.options, lora_input_advice.options, recompute_advice.options, parallelism_advice.resize,
          parallelism_advice.offload)
 """The levers' advice in decision order (:data:`megatron_bridge_ext.evidence.LEVERS`), each on top of the ones before."""
@@ -135,15 +137,17 @@ class Planner:
     """What every lever's advice records its options through: the estimate, the usable memory, the answer so far."""
 
     def __init__(self, *, gpu_memory: int, margin: float, expandable_margin: float, expandable_segments: bool,
-                 estimate_options: dict, cfg, peft_overrides: Optional[list[str]], gpu: steptime.Gpu):
+                 estimate_options: dict, cfg, peft_overrides: Optional[list[str]],
+                 gpu: Optional[steptime.Gpu] = None):
         self.gpu_memory, self.margin, self.expandable_margin = gpu_memory, margin, expandable_margin
         self.expandable = expandable_segments
         self.estimate_options = estimate_options
         self.cfg, self.peft_overrides = cfg, peft_overrides
         self.options: list[Option] = []
-        self.gpu = gpu
+        self.gpu = gpu or steptime.gpu()
         self.step_time: Optional[steptime.StepTime] = None
-        """The config as is, set once its estimate ran: each option's step time is priced against it."""
+        """The config as is, set once its estimate ran: each option's step time is priced against it (no price
+        without it)."""
 
     def estimate(self, cfg, **overrides) -> MemoryEstimate:
         from megatron_bridge_ext.estimate import estimate
@@ -168,8 +172,10 @@ class Planner:
         if option.applicable:
             option.peak_bytes = state.est.peak_bytes if peak is None else peak
             option.breakdown = breakdown(state.est) if parts is None else parts
-            after = steptime.step_time(state.est.settings, self.gpu, offload_bytes=option.cost.pcie_bytes or 0)
-            option.cost.step_time_pct = steptime.change_pct(self.step_time, after)
+            if self.step_time is not None:
+                after = steptime.step_time(state.est.settings, self.gpu, offload_bytes=option.cost.pcie_bytes or 0,
+                                           moe=moe_shape(state.cfg.model))
+                option.cost.step_time_pct = steptime.change_pct(self.step_time, after)
         self.options.append(option)
         return option
 
@@ -211,7 +217,7 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
                                     num_microbatches=baseline.settings["num_microbatches"])
     bridge, error = _bridge(cfg, with_bridge, data_parallel_size=baseline.settings["dp"],
                             num_microbatches=baseline.settings["num_microbatches"])
-    planner.step_time = steptime.step_time(baseline.settings, gpu)
+    planner.step_time = steptime.step_time(baseline.settings, gpu, moe=moe_shape(cfg.model))
     result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options,
                   bridge_error=error, layout=layout_of(cfg), gpu=gpu, step_time=planner.step_time)
     if result.fits_as_is:
@@ -232,7 +238,7 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
 
 def order_equal_memory(options: list[Option]) -> list[Option]:
     """``options`` in decision order, except that within a step a run of applicable options whose predicted
-    peaks are equal (within :data:`EQUAL_PEAK_BYTES` of the run's first) is put fastest first: the same memory
+    peaks are equal (within :data:`EQUAL_PEAK_SHARE` of the run's first) is put fastest first: the same memory
     for less step time (a stable sort: equal times keep their order)."""
     out: list[Option] = []
     run: list[Option] = []
@@ -254,7 +260,7 @@ def order_equal_memory(options: list[Option]) -> list[Option]:
 
 def _equal_memory(first: Option, other: Option) -> bool:
     return (other.applicable and other.step == first.step and other.cost.step_time_pct is not None
-            and abs(other.peak_bytes - first.peak_bytes) < EQUAL_PEAK_BYTES)
+            and abs(other.peak_bytes - first.peak_bytes) <= EQUAL_PEAK_SHARE * first.peak_bytes)
 
 
 def _bridge(cfg, wanted: bool, **sizes) -> tuple[Optional[BridgeEstimate], Optional[str]]:

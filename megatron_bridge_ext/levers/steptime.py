@@ -2,8 +2,8 @@
 
 The model, stated once (every term is a function below; nothing here is fitted to a measurement):
 
-* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest), from the shapes in the
-  estimate's settings, at the device's peak dense bf16 (FP8 when the config trains in FP8) rate
+* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest),
+  from the shapes in the estimate's settings, at the device's peak dense bf16 (FP8 when the config trains in FP8) rate
   with **no efficiency factor** (100% of peak: the figures are a lower bound on time, and a
   percentage change between two configs is what the plan prints). Forward: 2 FLOPs per
   multiply-add of every linear (QKV, attention output, MLP, the output layer on the last stage)
@@ -19,6 +19,11 @@ The model, stated once (every term is a function below; nothing here is fitted t
   (:func:`.lora_input.cost.collective_elements`), each sending (t - 1)/t of its size from a rank,
   on NVLink when the TP group fits in a node of 8 GPUs, else on InfiniBand; not overlapped with
   compute (Megatron Core overlaps them only with ``tp_comm_overlap``, off by default).
+* **expert dispatch** (MoE): the token dispatch and combine of every MoE layer, forward and backward
+  (:func:`.parallelism.cost.dispatch_bytes_per_layer`, balanced routing), on NVLink when the EP x ETP
+  grid fits a node, else InfiniBand; not overlapped. An MoE layer's compute is its router, its
+  routed experts (T*k token copies through fc1 and fc2) and its shared experts
+  (:func:`.recompute.cost.moe_layer_flops`); its experts' weights go over the expert-DP group.
 * **pipeline**: each microbatch's p2p send of the stage's output and of its input's gradient
   (:func:`.parallelism.cost.p2p_bytes`), on NVLink when the whole model replica (TP x CP x DP x PP
   ranks, Megatron's order puts PP outermost) fits in one node, else InfiniBand; and the bubble:
@@ -129,6 +134,8 @@ class StepTime:
 
     compute: float
     tp: float
+    dispatch: float
+    """The token dispatch and combine of an MoE model's experts (0 for a dense model)."""
     pp_p2p: float
     bubble: float
     dp_exposed: float
@@ -136,7 +143,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.pp_p2p + self.bubble + self.dp_exposed + self.offload_exposed
+        return (self.compute + self.tp + self.dispatch + self.pp_p2p + self.bubble + self.dp_exposed
+                + self.offload_exposed)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -146,14 +154,22 @@ def element_size(s: dict) -> int:
     return 4 if s["dtype"] == "float32" else 2
 
 
-def linear_forward_flops(s: dict) -> int:
-    """Forward FLOPs of one layer's linears per microbatch on a TP rank: QKV, attention output, MLP."""
-    from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
-
+def attention_linear_flops(s: dict) -> int:
+    """Forward FLOPs of one layer's attention linears per microbatch on a TP rank: QKV and the output projection."""
     tokens = s["seq_length"] * s["micro_batch"]
     q, kv = s["heads"] * s["kv_channels"], 2 * s["query_groups"] * s["kv_channels"]
-    attention = 2 * tokens * s["hidden"] * (q + kv) + 2 * tokens * q * s["hidden"]
-    return attention // s["tp"] + recompute_flops_per_layer("mlp", s)
+    return (2 * tokens * s["hidden"] * (q + kv) + 2 * tokens * q * s["hidden"]) // s["tp"]
+
+
+def linear_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
+    """Forward FLOPs of the stage's linears per microbatch on a rank: attention on every layer, the dense MLP on
+    dense layers, the router, routed and shared experts on MoE layers (:func:`.recompute.cost.moe_layer_flops`)."""
+    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds
+    from megatron_bridge_ext.levers.recompute.cost import moe_layer_flops, recompute_flops_per_layer
+
+    dense, moe_layers = stage_layer_kinds(s, moe)
+    return ((dense + moe_layers) * attention_linear_flops(s) + dense * recompute_flops_per_layer("mlp", s)
+            + (moe_layers * moe_layer_flops(s, moe) if moe_layers else 0))
 
 
 def attention_core_flops(s: dict) -> int:
@@ -170,18 +186,19 @@ def output_layer_flops(s: dict) -> int:
     return 2 * s["seq_length"] * s["micro_batch"] * s["hidden"] * s["vocab_size"] // s["tp"]
 
 
-def microbatch_flops(s: dict) -> int:
+def microbatch_flops(s: dict, moe: Optional[dict] = None) -> int:
     """Forward + backward (+ recompute) FLOPs of one microbatch on this rank's layers (see the module docstring)."""
-    from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
+    from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
 
     frozen = bool(s.get("peft"))
     linear_passes = 2 if frozen else 3  # forward, input gradient, weight gradient unless frozen
-    layer = linear_passes * linear_forward_flops(s) + 3 * attention_core_flops(s)
+    linears, core = linear_forward_flops(s, moe), attention_core_flops(s) * s["layers_on_stage"]
+    total = linear_passes * linears + 3 * core
     if s["recompute_granularity"] == "full":
-        layer += linear_forward_flops(s) + attention_core_flops(s)
+        total += linears + core
     elif s["recompute_granularity"] == "selective":
-        layer += sum(recompute_flops_per_layer(m, s) for m in s["recompute_modules"])
-    return (layer * s["layers_on_stage"] + linear_passes * output_layer_flops(s)) // (s["cp"] or 1)
+        total += sum(recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe) for m in s["recompute_modules"])
+    return (total + linear_passes * output_layer_flops(s)) // (s["cp"] or 1)
 
 
 def recompute_hbm_bytes(s: dict) -> int:
@@ -192,41 +209,71 @@ def recompute_hbm_bytes(s: dict) -> int:
     return 2 * 2 * seq * s["micro_batch"] * s["hidden"] * element_size(s) * s["layers_on_stage"]
 
 
-def tp_bytes(s: dict) -> int:
-    """Bytes a rank sends per microbatch for TP: the layers' activations and the LoRA-A inputs' collectives."""
+def tp_bytes(s: dict, moe: Optional[dict] = None) -> int:
+    """Bytes a rank sends per microbatch for TP: the layers' activations (attention's half only on MoE layers, and
+    the shared experts') and the LoRA-A inputs' collectives."""
     from megatron_bridge_ext.levers.lora_input.cost import collective_elements
-    from megatron_bridge_ext.levers.parallelism.cost import tp_collective_bytes
+    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds, tp_collective_bytes
 
     t = s["tp"]
     if t == 1:
         return 0
-    layers = tp_collective_bytes(s, tp=t, layers=s["layers_on_stage"], num_microbatches=1, element=element_size(s))
+    layers = tp_collective_bytes(s, tp=t, layers=s["layers_on_stage"], num_microbatches=1, element=element_size(s),
+                                 moe_layers=stage_layer_kinds(s, moe)[1],
+                                 shared_experts=bool(moe and moe["shared_ffn"]))
     lora = 0
     if s.get("peft") and s["sequence_parallel"]:
-        lora = collective_elements(s, s.get("sequence_parallel_input_strategy") or "off", stage=s["stage"]) * element_size(s) * (t - 1) // t
+        strategy = s.get("sequence_parallel_input_strategy") or "off"
+        lora = collective_elements(s, strategy, stage=s["stage"]) * element_size(s) * (t - 1) // t
     return layers + lora
 
 
-def trainable_params(s: dict) -> int:
-    """Trainable parameters on this rank: the stage's layers (and embedding/output) under full fine-tuning,
-    the adapters under LoRA (r x (in + out) per targeted linear, divided over TP)."""
+def trainable_params(s: dict, moe: Optional[dict] = None) -> int:
+    """Trainable dense parameters on this rank: the stage's layers (and embedding/output) under full fine-tuning,
+    the adapters under LoRA (r x (in + out) per targeted linear, divided over TP). MoE layers count their
+    attention here; their experts go over the expert-DP group (:func:`dp_bytes`)."""
+    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds
+
     h, ffn, t = s["hidden"], s["ffn"] * (2 if s["gated_linear_unit"] else 1), s["tp"]
     q, kv = s["heads"] * s["kv_channels"], 2 * s["query_groups"] * s["kv_channels"]
     shapes = {"linear_qkv": (h, q + kv), "linear_proj": (q, h), "linear_fc1": (h, ffn), "linear_fc2": (s["ffn"], h)}
     if s.get("peft"):
         per_layer = sum(s["lora_dim"] * sum(shapes[target]) for target in s["lora_targets"] if target in shapes)
         return per_layer * s["layers_on_stage"] // t
+    dense, moe_layers = stage_layer_kinds(s, moe)
+    attention = h * (q + kv) + q * h
     ends = (s["stage"] == 0) + (s["stage"] == s["pp"] - 1)  # embedding on the first stage, output on the last
-    return (sum(i * o for i, o in shapes.values()) * s["layers_on_stage"] + ends * s["vocab_size"] * h) // t
+    return (sum(i * o for i, o in shapes.values()) * dense + attention * moe_layers + ends * s["vocab_size"] * h) // t
 
 
-def dp_bytes(s: dict) -> int:
-    """Bytes a rank sends per step for the gradients and parameters of data parallelism."""
+def dp_bytes(s: dict, moe: Optional[dict] = None) -> int:
+    """Bytes a rank sends per step for the gradients and parameters of data parallelism (and, for an MoE model,
+    the expert weights' over the expert-DP group: :func:`.parallelism.cost.expert_dp_bytes`)."""
+    from megatron_bridge_ext.levers.parallelism.cost import expert_dp_bytes, stage_layer_kinds
+
     dp = s["dp"] * (s["cp"] or 1)
+    experts = 0
+    if moe:
+        experts = expert_dp_bytes(s, moe, ep=moe["ep"], etp=moe["etp"], moe_layers=stage_layer_kinds(s, moe)[1],
+                                  element=element_size(s))
     if dp == 1:
-        return 0
+        return experts
     per_param = GRAD_BYTES + PARAM_GATHER_BYTES if s["distributed_optimizer"] else 2 * GRAD_BYTES
-    return per_param * trainable_params(s) * (dp - 1) // dp
+    return per_param * trainable_params(s, moe) * (dp - 1) // dp + experts
+
+
+def dispatch_bytes(s: dict, moe: Optional[dict]) -> int:
+    """Bytes a rank sends per microbatch to dispatch tokens to the experts and combine them, forward and backward
+    (and once more forward under ``moe`` recompute): :func:`.parallelism.cost.dispatch_bytes_per_layer`."""
+    from megatron_bridge_ext.levers.parallelism.cost import dispatch_bytes_per_layer, stage_layer_kinds
+    from megatron_bridge_ext.levers.recompute.cost import recompute_dispatch_bytes
+
+    if not moe:
+        return 0
+    per_layer = dispatch_bytes_per_layer(s, moe, ep=moe["ep"], etp=moe["etp"], element=element_size(s))
+    modules = s["recompute_modules"] if s["recompute_granularity"] == "selective" else []
+    once = {**s, "num_microbatches": 1}
+    return per_layer * stage_layer_kinds(s, moe)[1] + recompute_dispatch_bytes(once, modules, moe, element_size(s))
 
 
 def p2p_bytes(s: dict) -> int:
@@ -236,20 +283,23 @@ def p2p_bytes(s: dict) -> int:
     return per_step(s, pp=s["pp"], tp=s["tp"], num_microbatches=1, element=element_size(s))
 
 
-def step_time(s: dict, device: Gpu, *, offload_bytes: int = 0) -> StepTime:
+def step_time(s: dict, device: Gpu, *, offload_bytes: int = 0, moe: Optional[dict] = None) -> StepTime:
     """The step time of the config whose estimate settings are ``s`` (``offload_bytes``: to the host and
-    back per step under CPU offloading), on the last pipeline stage: with the output layer it is the
-    slowest, and it paces the pipeline (its layers are the estimate's stage's: stages hold equal layers)."""
+    back per step under CPU offloading; ``moe``: :func:`.parallelism.cost.moe_shape` of an MoE model), on
+    the last pipeline stage: with the output layer it is the slowest, and it paces the pipeline (its
+    layers are the estimate's stage's: stages hold equal layers)."""
     s = {**s, "stage": s["pp"] - 1}
     m, pp, vpp, cp = s["num_microbatches"], s["pp"], s["vpp"] or 1, s["cp"] or 1
     tp_span, dp_span = s["tp"], s["tp"] * cp * s["dp"]
-    compute_mb = microbatch_flops(s) / device.peak(bool(s.get("fp8"))) + recompute_hbm_bytes(s) / device.hbm
-    tp_mb = tp_bytes(s) / device.link(tp_span)
+    compute_mb = microbatch_flops(s, moe) / device.peak(bool(s.get("fp8"))) + recompute_hbm_bytes(s) / device.hbm
+    tp_mb = tp_bytes(s, moe) / device.link(tp_span)
+    dispatch_mb = dispatch_bytes(s, moe) / device.link(moe["ep"] * moe["etp"]) if moe else 0.0  # ETP inner, then EP
     p2p_mb = p2p_bytes(s) / device.link(dp_span * pp)
     compute = m * compute_mb
     offload = offload_bytes / device.pcie
-    return StepTime(compute=compute, tp=m * tp_mb, pp_p2p=m * p2p_mb, bubble=(pp - 1) / vpp * (compute_mb + tp_mb),
-                    dp_exposed=max(0.0, dp_bytes(s) / device.link(dp_span) - compute),
+    return StepTime(compute=compute, tp=m * tp_mb, dispatch=m * dispatch_mb, pp_p2p=m * p2p_mb,
+                    bubble=(pp - 1) / vpp * (compute_mb + tp_mb + dispatch_mb),
+                    dp_exposed=max(0.0, dp_bytes(s, moe) / device.link(dp_span) - compute),
                     offload_exposed=max(offload - compute, offload / s["layers_on_stage"]) if offload_bytes else 0.0)
 
 

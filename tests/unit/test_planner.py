@@ -341,7 +341,7 @@ def _option(step: int, label: str, peak: int, pct: float, *, applicable: bool = 
 def test_equal_memory_options_of_a_step_are_put_fastest_first_and_the_faster_is_the_answer():
     gib = 2**30
     options = [_option(3, "recompute a", 10 * gib, 5.0),
-               _option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", 8 * gib + 2**20, 30.0),
+               _option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", int(8 * gib * (1 + planner.EQUAL_PEAK_SHARE)), 30.0),
                _option(4, "EP x 2", 8 * gib, 3.0),
                _option(5, "offload", 8 * gib, 1.0)]  # equal peak, but a later step: the decision order stays
     ordered = planner.order_equal_memory(options)
@@ -354,6 +354,6 @@ def test_equal_memory_options_of_a_step_are_put_fastest_first_and_the_faster_is_
 
 def test_options_of_different_memory_or_not_applicable_keep_the_decision_order():
     gib = 2**30
-    options = [_option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", 6 * gib, 3.0),
+    options = [_option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", int(8 * gib * 0.99), 3.0),
                _option(4, "n/a", 0, 0.0, applicable=False), _option(4, "later", 6 * gib, 1.0)]
     assert [o.label for o in planner.order_equal_memory(options)] == ["PP x 2", "TP x 2", "n/a", "later"]

@@ -71,13 +71,13 @@ def test_full_fine_tuning_step_time_by_hand():
     t = steptime.step_time(settings(), H100)
     assert t.compute == pytest.approx(M * flops / PEAK, rel=1e-12)
     assert t.tp == pytest.approx(M * tp_sent / NVLINK, rel=1e-12)
-    assert (t.pp_p2p, t.bubble, t.dp_exposed, t.offload_exposed) == (0, 0, 0, 0)
+    assert (t.dispatch, t.pp_p2p, t.bubble, t.dp_exposed, t.offload_exposed) == (0, 0, 0, 0, 0)
 
 
 def test_lora_frozen_linears_take_4x_not_6x_and_the_adapters_input_collectives_count():
     """Under LoRA the base linears and the output layer have no weight gradient (forward + input gradient:
-    2 x forward, 4 FLOPs per multiply-add and token, not 6); LoRA-A's Bridge path on linear_qkv and linear_fc1 gathers x (s*b*h) and the
-    rank-r output (s*b*r) forward, reduce-scatters x's grad (s*b*h) backward, except the first linear_qkv."""
+    2 x forward, 4 FLOPs per multiply-add and token, not 6); LoRA-A's Bridge path on linear_qkv and linear_fc1
+    gathers x (s*b*h) and the rank-r output (s*b*r) forward, reduce-scatters x's grad (s*b*h) backward, except the first linear_qkv."""
     r = 16
     s = settings(peft="LoRA", lora_dim=r, lora_targets=["linear_qkv", "linear_fc1"],
                  sequence_parallel_input_strategy="off")
@@ -170,3 +170,31 @@ def test_offloading_pays_what_the_compute_does_not_hide_and_at_least_one_layer()
 def test_fp8_uses_the_fp8_peak():
     t8, t16 = steptime.step_time(settings(fp8="hybrid"), H100), steptime.step_time(settings(), H100)
     assert t8.compute == pytest.approx(t16.compute * H100_BF16_SPARSE / H100_FP8_SPARSE, rel=1e-12)
+
+
+def moe_shape(ep: int) -> dict:
+    """8 experts of width 512 (GeLU), top-2, the all-to-all dispatcher, every layer MoE, no shared expert."""
+    return {"experts": 8, "topk": 2, "moe_ffn": 512, "shared_ffn": 0, "ep": ep, "etp": 1, "dispatcher": "alltoall",
+            "grouped_gemm": False, "pattern": [1] * L}
+
+
+def test_moe_layers_price_the_router_the_routed_experts_and_the_dispatch():
+    """Per MoE layer and microbatch, the rank's T = s/t tokens (SP) go through the router (T x h x E) and, balanced,
+    T*k token copies through fc1 and fc2 of width 512 whatever EP; the all-to-all sends T*k*h (EP-1)/EP four times
+    (dispatch and combine, forward and backward) on NVLink; TP keeps attention's half (2 all-gathers + 2
+    reduce-scatters). Raising EP 2 -> 4 changes only the dispatch share, 1/2 -> 3/4 (the expert DP traffic is
+    overlapped with compute)."""
+    s = settings(dp=2, moe_layers_on_stage=L)
+    tokens, k = T // 2, 2
+    _, core, output = forward_flops(2)
+    attention = 2 * T * (H * 3 * H + H * H) // 2
+    experts = 2 * tokens * H * 8 + 2 * tokens * k * H * 512 * 2
+    before, after = steptime.step_time(s, H100, moe=moe_shape(2)), steptime.step_time(s, H100, moe=moe_shape(4))
+    assert before.compute == pytest.approx(M * (L * (3 * (attention + experts) + 3 * core) + 3 * output) / PEAK,
+                                           rel=1e-12)
+    tp = 4 * T * H * 2 * L // 2
+    dispatch = 4 * tokens * k * H * 2 * L
+    assert before.tp == pytest.approx(M * tp / NVLINK, rel=1e-12) and after.tp == before.tp
+    assert before.dispatch == pytest.approx(M * dispatch / 2 / NVLINK, rel=1e-12)
+    assert after.dispatch == pytest.approx(M * dispatch * 3 / 4 / NVLINK, rel=1e-12)
+    assert (before.dp_exposed, after.dp_exposed) == (0, 0) and after.compute == before.compute
