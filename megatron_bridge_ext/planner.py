@@ -19,11 +19,13 @@ options it offers, their cost (the lever's ``cost`` module) and constraints; thi
 them (:data:`STEPS`) and records each option through :class:`Planner`.
 
 Each option carries its predicted peak, its cost (collective bytes per step, recomputed FLOPs per
-step, the published throughput figure where one exists) and its constraints, which come from
+step, the predicted step-time change of a roofline model (:mod:`.levers.steptime`) against the config
+as is, the published throughput figure where one exists) and its constraints, which come from
 ``MemoryConfig.validate`` (the checks a user gets when applying the flags) and, for a resize, Megatron
 Core's layout rules. An option the estimate cannot predict is recorded with its cost and the estimate's
-reason, without a peak. The first option that
-fits is the answer, as a :class:`MemoryConfig` and as override strings that Bridge's own override
+reason, without a peak. The first option that fits is the answer (among options of one step with equal
+predicted peaks, the fastest: :func:`order_equal_memory`), as a :class:`MemoryConfig` and as override
+strings that Bridge's own override
 parser turns into the same config (the PEFT change only where overrides built the PEFT; otherwise a
 note says why not and gives the ``MemoryConfig(...).apply(cfg)`` line).
 """
@@ -44,6 +46,8 @@ from megatron_bridge_ext.levers.allocator import advice as allocator_advice
 from megatron_bridge_ext.levers.lora_input import advice as lora_input_advice
 from megatron_bridge_ext.levers.parallelism import advice as parallelism_advice
 from megatron_bridge_ext.levers.recompute import advice as recompute_advice
+from megatron_bridge_ext.levers import steptime
+from megatron_bridge_ext.levers.parallelism.cost import moe_shape
 from megatron_bridge_ext.levers.step import Option, State, breakdown
 from megatron_bridge_ext.overrides import PEFT_OBJECT_REASON
 
@@ -54,6 +58,9 @@ reserved memory), and the estimate leaves out NCCL buffers, the CUDA context and
 EXPANDABLE_MARGIN = 0.03
 """Share kept free with expandable segments: no split segments, only block rounding and what the
 estimate leaves out."""
+EQUAL_PEAK_SHARE = 0.005
+"""Predicted peaks within this share of each other are equal memory (0.2 GiB at 40 GiB: well under what the
+estimate leaves out, which the margin covers); between such options the plan puts the faster first."""
 STEPS = (allocator_advice.options, lora_input_advice.options, recompute_advice.options, parallelism_advice.resize,
          parallelism_advice.offload)
 """The levers' advice in decision order (:data:`megatron_bridge_ext.evidence.LEVERS`), each on top of the ones before."""
@@ -83,6 +90,10 @@ class Plan:
     """The config's parallel sizes and shape as set (:func:`layout_of`), for a plan without our estimate."""
     not_modelled: list[str] = field(default_factory=list)
     """What no figure of the plan counts in this config, one line each (:mod:`.estimate.unmodelled`)."""
+    gpu: steptime.Gpu = field(default_factory=steptime.gpu)
+    """The device whose peak rates price each option's step time."""
+    step_time: Optional[steptime.StepTime] = None
+    """The roofline step time of the config as is (None without our estimate)."""
 
     @property
     def usable_now(self) -> int:
@@ -114,6 +125,7 @@ class Plan:
                 "estimate_refused": [f.to_dict() for f in self.refused.findings] if self.refused else None,
                 "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
                 "bridge_estimate_error": self.bridge_error, "layout": self.layout, "not_modelled": self.not_modelled,
+                "gpu": self.gpu.as_dict(), "step_time_s": self.step_time.as_dict() if self.step_time else None,
                 "options": [o.as_dict() for o in self.options], "notes": self.notes,
                 "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
                                                        "memory_config": chosen.flags, "overrides": chosen.overrides,
@@ -128,12 +140,17 @@ class Planner:
     """What every lever's advice records its options through: the estimate, the usable memory, the answer so far."""
 
     def __init__(self, *, gpu_memory: int, margin: float, expandable_margin: float, expandable_segments: bool,
-                 estimate_options: dict, cfg, peft_overrides: Optional[list[str]]):
+                 estimate_options: dict, cfg, peft_overrides: Optional[list[str]],
+                 gpu: Optional[steptime.Gpu] = None):
         self.gpu_memory, self.margin, self.expandable_margin = gpu_memory, margin, expandable_margin
         self.expandable = expandable_segments
         self.estimate_options = estimate_options
         self.cfg, self.peft_overrides = cfg, peft_overrides
         self.options: list[Option] = []
+        self.gpu = gpu or steptime.gpu()
+        self.step_time: Optional[steptime.StepTime] = None
+        """The config as is, set once its estimate ran: each option's step time is priced against it (no price
+        without it)."""
 
     def estimate(self, cfg, **overrides) -> MemoryEstimate:
         from megatron_bridge_ext.estimate import estimate
@@ -158,6 +175,10 @@ class Planner:
         if option.applicable:
             option.peak_bytes = state.est.peak_bytes if peak is None else peak
             option.breakdown = breakdown(state.est) if parts is None else parts
+            if self.step_time is not None:
+                after = steptime.step_time(state.est.settings, self.gpu, offload_bytes=option.cost.pcie_bytes or 0,
+                                           moe=moe_shape(state.cfg.model))
+                option.cost.step_time_pct = steptime.change_pct(self.step_time, after)
         self.options.append(option)
         return option
 
@@ -167,7 +188,8 @@ class Planner:
 
 def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: float = EXPANDABLE_MARGIN,
          expandable_segments: Optional[bool] = None, estimate_options: Optional[dict] = None,
-         with_bridge: bool = True, peft_overrides: Optional[list[str]] = None) -> Plan:
+         with_bridge: bool = True, peft_overrides: Optional[list[str]] = None,
+         gpu: Optional[steptime.Gpu] = None) -> Plan:
     """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits.
 
     ``expandable_segments``: whether the run already has them (default: from ``cfg.env_vars``).
@@ -175,7 +197,10 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     ``peft_overrides``: how overrides built ``cfg.peft`` on a recipe without one
     (:attr:`megatron_bridge_ext.estimate.configs.Built.peft_overrides`); None, the default, for a
     ``cfg.peft`` set in Python, whose changes the answer gives as a Python line instead of overrides.
+    ``gpu``: the device that prices each option's step time (default: the
+    :data:`~megatron_bridge_ext.levers.steptime.DEFAULT_GPU` preset).
     """
+    gpu = gpu or steptime.gpu()
     if gpu_memory <= 0:
         raise Refused("plan", [Finding("bad_input", ERROR, "gpu_memory", f"is {gpu_memory}",
                                        "give the device's memory in bytes, e.g. 80 * 2**30 for 80 GiB")])
@@ -183,20 +208,22 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
         expandable_segments = _expandable_in(cfg)
     planner = Planner(gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
                        expandable_segments=expandable_segments, estimate_options=dict(estimate_options or {}),
-                       cfg=cfg, peft_overrides=peft_overrides)
+                       cfg=cfg, peft_overrides=peft_overrides, gpu=gpu)
     try:
         baseline = planner.estimate(cfg)
     except NotModelled as refused:
         bridge, error = _bridge(cfg, with_bridge)
         return Plan(gpu_memory, margin, expandable_margin, expandable_segments, None, bridge, [], refused=refused,
-                    bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg))
+                    bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg), gpu=gpu)
     # Every later estimate keeps the baseline's DP and microbatches unless a lever changes them.
     planner.estimate_options.update(data_parallel_size=baseline.settings["dp"],
                                     num_microbatches=baseline.settings["num_microbatches"])
     bridge, error = _bridge(cfg, with_bridge, data_parallel_size=baseline.settings["dp"],
                             num_microbatches=baseline.settings["num_microbatches"])
+    planner.step_time = steptime.step_time(baseline.settings, gpu, moe=moe_shape(cfg.model))
     result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options,
-                  bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg))
+                  bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg), gpu=gpu,
+                  step_time=planner.step_time)
     if result.fits_as_is:
         return result
     state = State(copy.deepcopy(cfg), baseline)
@@ -209,7 +236,35 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
         state = step(planner, state)
         if planner.done():
             break
+    planner.options[:] = order_equal_memory(planner.options)
     return result
+
+
+def order_equal_memory(options: list[Option]) -> list[Option]:
+    """``options`` in decision order, except that within a step a run of applicable options whose predicted
+    peaks are equal (within :data:`EQUAL_PEAK_SHARE` of the run's first) is put fastest first: the same memory
+    for less step time (a stable sort: equal times keep their order)."""
+    out: list[Option] = []
+    run: list[Option] = []
+
+    def flush():
+        out.extend(sorted(run, key=lambda o: o.cost.step_time_pct))
+        run.clear()
+
+    for option in options:
+        if not (run and _equal_memory(run[0], option)):
+            flush()
+        if option.applicable and option.cost.step_time_pct is not None:
+            run.append(option)
+        else:
+            out.append(option)
+    flush()
+    return out
+
+
+def _equal_memory(first: Option, other: Option) -> bool:
+    return (other.applicable and other.step == first.step and other.cost.step_time_pct is not None
+            and abs(other.peak_bytes - first.peak_bytes) <= EQUAL_PEAK_SHARE * first.peak_bytes)
 
 
 def _bridge(cfg, wanted: bool, **sizes) -> tuple[Optional[BridgeEstimate], Optional[str]]:

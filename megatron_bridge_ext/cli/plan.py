@@ -29,6 +29,10 @@ EXPERT_FIELDS = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_
 """The model fields of the sizes the expert-parallel rules read, as overrides name them."""
 HF_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """Where a Hugging Face config.json states its number of routed experts (Qwen-MoE, Mixtral/GPT-OSS, DeepSeek)."""
+GPU_OVERRIDES = {"gpu_flops": ("bf16_flops", 1e12, 989.5), "gpu_hbm": ("hbm", 1e12, 3.35),
+                 "gpu_nvlink": ("nvlink", 1e9, 450), "gpu_ib": ("ib", 1e9, 50)}
+"""The device overrides: the :class:`~megatron_bridge_ext.levers.steptime.Gpu` field each sets, its unit in
+the flag, and an example value (H100 SXM's)."""
 NOT_MODELLED_STATUS = 3
 """Exit status of a plan printed without our estimate (the config is fine, but no fits/does-not-fit verdict)."""
 
@@ -83,6 +87,17 @@ def add_parser(sub, make_parser) -> None:
                         "(default: 1.0, a balanced load)")
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                    help="default: the config's model.transformer_impl")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="the device that prices each option's step time with a roofline model: h100, h200 or b200, "
+                        "SXM, peak rates from NVIDIA's datasheets (default: h100, stated in the output)")
+    p.add_argument("--gpu-flops", type=float, metavar="TFLOPS",
+                   help="override the dense bf16 peak in TFLOP/s (FP8 scales with it; default: the preset's)")
+    p.add_argument("--gpu-hbm", type=float, metavar="TB/S", help="override the HBM bandwidth in TB/s (default: the "
+                                                                  "preset's)")
+    p.add_argument("--gpu-nvlink", type=float, metavar="GB/S",
+                   help="override the NVLink bandwidth per GPU and direction in GB/s (default: the preset's)")
+    p.add_argument("--gpu-ib", type=float, metavar="GB/S",
+                   help="override the InfiniBand bandwidth per GPU and direction in GB/s (default: the preset's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
     p.add_argument("--plot", metavar="FILE",
                    help=f"draw a stacked bar per option to FILE (default: no plot; needs matplotlib: {PLOT_EXTRA})")
@@ -122,10 +137,13 @@ def command(args) -> int:
         plot(result, args.plot)
         print(f"mbx plan: plot written to {args.plot}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2, default=str))
+        report = result.as_dict()
+        report["gpu"]["defaulted"] = args.gpu is None
+        print(json.dumps(report, indent=2, default=str))
     else:
         print(format_plan(result, command_line=" ".join(["mbx plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"]
-                          else None, peft_defaulted=args.peft is None and bool(args.hf_config) and not args.recipe))
+                          else None, peft_defaulted=args.peft is None and bool(args.hf_config) and not args.recipe,
+                          gpu_defaulted=args.gpu is None))
     return 0 if result.baseline is not None else NOT_MODELLED_STATUS
 
 
@@ -149,7 +167,7 @@ def check_args(args) -> str | None:
         args.gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
     except SizeError as error:
         return str(error)
-    problem = _number_problem(args) or _global_batch_problem(
+    problem = _number_problem(args) or _gpu_problem(args) or _global_batch_problem(
         args.global_batch, args.micro_batch or (1 if args.hf_config else None),
         args.dp or (1 if args.hf_config else None), setting="--global-batch")
     if problem is None:
@@ -182,6 +200,24 @@ def _number_problem(args):
         return _bad("--margin", f"{args.margin} is not a share between 0 and 1", "give e.g. 0.10")
     if args.plot and not _have_matplotlib():
         return _bad("--plot", "needs matplotlib", PLOT_EXTRA)
+    return None
+
+
+def _gpu_problem(args):
+    """An unknown --gpu or a device override that is not a positive number; else sets ``args.device``."""
+    from megatron_bridge_ext.levers import steptime
+
+    overrides = {}
+    for name, (field, unit, example) in GPU_OVERRIDES.items():
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and not value > 0:
+            return _bad(flag, f"{value} is not a positive rate", f"give e.g. {flag} {example}")
+        overrides[field] = None if value is None else value * unit
+    try:
+        args.device = steptime.gpu(args.gpu or steptime.DEFAULT_GPU, **overrides)
+    except steptime.UnknownGpu as error:
+        return _bad("--gpu", str(error), f"give one of them, e.g. --gpu {steptime.DEFAULT_GPU}")
     return None
 
 
@@ -323,7 +359,7 @@ def _plan(args):
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl),
                                  ("moe_imbalance", args.moe_imbalance)) if v}
     result = planner.plan(built.cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable,
-                          estimate_options=options, peft_overrides=built.peft_overrides,
+                          estimate_options=options, peft_overrides=built.peft_overrides, gpu=args.device,
                           **({"margin": args.margin} if args.margin is not None else {}))
     result.notes = built.notes
     return result
@@ -395,8 +431,10 @@ def _experts_load(s: dict) -> str:
             f"{s['moe_token_dispatcher']} dispatcher), expert load {load}")
 
 
-def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool = False) -> str:
-    """The plan as text: the estimate beside Bridge's, the fit, the levers, the answer, the assumptions.
+def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool = False,
+                gpu_defaulted: bool = True) -> str:
+    """The plan as text: the estimate beside Bridge's, the fit, the step time, the levers, the answer, the
+    assumptions. ``gpu_defaulted``: no --gpu was given, so say that the device is the default.
 
     Every size is in GiB; GB appear only beside figures published in GB.
     """
@@ -411,6 +449,7 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
     lines += _bridge_lines(result)
     lines += _not_modelled_lines(result)
     lines += _device_lines(result)
+    lines += _step_time_lines(result, gpu_defaulted)
     verdict = "fits as is" if result.fits_as_is else "does not fit as is"
     lines.append(f"{verdict}: peak {gib(est.peak_bytes)} of {gib(result.usable_now)} usable")
     if result.options:
@@ -458,6 +497,18 @@ def _device_lines(result) -> list[str]:
     return lines
 
 
+def _step_time_lines(result, gpu_defaulted: bool) -> list[str]:
+    """The device that prices the options' step time, and the config's own step time by term."""
+    g, t = result.gpu, result.step_time
+    default = "; the default, --gpu h200|b200 to change" if gpu_defaulted else ""
+    terms = ", ".join(f"{name.replace('_', ' ')} {seconds:.3f}" for name, seconds in vars(t).items())
+    return [_wrap(f"step time (roofline, {g.name}: {g.bf16_flops / 1e12:,.1f} TFLOP/s dense bf16 at 100% of peak, "
+                  f"HBM {g.hbm / 1e12:g} TB/s, NVLink {g.nvlink / 1e9:g} GB/s and InfiniBand {g.ib / 1e9:g} GB/s per "
+                  f"GPU and direction, PCIe {g.pcie / 1e9:g} GB/s; {g.source}{default}): "
+                  f"{t.total:.3f} s per step as is ({terms}); "
+                  "each option's time is its config's change against this", "")]
+
+
 def _layout_line(layout: dict) -> str:
     """The config in one line from its sizes alone (for a plan without our estimate)."""
     experts = (f", {layout['num_moe_experts']} experts (top-{layout['moe_router_topk']})"
@@ -487,8 +538,8 @@ def _levers(options) -> list[str]:
     names = ", ".join(f"{lever['step']} {lever['name']}" for lever in LEVERS)
     lines = ["levers, in the decision order (each on top of the ones before):", _wrap(f"(steps: {names})", "  ")]
     rows = [[str(o.step), o.label, gib(o.peak_bytes) if o.peak_bytes is not None else "-", gib(o.usable_bytes),
-             ("yes" if o.fits else "no") if o.applicable else "n/a", o.cost.measured()] for o in options]
-    lines.append(_indent(text_table(["step", "option", "peak", "usable", "fits", "cost"], rows)))
+             ("yes" if o.fits else "no") if o.applicable else "n/a", _time(o), o.cost.measured()] for o in options]
+    lines.append(_indent(text_table(["step", "option", "peak", "usable", "fits", "time", "cost"], rows)))
     notes = [f"step {o.step} {o.label}: n/a: {o.reason}" for o in options if o.reason]
     notes += [f"step {o.step}: {c}" for o in options for c in o.constraints if c.text() != o.reason]
     notes += [f"step {o.step} cost: {o.cost.basis}" for o in options if o.cost.basis]
@@ -502,6 +553,12 @@ def _levers(options) -> list[str]:
     return lines
 
 
+def _time(option) -> str:
+    """The option's predicted step-time change against the config as is, e.g. ``+12.3%``."""
+    pct = option.cost.step_time_pct
+    return "-" if pct is None else f"{pct:+.1f}%"
+
+
 def _answer(result) -> list[str]:
     """The first option that fits, as MemoryConfig and overrides (or what is left when none does)."""
     chosen = result.chosen
@@ -511,7 +568,7 @@ def _answer(result) -> list[str]:
         return ["answer: no combination of the levers fits; more GPUs, a shorter sequence or a smaller micro-batch "
                 "are left"]
     flags = ", ".join(f"{k}={v!r}" for k, v in chosen.flags.items())
-    lines = [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}",
+    lines = [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}, step time {_time(chosen)}",
              f"  MemoryConfig({flags})",
              f"  overrides: {' '.join(chosen.overrides) or '(none)'}"]
     if chosen.peft_note:

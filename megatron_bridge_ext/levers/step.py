@@ -30,6 +30,11 @@ class Cost:
     collective_bytes: Optional[int] = None
     """Change in bytes this rank moves per step (negative: fewer), with the formula in ``basis``."""
     recomputed_flops: Optional[int] = None
+    pcie_bytes: Optional[int] = None
+    """Bytes to the host and back over PCIe per step (CPU offloading)."""
+    step_time_pct: Optional[float] = None
+    """Predicted step-time change of the option's config against the config as is, in percent
+    (:mod:`megatron_bridge_ext.levers.steptime`; positive: slower)."""
     published: str = ""
     source: str = ""
     basis: str = ""

@@ -313,3 +313,47 @@ def test_sequence_parallelism_follows_tp_where_tp_is_given(layout, expected, not
     assert built.cfg.model.tensor_model_parallel_size == 2
     assert built.cfg.model.sequence_parallel is expected
     assert bool(built.notes) is noted
+
+
+def test_each_option_is_priced_in_step_time_against_the_config_as_is():
+    """Expandable segments change no time; adding mlp to layernorm recompute adds its forward GEMMs at the H100's
+    dense bf16 peak (the default device): SwiGLU fc1 h -> 2 ffn/t and fc2 ffn/t -> h, 2 FLOPs per multiply-add,
+    on the 4 layers of the one microbatch (global batch = micro-batch x DP), against the config's own step time."""
+    result = _plan(_cfg(dp=2), 1)
+    assert result.gpu.name == "h100" and result.step_time.total > 0
+    by_label = {o.label: o for o in result.options if o.applicable}
+    assert by_label["expandable segments"].cost.step_time_pct == 0.0
+    seq, micro_batch, hidden, ffn, tp, layers = 1024, 2, 64, 256, 2, 4
+    mlp_flops = 2 * seq * micro_batch * hidden * (ffn // tp) * 3 * layers
+    added = (by_label["recompute_modules=['layernorm', 'mlp']"].cost.step_time_pct
+             - by_label["recompute_modules=['layernorm']"].cost.step_time_pct)
+    assert added == pytest.approx(100 * mlp_flops / (1979e12 / 2) / result.step_time.total, rel=1e-9)
+    assert all(o.cost.step_time_pct is None for o in result.options if not o.applicable)
+
+
+def _option(step: int, label: str, peak: int, pct: float, *, applicable: bool = True):
+    from megatron_bridge_ext.levers.step import Cost, Option
+
+    return Option(step, "lever", label, applicable, peak_bytes=peak if applicable else None, usable_bytes=2**40,
+                  cost=Cost(step_time_pct=pct if applicable else None))
+
+
+def test_equal_memory_options_of_a_step_are_put_fastest_first_and_the_faster_is_the_answer():
+    gib = 2**30
+    options = [_option(3, "recompute a", 10 * gib, 5.0),
+               _option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", int(8 * gib * (1 + planner.EQUAL_PEAK_SHARE)), 30.0),
+               _option(4, "EP x 2", 8 * gib, 3.0),
+               _option(5, "offload", 8 * gib, 1.0)]  # equal peak, but a later step: the decision order stays
+    ordered = planner.order_equal_memory(options)
+    assert [o.label for o in ordered] == ["recompute a", "EP x 2", "PP x 2", "TP x 2", "offload"]
+    plan = planner.Plan(2**40, planner.MARGIN, planner.EXPANDABLE_MARGIN, True, None, None, ordered)
+    assert plan.chosen.label == "recompute a"  # the first step that fits wins, whatever its time
+    assert planner.Plan(2**40, planner.MARGIN, planner.EXPANDABLE_MARGIN, True, None, None,
+                        ordered[1:]).chosen.label == "EP x 2"
+
+
+def test_options_of_different_memory_or_not_applicable_keep_the_decision_order():
+    gib = 2**30
+    options = [_option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", int(8 * gib * 0.99), 3.0),
+               _option(4, "n/a", 0, 0.0, applicable=False), _option(4, "later", 6 * gib, 1.0)]
+    assert [o.label for o in planner.order_equal_memory(options)] == ["PP x 2", "TP x 2", "n/a", "later"]

@@ -22,27 +22,34 @@ def lora_input_collective_elements(strategy: str, *, seq: int, micro_batch: int,
                for size, n in collectives.counts(strategy, input_needs_grad=input_needs_grad).items())
 
 
+def _targets(s: dict) -> list[str]:
+    """One entry per LoRA-A of a column-parallel layer (CanonicalLoRA: three on linear_qkv, two on linear_fc1)."""
+    from megatron_bridge_ext.peft import kinds
+
+    return [layer for t in (s.get("lora_targets") or []) for layer in kinds.targeted_layers([t])
+            if layer in COLUMN_PARALLEL]
+
+
+def collective_elements(s: dict, strategy: str, *, stage: int) -> int:
+    """Collective elements the eligible adapters of a stage move per microbatch under ``strategy``
+    (``s``: the estimate's settings; on stage 0 the first linear_qkv's input needs no gradient)."""
+    kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])
+    return sum(lora_input_collective_elements(strategy, **kwargs,
+                                              input_needs_grad=not (layer == 0 and stage == 0
+                                                                    and target == "linear_qkv"))
+               for layer in range(s["layers_on_stage"]) for target in _targets(s))
+
+
 def collective_change(est, strategy: str) -> tuple[int, str]:
     """Change in bytes per step when the adapters of ``est``'s stage (a
     :class:`~megatron_bridge_ext.estimate.report.MemoryEstimate`) switch from their strategy to ``strategy``,
     with its basis."""
-    from megatron_bridge_ext.peft import kinds
-
     s = est.settings
-    # One term per LoRA-A of a column-parallel layer (CanonicalLoRA: three on linear_qkv, two on linear_fc1).
-    targets = [layer for t in (s.get("lora_targets") or []) for layer in kinds.targeted_layers([t])
-               if layer in COLUMN_PARALLEL]
     old = s.get("sequence_parallel_input_strategy") or OFF
     layers, nmb, e = s["layers_on_stage"], s["num_microbatches"], est.element_size()
-    kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])
-    total = 0
-    for layer in range(layers):
-        for target in targets:
-            needs_grad = not (layer == 0 and est.stage == 0 and target == "linear_qkv")
-            total += (lora_input_collective_elements(strategy, **kwargs, input_needs_grad=needs_grad)
-                      - lora_input_collective_elements(old, **kwargs, input_needs_grad=needs_grad))
+    total = collective_elements(s, strategy, stage=est.stage) - collective_elements(s, old, stage=est.stage)
     basis = (f"formula: per eligible adapter and microbatch, {old}: {collectives.formula(old, input_needs_grad=False)} "
              f"(+ {collectives.input_grad_formula(old)} with an input gradient); "
              f"{strategy}: {collectives.formula(strategy)}; "
-             f"x {len(targets)} adapters x {layers} layers x {nmb} microbatches x {e} B")
+             f"x {len(_targets(s))} adapters x {layers} layers x {nmb} microbatches x {e} B")
     return total * nmb * e, basis

@@ -153,7 +153,7 @@ def offload(planner: Planner, state: State) -> State:
     for k in on_layers:
         parts[k] -= int(parts[k] * (1 - keep))
     transfer = 2 * offloaded_bytes * s["num_microbatches"] // max(1, round(state.est.in_flight_microbatches))
-    cost = Cost(published=lever["cost"], basis=f"formula: {gib(transfer)} to the host and back over PCIe per step; "
+    cost = Cost(published=lever["cost"], pcie_bytes=transfer, basis=f"formula: {gib(transfer)} to the host and back over PCIe per step; "
                                                 "2 layers' activations stay on the GPU")
     offloaded = State(cfg, state.est, dict(state.flags), state.overrides + [
         "model.cpu_offloading=true", f"model.cpu_offloading_num_layers={layers - 1}",

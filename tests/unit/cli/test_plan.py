@@ -62,6 +62,9 @@ FAST_REFUSALS = [
                                            "give a multiple of 4, e.g. --global-batch 8"),
     (["--margin", "1.5"], "--margin: 1.5 is not a share"),
     (["--gpu-memory", "80"], "--gpu-memory: 80 has no unit. Fix: write 80GiB or 80GB"),
+    (["--gpu", "a100"], "mbx plan: --gpu: 'a100' is not a GPU preset (h100, h200, b200). Fix: give one of them, e.g. "
+                        "--gpu h100"),
+    (["--gpu", "h200", "--gpu-ib", "-5"], "--gpu-ib: -5.0 is not a positive rate. Fix: give e.g. --gpu-ib 50"),
 ]
 
 
@@ -599,3 +602,29 @@ def test_a_moe_plan_writes_no_plot_and_says_so(capsys, tmp_path):
     err = capsys.readouterr().err
     assert status == plan_cli.NOT_MODELLED_STATUS and not path.exists()
     assert f"mbx plan: no plot written to {path}: its bars are our estimate's" in err
+
+
+def test_the_plan_states_the_device_and_prints_each_options_step_time():
+    """The default device is named as the default; every applicable option has a signed percentage in the table
+    (its config's step time against the config as is), n/a options a dash, and the JSON carries the same."""
+    result = small_plan(gpu_memory=1)
+    text = plan_cli.format_plan(result)
+    words = " ".join(text.split())  # the line wraps at 120 columns
+    assert "step time (roofline, h100: 989.5 TFLOP/s dense bf16 at 100% of peak" in words
+    assert "the default, --gpu h200|b200 to change" in words
+    assert "--gpu h200|b200" not in " ".join(plan_cli.format_plan(result, gpu_defaulted=False).split())
+    header, _, *rows = text.split("\n  step  option")[1].split("\nwhy not")[0].splitlines()
+    assert "time" in header.split()
+    for option, row in zip(result.options, rows):
+        cell = row.split()[-1 - len(option.cost.measured().split())]
+        assert cell == (f"{option.cost.step_time_pct:+.1f}%" if option.applicable else "-"), row
+    report = result.as_dict()
+    assert report["gpu"]["name"] == "h100" and report["step_time_s"]["total"] == result.step_time.total
+    assert [o["cost"]["step_time_pct"] is not None for o in report["options"]] == [o.applicable for o in result.options]
+
+
+def test_gpu_flag_and_overrides_reach_the_device(capsys):
+    args = cli.build_parser().parse_args(["plan", "--hf-config", QWEN3_8B, "--seq", "4096", "--gpu-memory", "80GiB",
+                                          "--gpu", "b200", "--gpu-flops", "1000", "--gpu-nvlink", "300"])
+    assert plan_cli.check_args(args) is None
+    assert (args.device.name, args.device.bf16_flops, args.device.nvlink, args.device.hbm) == ("b200", 1e15, 3e11, 8e12)

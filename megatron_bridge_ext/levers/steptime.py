@@ -1,0 +1,308 @@
+"""A roofline step time per rank, so that the plan can say what each option costs in throughput.
+
+The model, stated once (every term is a function below; nothing here is fitted to a measurement):
+
+* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest),
+  from the shapes in the estimate's settings, at the device's peak dense bf16 (FP8 when the config trains in FP8) rate
+  with **no efficiency factor** (100% of peak: the figures are a lower bound on time, and a
+  percentage change between two configs is what the plan prints). Forward: 2 FLOPs per
+  multiply-add of every linear (QKV, attention output, MLP, the output layer on the last stage)
+  and of the attention core (QK^T and attention x V over the full s x s). Backward: twice the
+  forward for trainable linears (input and weight gradient: the "6 x params x tokens" rule), once
+  for frozen ones (LoRA's base layers and, under PEFT, the output layer: no weight gradient, so 4x
+  not 6x), twice for the attention core. Recomputed modules add their forward
+  (:mod:`.recompute.cost`); layernorm recompute, which has no GEMM, reads and writes [s, b, h]
+  per norm at HBM bandwidth. LoRA's own small GEMMs (rank r against h) and elementwise kernels are
+  left out.
+* **tensor parallelism**: the activation all-gathers and reduce-scatters of
+  :func:`.parallelism.cost.tp_collective_bytes`, plus the LoRA-A input strategy's collectives
+  (:func:`.lora_input.cost.collective_elements`), each sending (t - 1)/t of its size from a rank,
+  on NVLink when the TP group fits in a node of 8 GPUs, else on InfiniBand; not overlapped with
+  compute (Megatron Core overlaps them only with ``tp_comm_overlap``, off by default).
+* **expert dispatch** (MoE): the token dispatch and combine of every MoE layer, forward and backward
+  (:func:`.parallelism.cost.dispatch_bytes_per_layer`, balanced routing), on NVLink when the EP x ETP
+  grid fits a node, else InfiniBand; not overlapped. An MoE layer's compute is its router, its
+  routed experts (T*k token copies through fc1 and fc2) and its shared experts
+  (:func:`.recompute.cost.moe_layer_flops`); its experts' weights go over the expert-DP group.
+* **pipeline**: each microbatch's p2p send of the stage's output and of its input's gradient
+  (:func:`.parallelism.cost.p2p_bytes`), on NVLink when the whole model replica (TP x CP x DP x PP
+  ranks, Megatron's order puts PP outermost) fits in one node, else InfiniBand; and the bubble:
+  the step runs ``m + (pp - 1)/vpp`` microbatch times (1F1B, interleaved with vpp chunks), i.e.
+  the bubble is ``(pp - 1)/(vpp m)`` of the ideal.
+* **data parallelism**: the gradients' reduce-scatter (fp32, Bridge's ``grad_reduce_in_fp32``) and
+  the parameters' all-gather (bf16) with the distributed optimizer, an fp32 all-reduce (twice the
+  bytes) without it, (dp - 1)/dp of the trainable parameters on the rank, on NVLink when the DP
+  group (TP x CP x DP consecutive ranks) fits in a node, else InfiniBand. Bridge's recipes overlap
+  it with the backward (``overlap_grad_reduce``, ``overlap_param_gather``): only what exceeds the
+  step's compute time is counted.
+* **CPU offloading**: the activation bytes to the host and back over PCIe (one direction at a
+  time), overlapped with the compute of the other layers (Core copies on a side stream, layer by
+  layer): the step pays what exceeds its compute time, and at least one layer's share (the first
+  reload of the backward waits for it).
+* **expandable segments**: no time (an allocator setting; the published run saw no change).
+
+A lever's change is ``time(after) / time(before) - 1``; the plan prints it against the config as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+NODE_GPUS = 8
+"""GPUs per node joined by NVLink (DGX/HGX H100, H200, B200); larger groups cross nodes on InfiniBand."""
+GRAD_BYTES = 4
+"""Gradient bytes per parameter in the DP reduce-scatter: fp32, Bridge's ``grad_reduce_in_fp32``."""
+PARAM_GATHER_BYTES = 2
+"""Parameter bytes per parameter in the distributed optimizer's all-gather (bf16 weights)."""
+
+H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 SXM column"
+H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM column"
+B200_SHEET = "NVIDIA HGX B200 / DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200), per GPU (system / 8)"
+DGX_NETWORK = "DGX H100/H200/B200 datasheets: 8x ConnectX-7 400 Gb/s InfiniBand per node, one per GPU"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One device's peak rates, per GPU and per direction (bytes/s), as its vendor publishes them.
+
+    The datasheets give tensor-core FLOP/s "with sparsity": the dense rate is half. NVLink and PCIe
+    are quoted as the sum of both directions: a collective's send runs at half.
+    """
+
+    name: str
+    bf16_flops: float
+    fp8_flops: float
+    hbm: float
+    nvlink: float
+    ib: float
+    pcie: float
+    source: str
+
+    def peak(self, fp8: bool = False) -> float:
+        return self.fp8_flops if fp8 else self.bf16_flops
+
+    def link(self, span: int) -> float:
+        """The bandwidth of a group of ``span`` consecutive ranks: NVLink within a node, else InfiniBand."""
+        return self.nvlink if span <= NODE_GPUS else self.ib
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+GPUS: dict[str, Gpu] = {
+    # H100 SXM: BF16 1,979 and FP8 3,958 TFLOPS with sparsity; HBM3 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
+    "h100": Gpu("h100", bf16_flops=989.5e12, fp8_flops=1979e12, hbm=3.35e12, nvlink=450e9, ib=50e9, pcie=64e9,
+                source=f"{H100_SHEET}; {DGX_NETWORK}"),
+    # H200 SXM: the same tensor cores as H100 SXM; HBM3e 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
+    "h200": Gpu("h200", bf16_flops=989.5e12, fp8_flops=1979e12, hbm=4.8e12, nvlink=450e9, ib=50e9, pcie=64e9,
+                source=f"{H200_SHEET}; {DGX_NETWORK}"),
+    # HGX B200: FP16/BF16 4.5 and FP8 9 PFLOPS with sparsity per GPU; HBM3e 8 TB/s; NVLink 5 1.8 TB/s;
+    # PCIe Gen5 x16 128 GB/s to the host.
+    "b200": Gpu("b200", bf16_flops=2.25e15, fp8_flops=4.5e15, hbm=8e12, nvlink=900e9, ib=50e9, pcie=64e9,
+                source=f"{B200_SHEET}; {DGX_NETWORK}"),
+}
+"""The presets, each figure from its vendor's public datasheet (the dense rates are half the sparse ones)."""
+DEFAULT_GPU = "h100"
+
+
+class UnknownGpu(ValueError):
+    """A ``--gpu`` that is not a preset."""
+
+
+def gpu(name: str = DEFAULT_GPU, **overrides: Optional[float]) -> Gpu:
+    """The preset ``name`` with the given fields (``bf16_flops``, ``hbm``, ``nvlink``, ``ib``...) replaced.
+
+    An override of ``bf16_flops`` scales the FP8 rate with it (the datasheets' ratio, 2), so that one
+    ``--gpu-flops`` states one device.
+    """
+    if name not in GPUS:
+        raise UnknownGpu(f"{name!r} is not a GPU preset ({', '.join(GPUS)})")
+    preset = GPUS[name]
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return preset
+    named = ", ".join(sorted(given))
+    if "bf16_flops" in given:
+        given.setdefault("fp8_flops", given["bf16_flops"] * preset.fp8_flops / preset.bf16_flops)
+    return replace(preset, **given, source=f"{preset.source}; overridden: {named}")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time on one rank in seconds, by term (see the module docstring for each)."""
+
+    compute: float
+    tp: float
+    dispatch: float
+    """The token dispatch and combine of an MoE model's experts (0 for a dense model)."""
+    pp_p2p: float
+    bubble: float
+    dp_exposed: float
+    offload_exposed: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp + self.dispatch + self.pp_p2p + self.bubble + self.dp_exposed
+                + self.offload_exposed)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def element_size(s: dict) -> int:
+    return 4 if s["dtype"] == "float32" else 2
+
+
+def attention_linear_flops(s: dict) -> int:
+    """Forward FLOPs of one layer's attention linears per microbatch on a TP rank: QKV and the output projection."""
+    tokens = s["seq_length"] * s["micro_batch"]
+    q, kv = s["heads"] * s["kv_channels"], 2 * s["query_groups"] * s["kv_channels"]
+    return (2 * tokens * s["hidden"] * (q + kv) + 2 * tokens * q * s["hidden"]) // s["tp"]
+
+
+def linear_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
+    """Forward FLOPs of the stage's linears per microbatch on a rank: attention on every layer, the dense MLP on
+    dense layers, the router, routed and shared experts on MoE layers (:func:`.recompute.cost.moe_layer_flops`)."""
+    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds
+    from megatron_bridge_ext.levers.recompute.cost import moe_layer_flops, recompute_flops_per_layer
+
+    dense, moe_layers = stage_layer_kinds(s, moe)
+    return ((dense + moe_layers) * attention_linear_flops(s) + dense * recompute_flops_per_layer("mlp", s)
+            + (moe_layers * moe_layer_flops(s, moe) if moe_layers else 0))
+
+
+def attention_core_flops(s: dict) -> int:
+    """Forward FLOPs of one layer's attention core per microbatch on a TP rank (full s x s)."""
+    from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
+
+    return recompute_flops_per_layer("core_attn", s)
+
+
+def output_layer_flops(s: dict) -> int:
+    """Forward FLOPs of the output layer per microbatch on the last stage's TP rank (none elsewhere)."""
+    if s["stage"] != s["pp"] - 1:
+        return 0
+    return 2 * s["seq_length"] * s["micro_batch"] * s["hidden"] * s["vocab_size"] // s["tp"]
+
+
+def microbatch_flops(s: dict, moe: Optional[dict] = None) -> int:
+    """Forward + backward (+ recompute) FLOPs of one microbatch on this rank's layers (see the module docstring)."""
+    from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
+
+    frozen = bool(s.get("peft"))
+    linear_passes = 2 if frozen else 3  # forward, input gradient, weight gradient unless frozen
+    linears, core = linear_forward_flops(s, moe), attention_core_flops(s) * s["layers_on_stage"]
+    total = linear_passes * linears + 3 * core
+    if s["recompute_granularity"] == "full":
+        total += linears + core
+    elif s["recompute_granularity"] == "selective":
+        total += sum(recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe) for m in s["recompute_modules"])
+    return (total + linear_passes * output_layer_flops(s)) // (s["cp"] or 1)
+
+
+def recompute_hbm_bytes(s: dict) -> int:
+    """HBM bytes one microbatch's layernorm recompute reads and writes (two norms per layer, [s/t, b, h] under SP)."""
+    if s["recompute_granularity"] != "selective" or "layernorm" not in s["recompute_modules"]:
+        return 0
+    seq = s["seq_length"] // s["tp"] if s["sequence_parallel"] else s["seq_length"]
+    return 2 * 2 * seq * s["micro_batch"] * s["hidden"] * element_size(s) * s["layers_on_stage"]
+
+
+def tp_bytes(s: dict, moe: Optional[dict] = None) -> int:
+    """Bytes a rank sends per microbatch for TP: the layers' activations (attention's half only on MoE layers, and
+    the shared experts') and the LoRA-A inputs' collectives."""
+    from megatron_bridge_ext.levers.lora_input.cost import collective_elements
+    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds, tp_collective_bytes
+
+    t = s["tp"]
+    if t == 1:
+        return 0
+    layers = tp_collective_bytes(s, tp=t, layers=s["layers_on_stage"], num_microbatches=1, element=element_size(s),
+                                 moe_layers=stage_layer_kinds(s, moe)[1],
+                                 shared_experts=bool(moe and moe["shared_ffn"]))
+    lora = 0
+    if s.get("peft") and s["sequence_parallel"]:
+        strategy = s.get("sequence_parallel_input_strategy") or "off"
+        lora = collective_elements(s, strategy, stage=s["stage"]) * element_size(s) * (t - 1) // t
+    return layers + lora
+
+
+def trainable_params(s: dict, moe: Optional[dict] = None) -> int:
+    """Trainable dense parameters on this rank: the stage's layers (and embedding/output) under full fine-tuning,
+    the adapters under LoRA (r x (in + out) per targeted linear, divided over TP). MoE layers count their
+    attention here; their experts go over the expert-DP group (:func:`dp_bytes`)."""
+    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds
+
+    h, ffn, t = s["hidden"], s["ffn"] * (2 if s["gated_linear_unit"] else 1), s["tp"]
+    q, kv = s["heads"] * s["kv_channels"], 2 * s["query_groups"] * s["kv_channels"]
+    shapes = {"linear_qkv": (h, q + kv), "linear_proj": (q, h), "linear_fc1": (h, ffn), "linear_fc2": (s["ffn"], h)}
+    if s.get("peft"):
+        per_layer = sum(s["lora_dim"] * sum(shapes[target]) for target in s["lora_targets"] if target in shapes)
+        return per_layer * s["layers_on_stage"] // t
+    dense, moe_layers = stage_layer_kinds(s, moe)
+    attention = h * (q + kv) + q * h
+    ends = (s["stage"] == 0) + (s["stage"] == s["pp"] - 1)  # embedding on the first stage, output on the last
+    return (sum(i * o for i, o in shapes.values()) * dense + attention * moe_layers + ends * s["vocab_size"] * h) // t
+
+
+def dp_bytes(s: dict, moe: Optional[dict] = None) -> int:
+    """Bytes a rank sends per step for the gradients and parameters of data parallelism (and, for an MoE model,
+    the expert weights' over the expert-DP group: :func:`.parallelism.cost.expert_dp_bytes`)."""
+    from megatron_bridge_ext.levers.parallelism.cost import expert_dp_bytes, stage_layer_kinds
+
+    dp = s["dp"] * (s["cp"] or 1)
+    experts = 0
+    if moe:
+        experts = expert_dp_bytes(s, moe, ep=moe["ep"], etp=moe["etp"], moe_layers=stage_layer_kinds(s, moe)[1],
+                                  element=element_size(s))
+    if dp == 1:
+        return experts
+    per_param = GRAD_BYTES + PARAM_GATHER_BYTES if s["distributed_optimizer"] else 2 * GRAD_BYTES
+    return per_param * trainable_params(s, moe) * (dp - 1) // dp + experts
+
+
+def dispatch_bytes(s: dict, moe: Optional[dict]) -> int:
+    """Bytes a rank sends per microbatch to dispatch tokens to the experts and combine them, forward and backward
+    (and once more forward under ``moe`` recompute): :func:`.parallelism.cost.dispatch_bytes_per_layer`."""
+    from megatron_bridge_ext.levers.parallelism.cost import dispatch_bytes_per_layer, stage_layer_kinds
+    from megatron_bridge_ext.levers.recompute.cost import recompute_dispatch_bytes
+
+    if not moe:
+        return 0
+    per_layer = dispatch_bytes_per_layer(s, moe, ep=moe["ep"], etp=moe["etp"], element=element_size(s))
+    modules = s["recompute_modules"] if s["recompute_granularity"] == "selective" else []
+    once = {**s, "num_microbatches": 1}
+    return per_layer * stage_layer_kinds(s, moe)[1] + recompute_dispatch_bytes(once, modules, moe, element_size(s))
+
+
+def p2p_bytes(s: dict) -> int:
+    """Bytes a stage sends per microbatch to its pipeline neighbours."""
+    from megatron_bridge_ext.levers.parallelism.cost import p2p_bytes as per_step
+
+    return per_step(s, pp=s["pp"], tp=s["tp"], num_microbatches=1, element=element_size(s))
+
+
+def step_time(s: dict, device: Gpu, *, offload_bytes: int = 0, moe: Optional[dict] = None) -> StepTime:
+    """The step time of the config whose estimate settings are ``s`` (``offload_bytes``: to the host and
+    back per step under CPU offloading; ``moe``: :func:`.parallelism.cost.moe_shape` of an MoE model), on
+    the last pipeline stage: with the output layer it is the slowest, and it paces the pipeline (its
+    layers are the estimate's stage's: stages hold equal layers)."""
+    s = {**s, "stage": s["pp"] - 1}
+    m, pp, vpp, cp = s["num_microbatches"], s["pp"], s["vpp"] or 1, s["cp"] or 1
+    tp_span, dp_span = s["tp"], s["tp"] * cp * s["dp"]
+    compute_mb = microbatch_flops(s, moe) / device.peak(bool(s.get("fp8"))) + recompute_hbm_bytes(s) / device.hbm
+    tp_mb = tp_bytes(s, moe) / device.link(tp_span)
+    dispatch_mb = dispatch_bytes(s, moe) / device.link(moe["ep"] * moe["etp"]) if moe else 0.0  # ETP inner, then EP
+    p2p_mb = p2p_bytes(s) / device.link(dp_span * pp)
+    compute = m * compute_mb
+    offload = offload_bytes / device.pcie
+    return StepTime(compute=compute, tp=m * tp_mb, dispatch=m * dispatch_mb, pp_p2p=m * p2p_mb,
+                    bubble=(pp - 1) / vpp * (compute_mb + tp_mb + dispatch_mb),
+                    dp_exposed=max(0.0, dp_bytes(s, moe) / device.link(dp_span) - compute),
+                    offload_exposed=max(offload - compute, offload / s["layers_on_stage"]) if offload_bytes else 0.0)
+
+
+def change_pct(before: StepTime, after: StepTime) -> float:
+    """The step-time change from ``before`` to ``after`` in percent (positive: slower)."""
+    return 100.0 * (after.total / before.total - 1.0)
