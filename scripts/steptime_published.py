@@ -1,6 +1,6 @@
 """The plan's roofline step time (``megatron_bridge_ext.levers.steptime``) against published throughput costs.
 
-    python scripts/steptime_published.py [--gpu h100]
+    PYTHONPATH=$PWD python scripts/steptime_published.py [--gpu h100]
 
 Each published figure (``megatron_bridge_ext.evidence``) is a throughput change measured on H100; the
 prediction is the step-time change of the same lever on the same layout, from the model's
@@ -16,7 +16,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from megatron_bridge_ext import evidence  # noqa: E402
 from megatron_bridge_ext.levers import steptime  # noqa: E402
