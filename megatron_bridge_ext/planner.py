@@ -94,6 +94,8 @@ class Plan:
     """The device whose peak rates price each option's step time."""
     step_time: Optional[steptime.StepTime] = None
     """The roofline step time of the config as is (None without our estimate)."""
+    strategies: list[lora_input_advice.StrategyPeak] = field(default_factory=list)
+    """Each LoRA-A input strategy on the config as is, re-estimated (empty where none can act)."""
 
     @property
     def usable_now(self) -> int:
@@ -126,6 +128,7 @@ class Plan:
                 "bridge_estimate": self.bridge.as_dict() if self.bridge else None,
                 "bridge_estimate_error": self.bridge_error, "layout": self.layout, "not_modelled": self.not_modelled,
                 "gpu": self.gpu.as_dict(), "step_time_s": self.step_time.as_dict() if self.step_time else None,
+                "lora_input_strategies": [p.as_dict() for p in self.strategies],
                 "options": [o.as_dict() for o in self.options], "notes": self.notes,
                 "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
                                                        "memory_config": chosen.flags, "overrides": chosen.overrides,
@@ -223,7 +226,7 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     planner.step_time = steptime.step_time(baseline.settings, gpu, moe=moe_shape(cfg.model))
     result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options,
                   bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg), gpu=gpu,
-                  step_time=planner.step_time)
+                  step_time=planner.step_time, strategies=lora_input_advice.compare(planner, cfg, baseline))
     if result.fits_as_is:
         return result
     state = State(copy.deepcopy(cfg), baseline)

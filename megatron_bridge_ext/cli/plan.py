@@ -447,6 +447,7 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
               f"per-rank estimate, pipeline stage {est.stage} (the most loaded), TP rank 0 ({est.seconds:.1f} s):",
               _indent(est.table())]
     lines += _bridge_lines(result)
+    lines += _strategy_lines(result)
     lines += _not_modelled_lines(result)
     lines += _device_lines(result)
     lines += _step_time_lines(result, gpu_defaulted)
@@ -476,6 +477,24 @@ def _bridge_lines(result) -> list[str]:
     if result.baseline is not None:
         diff = result.bridge.total_bytes - result.baseline.peak_bytes
         lines.append(f"  Bridge minus ours: {'+' if diff >= 0 else '-'}{gib(abs(diff))}")
+    return lines
+
+
+def _strategy_lines(result) -> list[str]:
+    """The LoRA-A input strategies side by side on the config as is: peak, LoRA-input bytes, saving against off."""
+    if not result.strategies:
+        return []
+    by_name = {p.strategy: p for p in result.strategies}
+    off = by_name.get("off")
+    lines = ["LoRA-A input under sequence parallelism, each strategy on the config as is (re-estimated):"]
+    for p in result.strategies:
+        if p.peak_bytes is None:
+            lines.append(_wrap(f"{p.strategy}: not applicable: {p.reason}", "  "))
+            continue
+        text = f"  {p.strategy}: peak {gib(p.peak_bytes)}, LoRA inputs {gib(p.lora_input_bytes)}"
+        if off is not None and off.peak_bytes is not None and p is not off:
+            text += f", saves {gib(off.peak_bytes - p.peak_bytes)} against off"
+        lines.append(text + (f" ({p.reason})" if p.reason else ""))
     return lines
 
 

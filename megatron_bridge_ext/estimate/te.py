@@ -32,6 +32,8 @@ from typing import Callable
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
 
 COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+SHARDS = "TE norm-output shards (contract)"
+"""The component of the norm-output shards TE keeps beside Bridge's LoRA-A (bf16)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,6 @@ def norm_output_contract(lora_a_saved: dict[str, int], *, seq: int, micro_batch:
 
 def te_component(contract: TeContract, in_flight: float, *, shard_shape: str) -> Component:
     return Component(
-        ACTIVATIONS, "TE norm-output shards (contract)", round(contract.shard_bytes * in_flight),
+        ACTIVATIONS, SHARDS, round(contract.shard_bytes * in_flight),
         f"Transformer Engine contract: {contract.layers} LayerNormLinear(s) whose LoRA-A keep the gathered norm output "
         f"also keep their own {shard_shape} shard (layernorm_linear.py v2.4 L356-358) x {in_flight:g} microbatch(es)")

@@ -54,6 +54,9 @@ ROWWISE, COLUMNWISE = "rowwise", "columnwise"
 NORM_LINEARS = ("linear_qkv", "linear_fc1")
 """The linears Core's TE spec fuses with their norm (``LayerNormLinear``); the others are ``Linear``."""
 
+FP8_SHARDS = "TE FP8 norm-output shards (contract)"
+"""The component of the quantised norm-output shards TE keeps beside a LoRA-A in FP8 layers."""
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -164,7 +167,7 @@ def basis(acts: Fp8Activations, category: str) -> str:
 
 
 def lora_component(acts: Fp8Activations, in_flight: float, fp8: Fp8, *, shard_shape: str) -> Component:
-    return Component(ACTIVATIONS, "TE FP8 norm-output shards (contract)", round(acts.lora_shard_bytes * in_flight),
+    return Component(ACTIVATIONS, FP8_SHARDS, round(acts.lora_shard_bytes * in_flight),
                      f"Transformer Engine FP8 contract: {acts.lora_shards} LayerNormLinear(s) a LoRA adapts keep a "
                      f"quantised {shard_shape} norm-output shard, rowwise ({_layout(fp8.recipe)}), beside LoRA-A's "
                      f"bf16 input ({TE_SOURCE} layernorm_linear.py L240, L250-251, L268, L362-364) x {in_flight:g} "

@@ -1,0 +1,60 @@
+"""The plan's side-by-side of the LoRA-A input strategies on the config as is (``levers/lora_input/advice.compare``)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+S, B, H, T, LAYERS, BF16 = 512, 1, 64, 2, 2, 2
+ELIGIBLE = 2
+"""linear_qkv and linear_fc1: the column-parallel adapters whose LoRA-A takes the sequence-parallel gather."""
+
+
+@pytest.fixture(scope="module")
+def plan():
+    from tests.unit.cli.test_plan import small_plan
+
+    return small_plan(gpu_memory=80 * 2**30)
+
+
+def test_each_strategy_is_estimated_on_the_config_as_is_even_when_it_fits(plan):
+    assert plan.fits_as_is and not plan.options
+    assert [p.strategy for p in plan.strategies] == ["off", "regather", "shard_local"]
+    off = plan.strategies[0]
+    assert (off.peak_bytes, off.reason) == (plan.baseline.peak_bytes, "as is")
+
+
+def test_the_savings_are_the_gathered_inputs_less_their_shards_from_the_shapes(plan):
+    """Off keeps each eligible LoRA-A's gathered [s, b, h] input; both strategies keep its [s/t, b, h] shard.
+    shard_local's peak falls by exactly that; regather's by that less the [s, b, h] buffer it gathers into in
+    backward, which Megatron's global memory buffer keeps."""
+    off, regather, shard_local = plan.strategies
+    gathered_less_shard = LAYERS * ELIGIBLE * S * B * H * BF16 * (T - 1) // T
+    assert off.lora_input_bytes - regather.lora_input_bytes == gathered_less_shard
+    assert off.lora_input_bytes - shard_local.lora_input_bytes == gathered_less_shard
+    assert off.peak_bytes - shard_local.peak_bytes == gathered_less_shard
+    assert off.peak_bytes - regather.peak_bytes == gathered_less_shard - S * B * H * BF16
+
+
+def test_no_comparison_without_sequence_parallelism():
+    from megatron_bridge_ext import planner
+    from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=4, seq=512, micro_batch=1, vocab=128, tp=1,
+                         dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=16))
+    result = planner.plan(cfg, gpu_memory=80 * 2**30, expandable_segments=False)
+    assert result.strategies == [] and result.as_dict()["lora_input_strategies"] == []
+
+
+def test_the_text_and_json_carry_each_strategy(plan):
+    from megatron_bridge_ext.cli.plan import format_plan
+    from megatron_bridge_ext.estimate.report import gib
+
+    text = format_plan(plan).splitlines()
+    off, regather, shard_local = plan.strategies
+    assert f"  shard_local: peak {gib(shard_local.peak_bytes)}, LoRA inputs {gib(shard_local.lora_input_bytes)}, saves " \
+           f"{gib(off.peak_bytes - shard_local.peak_bytes)} against off" in text
+    assert [p["strategy"] for p in plan.as_dict()["lora_input_strategies"]] == ["off", "regather", "shard_local"]
