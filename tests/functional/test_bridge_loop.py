@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import re
 import runpy
 import sys
@@ -34,6 +33,7 @@ from tests.support.bridge_runs import (
     Planned,
     allocator_problems,
     last,
+    loop_problems,
     outcome_of,
     rel_diff,
     run_all,
@@ -97,23 +97,8 @@ def runs(directory) -> dict[str, Outcome]:
 # --------------------------------------------------------------------------------------------
 
 def test_bridge_pretrains_fine_tunes_and_resumes_for_every_lora(runs):
-    problems = []
-    for planned in plan(""):
-        run = outcome_of(runs, planned.name)
-        resumed = "<-" in planned.name
-        expected = [1, 2] if planned.entry == "pretrain" else [3, 4] if resumed else [1, 2, 3, 4]
-        iterations = [s.iteration for s in run.steps]
-        if iterations != expected:
-            problems.append(f"{planned.name}: iterations {iterations}, expected {expected}")
-        numbers = run.losses() + ([] if planned.unclipped else run.grad_norms())
-        if not all(v is not None and math.isfinite(v) for v in numbers):
-            problems.append(f"{planned.name}: losses {run.losses()} grad norms {run.grad_norms()}")
-    for name, strategy in (("regather", "regather"), ("shard_local", "shard_local")):
-        changes = {c.field: c.new for c in runs[name].summary.changes}
-        if changes.get("peft") != "megatron_bridge_ext.peft.LoRA" or \
-                changes.get("peft.sequence_parallel_input_strategy") != strategy:
-            problems.append(f"{name}: MemoryConfig.apply changed {changes}")
-    assert_no_problems(problems, dist.group.WORLD)
+    applied = {"regather": "regather", "shard_local": "shard_local"}
+    assert_no_problems(loop_problems(runs, plan(""), applied), dist.group.WORLD)
 
 
 def test_regather_matches_bridge_lora_bitwise(runs):

@@ -131,6 +131,29 @@ def last(run: runner.Run, count: int) -> tuple[list, list]:
     return run.losses()[-count:], run.grad_norms()[-count:]
 
 
+def loop_problems(runs: dict[str, Outcome], plans: list[Planned], applied: dict[str, str]) -> list[str]:
+    """What is wrong with a test module's runs as a whole: each ran its iterations (a pretrain 1-2, a resumed
+    fine-tune 3-4, a fresh one 1-4) with finite losses and grad norms, and in each run of ``applied`` (run name ->
+    strategy) MemoryConfig.apply made cfg.peft our LoRA with that strategy."""
+    problems = []
+    for planned in plans:
+        run = outcome_of(runs, planned.name)
+        resumed = "<-" in planned.name
+        expected = [1, 2] if planned.entry == "pretrain" else [3, 4] if resumed else [1, 2, 3, 4]
+        iterations = [s.iteration for s in run.steps]
+        if iterations != expected:
+            problems.append(f"{planned.name}: iterations {iterations}, expected {expected}")
+        numbers = run.losses() + ([] if planned.unclipped else run.grad_norms())
+        if not all(v is not None and math.isfinite(v) for v in numbers):
+            problems.append(f"{planned.name}: losses {run.losses()} grad norms {run.grad_norms()}")
+    for name, strategy in applied.items():
+        changes = {c.field: c.new for c in runs[name].summary.changes}
+        if changes.get("peft") != "megatron_bridge_ext.peft.LoRA" or \
+                changes.get("peft.sequence_parallel_input_strategy") != strategy:
+            problems.append(f"{name}: MemoryConfig.apply changed {changes}")
+    return problems
+
+
 def allocator_problems(outcome: Outcome) -> list[str]:
     """What is wrong with the allocator variables of a run whose recipe kept :data:`USER_ALLOCATOR_OPTION`.
 
