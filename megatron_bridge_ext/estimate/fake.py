@@ -28,8 +28,11 @@ Why each change (all undone on exit; none of them outlives the context):
   values come back afterwards.
 * FP8 state: Megatron Core 0.19's ``CheckpointWithoutOutput`` (``layernorm`` recompute) calls
   Transformer Engine's ``FP8GlobalStateManager`` and ``activation_recompute_forward``, names its
-  module only has with TE installed (its ``fp8 is not None`` test is always true). The estimate
-  models no FP8, so without TE stand-ins that say "FP8 off" and enter no context take their place.
+  module only has with TE installed (its ``fp8 is not None`` test is always true). The trace runs
+  no FP8 kernel (FP8 is modelled by contract, :mod:`.te_fp8`), so without TE stand-ins that say "FP8
+  off" and enter no context take their place.
+* ``te_checkpoint``: under FP8 Core recomputes an MLP through TE's checkpoint, which raises without
+  TE; Core's own checkpoint, which keeps the same inputs, stands in while tracing.
 * dynamo off: Megatron's ``jit_fuser`` is ``torch.compile``, which would try to compile for a GPU
   that is not there. Eager regions save what their ops save; a compiled region's partitioner may
   choose differently (listed in the estimate's assumptions).
@@ -88,6 +91,7 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str, ep
         stack.enter_context(_dynamo_disabled())
         stack.enter_context(_attention_environment())
         stack.enter_context(_fp8_state_without_te())
+        stack.enter_context(_te_checkpoint_without_te())
         stack.enter_context(scoped_patch(core_local_norm_sequence_parallel.PATCH))
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         parallel_state.initialize_model_parallel(
@@ -260,6 +264,35 @@ def _fp8_state_without_te() -> Iterator[None]:
     finally:
         for name in missing:
             delattr(core_random, name)
+
+
+def _checkpoint_as_te_does(forward_func, distribute_saved_activations, get_rng_state_tracker, tp_group, *args,
+                           **kwargs):
+    """Core's own activation checkpoint in place of ``te_checkpoint``: TE's ``distributed.checkpoint`` (a reentrant
+    checkpoint, as Core's ``CheckpointFunction``) keeps the same inputs for backward and recomputes the same forward."""
+    import functools
+
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.checkpoint(functools.partial(forward_func, **kwargs), distribute_saved_activations, *args)
+
+
+@contextlib.contextmanager
+def _te_checkpoint_without_te() -> Iterator[None]:
+    """Megatron Core recomputes a layer's MLP under FP8 through ``te_checkpoint`` (``transformer_layer.py``,
+    ``_forward_mlp``: ``if self.config.fp8 or self.config.fp4``), which raises without Transformer Engine; the
+    estimate traces FP8 configs on the local spec, so Core's checkpoint stands in for it while tracing."""
+    from megatron.core.extensions import transformer_engine as core_te
+
+    if core_te.HAVE_TE:
+        yield
+        return
+    saved = core_te.te_checkpoint
+    core_te.te_checkpoint = _checkpoint_as_te_does
+    try:
+        yield
+    finally:
+        core_te.te_checkpoint = saved
 
 
 _ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")

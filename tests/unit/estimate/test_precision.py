@@ -230,3 +230,13 @@ def test_fp8_attention_is_named_as_not_modelled():
     fp8 = precision.fp8_of_config(_tiny("bf16_with_fp8_current_scaling_mixed", fp8_dot_product_attention=True))
     assert fp8.dot_product_attention
     assert any(n.startswith("fp8_dot_product_attention: attention in FP8 is not modelled") for n in precision.notes(fp8))
+
+
+def test_mlp_recompute_under_fp8_traces_without_transformer_engine_and_saves_what_it_saves_in_bf16():
+    """Core recomputes an FP8 layer's MLP through TE's checkpoint, which raises without TE; the trace's stand-in keeps
+    the same checkpoint inputs as Core's own checkpoint does for the bf16 config (before FP8's contract)."""
+    fp8 = _tiny("bf16_with_fp8_current_scaling_mixed")
+    plain = _tiny("bf16_mixed")
+    for cfg in (fp8, plain):
+        cfg.model.recompute_granularity, cfg.model.recompute_modules = "selective", ["mlp"]
+    assert _estimate(fp8).activations_per_microbatch == _estimate(plain).activations_per_microbatch
