@@ -137,23 +137,32 @@ class _NoStream:
     """Stands in for the CUDA stream ``MoEAlltoAllTokenDispatcher`` makes once for its host copies."""
 
 
-class _InOrderStream:
-    """A CUDA stream where there is none: the traced work runs in program order, which every wait already implies."""
+class InOrderStream:
+    """A CUDA stream or event where there is none: work runs in program order, which every wait already implies.
+
+    The estimate's trace uses it (:func:`in_order_streams`), and so do the CPU test ranks
+    (``megatron_bridge_ext.testing.cpu_emulation``), for ``torch.cuda.Stream`` and ``Event`` alike."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
 
-    def wait_stream(self, other) -> None:
+    def wait_stream(self, *args, **kwargs) -> None:
         pass
 
-    def wait_event(self, event) -> None:
+    def wait_event(self, *args, **kwargs) -> None:
         pass
 
-    def record_event(self, event=None):
-        return event
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def record_event(self, *args, **kwargs) -> "InOrderStream":
+        return self
 
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
 
 @contextlib.contextmanager
@@ -165,10 +174,10 @@ def in_order_streams() -> Iterator[None]:
         return
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-    current = _InOrderStream()
+    current = InOrderStream()
     saved = [(torch.cuda, name, getattr(torch.cuda, name)) for name in ("Stream", "current_stream", "stream")]
     saved.append((SharedExpertMLP, "stream", SharedExpertMLP.stream))
-    torch.cuda.Stream = _InOrderStream
+    torch.cuda.Stream = InOrderStream
     torch.cuda.current_stream = lambda device=None: current
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     SharedExpertMLP.stream = None

@@ -18,7 +18,7 @@ the package imports it. Everything it changes is listed here.
 * a CPU stand-in for Apex's ``fused_weight_gradient_mlp_cuda`` (wgrad GEMM accumulated into
   ``main_grad``), so that ``gradient_accumulation_fusion=True`` can be exercised. It must be
   installed before ``megatron.core.tensor_parallel.layers`` is imported.
-* CUDA streams and events -> :class:`_CpuStream` (work on the CPU is already in order):
+* CUDA streams and events -> :class:`megatron_bridge_ext.estimate.routing.InOrderStream` (work on the CPU is already in order):
   ``torch.cuda.Stream``/``Event``/``current_stream``/``stream``. Megatron Core's MoE all-to-all token
   dispatcher makes one at construction (``transformer/moe/token_dispatcher.py:469``) and copies its
   split sizes to the host on it (``:922-925``, event ``:946``, synchronised ``:951``); shared experts
@@ -82,6 +82,8 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_bridge_ext.estimate.routing import InOrderStream
+
 _INSTALLED = False
 _BRIDGE_IMPORTS_READY = False
 
@@ -111,8 +113,8 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
 
 def _install_cuda_streams() -> None:
     """Streams and events with no CUDA: token_dispatcher.py:469,922-951; shared_experts.py:98-362; moe_layer.py:595."""
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.Event = _CpuStream
+    torch.cuda.Stream = InOrderStream
+    torch.cuda.Event = InOrderStream
     torch.cuda.current_stream = _returns(_CPU_STREAM)
     torch.cuda.default_stream = _returns(_CPU_STREAM)
     torch.cuda.stream = _returns(contextlib.nullcontext)
@@ -212,36 +214,11 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _CpuStream:
-    """Stands in for ``torch.cuda.Stream``/``Event``: work on the CPU is already in order."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_stream(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_event(self, *args, **kwargs) -> None:
-        pass
-
-    def record(self, *args, **kwargs) -> None:
-        pass
-
-    def record_event(self, *args, **kwargs) -> "_CpuStream":
-        return self
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
 def _returns(value):
     return lambda *args, **kwargs: value() if callable(value) else value
 
 
-_CPU_STREAM = _CpuStream()
+_CPU_STREAM = InOrderStream()
 """The one stream of a CPU rank: ``torch.cuda.current_stream()`` and ``default_stream()`` return it."""
 
 
