@@ -286,12 +286,12 @@ def _bridge(cfg, wanted: bool, **sizes) -> tuple[Optional[BridgeEstimate], Optio
 
 def layout_of(cfg) -> dict:
     """The parallel sizes, sequence, micro-batch and expert count of ``cfg`` as set (no estimate needed)."""
-    from megatron_bridge_ext.levers.parallelism.constraints import default_expert_tp
+    from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
 
     model = cfg.model
-    tp, ep = model.tensor_model_parallel_size, getattr(model, "expert_model_parallel_size", 1) or 1
-    return {"tp": tp, "pp": model.pipeline_model_parallel_size, "cp": model.context_parallel_size or 1, "ep": ep,
-            "etp": getattr(model, "expert_tensor_parallel_size", None) or default_expert_tp(tp, ep),
+    ep, etp = expert_sizes(model)
+    return {"tp": model.tensor_model_parallel_size, "pp": model.pipeline_model_parallel_size,
+            "cp": model.context_parallel_size or 1, "ep": ep, "etp": etp,
             "dp": getattr(cfg, "data_parallel_size", None), "sequence_parallel": bool(model.sequence_parallel),
             "seq_length": model.seq_length, "micro_batch": cfg.train.micro_batch_size,
             "num_moe_experts": getattr(model, "num_moe_experts", None),

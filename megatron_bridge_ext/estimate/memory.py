@@ -24,6 +24,7 @@ from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
+from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
 
 WHAT = "memory estimate"
@@ -385,13 +386,6 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
     pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
     last = {kind: index for index, kind in enumerate(pattern)}
     return ReducedStage(pattern, [0] + [last[kind] for kind in layers[1:]])
-
-
-def expert_sizes(provider) -> tuple[int, int]:
-    """EP and ETP of a finalized provider (1 and TP for a dense model, as Core's defaults leave them)."""
-    ep = getattr(provider, "expert_model_parallel_size", 1) or 1
-    etp = getattr(provider, "expert_tensor_parallel_size", None) or provider.tensor_model_parallel_size
-    return ep, etp
 
 
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,

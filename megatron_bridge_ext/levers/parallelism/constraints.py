@@ -57,6 +57,14 @@ def default_expert_tp(tp: int, ep: int) -> int:
     return 1 if ep > 1 else tp
 
 
+def expert_sizes(model) -> tuple[int, int]:
+    """EP and ETP of a model config as Megatron Core and Bridge fill them: EP 1 when unset, ETP by
+    :func:`default_expert_tp` when unset (a finalized provider has it set already)."""
+    tp = model.tensor_model_parallel_size
+    ep = getattr(model, "expert_model_parallel_size", 1) or 1
+    return ep, getattr(model, "expert_tensor_parallel_size", None) or default_expert_tp(tp, ep)
+
+
 def expert_layout_problem(*, ep: int, etp, tp: int, cp: int, dp, experts, bias: bool = False, names: dict):
     """What Megatron Core refuses of an expert-parallel layout, as one finding, or None.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_bridge_ext.levers.parallelism.constraints import default_expert_tp
+from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
 
 BASIS = ("formula: TP 8*s*b*h*e*(t-1)/t per layer and microbatch, PP 2*(s/t)*b*h*e per microbatch, on this rank's "
          "layers, with twice the microbatches per step as DP halves")
@@ -78,8 +78,7 @@ def moe_shape(model) -> Optional[dict]:
     experts = getattr(model, "num_moe_experts", None)
     if not experts:
         return None
-    tp = model.tensor_model_parallel_size
-    ep = getattr(model, "expert_model_parallel_size", 1) or 1
+    ep, etp = expert_sizes(model)
     freq = getattr(model, "moe_layer_freq", 1) or 1
     layers = model.num_layers
     pattern = [int(bool(x)) for x in freq] if isinstance(freq, (list, tuple)) \
@@ -87,7 +86,7 @@ def moe_shape(model) -> Optional[dict]:
     return {"experts": experts, "topk": getattr(model, "moe_router_topk", 2) or 2,
             "moe_ffn": getattr(model, "moe_ffn_hidden_size", None) or model.ffn_hidden_size,
             "shared_ffn": getattr(model, "moe_shared_expert_intermediate_size", None) or 0,
-            "ep": ep, "etp": getattr(model, "expert_tensor_parallel_size", None) or default_expert_tp(tp, ep),
+            "ep": ep, "etp": etp,
             "dispatcher": getattr(model, "moe_token_dispatcher_type", None) or "allgather",
             "grouped_gemm": bool(getattr(model, "moe_grouped_gemm", False)), "pattern": pattern}
 

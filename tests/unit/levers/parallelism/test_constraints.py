@@ -33,3 +33,15 @@ def test_expert_layout_rules(sizes, accepted):
     problem = constraints.expert_layout_problem(ep=ep, etp=etp, tp=tp, cp=cp, dp=dp, experts=experts, bias=bias,
                                                names={"ep": "--ep", "etp": "--etp", "dp": "--dp"})
     assert (problem is None) is accepted, problem
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"tensor_model_parallel_size": 4}, (1, 4)),  # dense: EP 1, ETP = TP (Core's default)
+    ({"tensor_model_parallel_size": 4, "expert_model_parallel_size": 8}, (8, 1)),  # Bridge's default with EP > 1
+    ({"tensor_model_parallel_size": 4, "expert_model_parallel_size": 4, "expert_tensor_parallel_size": 2}, (4, 2)),
+    ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": None}, (1, 2)),
+], ids=["dense", "ep-unset-etp", "both-set", "ep-none"])
+def test_expert_sizes_fill_in_what_core_and_bridge_fill_in(fields, expected):
+    import types
+
+    assert constraints.expert_sizes(types.SimpleNamespace(**fields)) == expected
