@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge_ext import evidence
+from megatron_bridge_ext.estimate import te, te_fp8, trace
 from megatron_bridge_ext.estimate.report import gib
 from megatron_bridge_ext.findings import ERROR, Finding
 from megatron_bridge_ext.levers.parallelism import constraints as parallelism, cost as parallelism_cost
@@ -17,7 +18,8 @@ from megatron_bridge_ext.levers.step import Cost, Option, State, breakdown, evid
 if TYPE_CHECKING:
     from megatron_bridge_ext.planner import Planner
 
-LAYER_CATEGORIES = ("norms", "attention", "mlp", "lora inputs", "TE norm-output shards (contract)")
+LAYER_CATEGORIES = (trace.NORMS, trace.ATTENTION, trace.MLP, trace.MOE_DISPATCH, trace.EXPERTS, trace.LORA_INPUTS,
+                    te.SHARDS, te_fp8.FP8_SHARDS)
 """Activation categories that live in the transformer layers (what layer offloading moves)."""
 EXPERT_NAMES = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_tensor_parallel_size",
                 "dp": "data parallel size"}

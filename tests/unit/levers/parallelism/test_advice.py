@@ -146,3 +146,23 @@ def test_pp_halving_dp_must_keep_a_whole_expert_grid():
     assert by_name["PP"].constraints[0].setting == "data parallel size"
     assert "ETP x EP = 1 x 4" in by_name["PP"].constraints[0].message
     assert by_name["TP"].applicable
+
+
+def test_offloading_moves_every_activation_saved_inside_the_layers_of_an_moe_model():
+    """What offloading moves is what the layers save: the categories it lowers cover the bytes the estimate measured
+    inside the transformer layers (``activations_per_layer``), the experts' and the dispatcher's included (their
+    norms and attention lines also hold the final norm's and the rotary table's saves, made outside the layers)."""
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.levers.step import breakdown
+
+    cfg = _cfg(ep=1)
+    est = estimate(cfg, data_parallel_size=2, num_microbatches=1)
+    assert est.in_flight_microbatches == 1 and est.settings["transformer_impl"] == "local"  # no contract lines
+    planner = Planner(gpu_memory=PEAK, margin=0.0, expandable_margin=0.0, expandable_segments=True,
+                      estimate_options={}, cfg=cfg, peft_overrides=None)
+    advice.offload(planner, State(cfg, est))
+    [option] = planner.options
+    before = breakdown(est)
+    moved = [k for k, v in option.breakdown.items() if v < before[k]]
+    assert {"activations: experts", "activations: moe dispatch"} <= set(moved)
+    assert sum(before[k] for k in moved) >= sum(est.activations_per_layer.values())
