@@ -152,6 +152,11 @@ class Planner:
         self.options: list[Option] = []
         self.gpu = gpu or steptime.gpu()
         self.step_time: Optional[steptime.StepTime] = None
+        self.as_is: Optional[MemoryEstimate] = None
+        self.strategy_estimates: dict[str, MemoryEstimate] = {}
+        """Estimates of the config as is (:attr:`as_is`) with each LoRA-A input strategy, made for the plan's
+        comparison (:func:`~megatron_bridge_ext.levers.lora_input.advice.compare`); step 2 reuses its own while its
+        state is still the config as is."""
         """The config as is, set once its estimate ran: each option's step time is priced against it (no price
         without it)."""
 

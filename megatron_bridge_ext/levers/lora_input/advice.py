@@ -36,7 +36,8 @@ def options(planner: Planner, state: State) -> State:
     cfg = copy.deepcopy(state.cfg)
     flags.apply(cfg)
     change, basis = lora_input_cost.collective_change(state.est, "shard_local")
-    new = State(cfg, planner.estimate(cfg), {**state.flags, PEFT_FIELD: "shard_local"}, list(state.overrides))
+    known = planner.strategy_estimates.get("shard_local") if state.est is planner.as_is else None
+    new = State(cfg, known or planner.estimate(cfg), {**state.flags, PEFT_FIELD: "shard_local"}, list(state.overrides))
     planner.add(Option(2, lever["name"], f"{PEFT_FIELD}=shard_local", True, constraints=constraints,
                        cost=Cost(collective_bytes=change, published=published, basis=basis)), new)
     return new
@@ -63,8 +64,9 @@ COMPARED = (OFF, REGATHER, SHARD_LOCAL)
 def compare(planner: Planner, cfg, baseline: MemoryEstimate) -> list[StrategyPeak]:
     """Each strategy on ``cfg`` as it stands (no other lever), re-estimated, so that the plan shows the LoRA-A input
     saving of each whether or not the config fits; empty where no strategy can act (no LoRA-family PEFT, or no
-    sequence parallelism with TP > 1)."""
+    sequence parallelism with TP > 1). The estimates are kept on ``planner`` for step 2 (:func:`options`)."""
     settings = baseline.settings
+    planner.as_is, planner.strategy_estimates = baseline, {}
     if cfg.peft is None or not is_lora_family(cfg.peft) or not settings.get("sequence_parallel"):
         return []
     current = settings.get(PEFT_FIELD)
@@ -85,6 +87,7 @@ def compare(planner: Planner, cfg, baseline: MemoryEstimate) -> list[StrategyPea
         except Refused as refused:
             out.append(StrategyPeak(strategy, None, None, refused.findings[0].text()))
             continue
+        planner.strategy_estimates[strategy] = est
         out.append(StrategyPeak(strategy, est.peak_bytes, _lora_inputs(est)))
     return out
 

@@ -58,3 +58,23 @@ def test_the_text_and_json_carry_each_strategy(plan):
     assert f"  shard_local: peak {gib(shard_local.peak_bytes)}, LoRA inputs {gib(shard_local.lora_input_bytes)}, saves " \
            f"{gib(off.peak_bytes - shard_local.peak_bytes)} against off" in text
     assert [p["strategy"] for p in plan.as_dict()["lora_input_strategies"]] == ["off", "regather", "shard_local"]
+
+
+def test_a_walking_plan_estimates_the_config_with_shard_local_once(monkeypatch):
+    """Step 2 is ``shard_local`` on the config as is, which the comparison has estimated already: it reuses that
+    estimate (the same peak) instead of tracing the same config again."""
+    import megatron_bridge_ext.estimate as estimate_package
+    from tests.unit.cli.test_plan import small_plan
+
+    real, seen = estimate_package.estimate, []
+
+    def counting(cfg, **kwargs):
+        seen.append((getattr(cfg.peft, "sequence_parallel_input_strategy", None), cfg.model.recompute_granularity,
+                     cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size))
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(estimate_package, "estimate", counting)
+    plan = small_plan(gpu_memory=1)
+    [step2] = [o for o in plan.options if o.step == 2]
+    assert step2.applicable and step2.peak_bytes == plan.strategies[2].peak_bytes
+    assert seen.count(("shard_local", None, 2, 1)) == 1
