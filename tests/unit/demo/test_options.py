@@ -29,13 +29,6 @@ def test_the_kind_reaches_the_shape(kind, swiglu):
     assert (shape.peft, shape.swiglu) == (kind, swiglu)
 
 
-def test_bench_save_into_a_missing_folder_exits_2_naming_the_option(capsys):
-    with pytest.raises(SystemExit) as exited:
-        bench.main(["--save", "/nonexistent/folder/bench"])
-    assert exited.value.code == 2
-    assert "--save" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("main", [bench.main, train.main], ids=["bench", "demo"])
 def test_save_into_a_missing_folder_exits_2_naming_the_option_for_both_commands(main, capsys):
     with pytest.raises(SystemExit) as exited:
