@@ -279,9 +279,13 @@ def _checkpoint_as_te_does(forward_func, distribute_saved_activations, get_rng_s
 
 @contextlib.contextmanager
 def _te_checkpoint_without_te() -> Iterator[None]:
-    """Megatron Core recomputes a layer's MLP under FP8 through ``te_checkpoint`` (``transformer_layer.py``,
-    ``_forward_mlp``: ``if self.config.fp8 or self.config.fp4``), which raises without Transformer Engine; the
-    estimate traces FP8 configs on the local spec, so Core's checkpoint stands in for it while tracing."""
+    """Megatron Core recomputes a layer's MLP under FP8 through ``te_checkpoint`` (Core 0.19.2
+    ``transformer/transformer_layer.py:882-893``, ``_forward_mlp``: ``if self.config.fp8 or self.config.fp4``;
+    ``extensions/transformer_engine.py:3291-3314``), which raises without Transformer Engine. TE's
+    ``transformer_engine/pytorch/distributed.py`` ``checkpoint`` (reentrant by default,
+    ``_USE_REENTRANT_ACTIVATION_RECOMPUTE``) keeps the function's tensor inputs and reruns its forward in backward,
+    as Core's ``CheckpointFunction`` does; the estimate traces FP8 configs on the local spec, so Core's checkpoint
+    stands in for it while tracing."""
     from megatron.core.extensions import transformer_engine as core_te
 
     if core_te.HAVE_TE:
