@@ -21,6 +21,8 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from megatron_bridge_ext.estimate.mamba import mamba_kernels
+
 FUSED = "fused"
 LOCAL = "local"
 ATTENTIONS = (FUSED, LOCAL)
@@ -36,6 +38,26 @@ def moe_layer_pattern(provider) -> list[int]:
     if isinstance(freq, int):
         return [int(i % freq == 0) for i in range(provider.num_layers)]
     return [int(moe) for moe in freq]
+
+
+def layer_kinds(provider) -> list:
+    """The kind of each layer: a hybrid model's pattern symbols (``M``, ``*``, ``-``, ``E``), otherwise
+    :func:`moe_layer_pattern`'s 1 (MoE) or 0 (dense)."""
+    from megatron_bridge_ext.estimate.unmodelled import hybrid_pattern
+
+    pattern = hybrid_pattern(provider)
+    return list(pattern) if pattern is not None else moe_layer_pattern(provider)
+
+
+def set_layer_kinds(provider, kinds: list) -> None:
+    """Make ``provider`` (a copy) build layers of ``kinds`` (as :func:`layer_kinds` gives them), one stage's worth
+    repeated over its pipeline stages."""
+    pp = provider.pipeline_model_parallel_size
+    provider.num_layers = len(kinds) * pp
+    if is_hybrid(provider):
+        provider.hybrid_layer_pattern, provider.hybrid_override_pattern = "".join(kinds) * pp, None
+    elif getattr(provider, "num_moe_experts", None):
+        provider.moe_layer_freq = list(kinds) * pp
 
 
 def layer_spec(provider, attention: str):
@@ -84,6 +106,49 @@ def _mixed_block_spec(provider, attention: str):
     return block_spec
 
 
+def is_hybrid(provider) -> bool:
+    """A hybrid (Mamba) model: Bridge's ``HybridModelProvider`` with a layer pattern."""
+    from megatron_bridge_ext.estimate.unmodelled import hybrid_pattern
+
+    return hybrid_pattern(provider) is not None
+
+
+def hybrid_stack_spec(provider, attention: str):
+    """Megatron Core's hybrid stack on the local backend, layer for layer as its TE spec
+    (``models/hybrid/hybrid_layer_specs.py``, ``hybrid_stack_spec``) builds it: a Mamba layer is its norm,
+    ``MambaMixer`` (``in_proj`` column-parallel, ``out_proj`` row-parallel) and the residual; an attention layer
+    is the local GPT layer's norm and self-attention; an MLP layer (``MLPLayer``) and an MoE layer
+    (``MoETransformerLayer``) are its pre-MLP norm and MLP or MoE. Where the TE spec fuses a norm into the
+    following linear (``TELayerNormColumnParallelLinear``) the local one runs them apart, as for GPT models
+    (what TE keeps differently is added by :mod:`.te`). The Mamba kernels are stand-ins (:mod:`.mamba`)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                             TransformerLayerSubmodules)
+
+    dense = _local_layer_spec(provider, attention, moe=False).submodules
+    norm = dense.input_layernorm
+    mixer = ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                                          out_proj=RowParallelLinear))
+    layers = dict(
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(norm=norm, mixer=mixer,
+                                                                                  mamba_bda=get_bias_dropout_add)),
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=norm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=norm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)))
+    if getattr(provider, "num_moe_experts", None):
+        moe = _local_layer_spec(provider, attention, moe=True).submodules
+        layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=norm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
+
+
 def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, device: str,
                      dtype: torch.dtype) -> torch.nn.Module:
     """This rank's GPTModel in training mode, with ``peft`` applied, every parameter fake on ``device``.
@@ -94,13 +159,17 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnBackend
 
-    provider.transformer_layer_spec = layer_spec(provider, attention)
+    hybrid = is_hybrid(provider)
+    if hybrid:
+        provider.hybrid_stack_spec = hybrid_stack_spec(provider, attention)
+    else:
+        provider.transformer_layer_spec = layer_spec(provider, attention)
     provider.attention_backend = AttnBackend.auto  # the spec chooses the attention; "local" would replace the stand-in
     provider.use_cpu_initialization = True
     provider.perform_initialization = False
     provider.gradient_accumulation_fusion = False
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    with mode:
+    with mode, (mamba_kernels() if hybrid else contextlib.nullcontext()):
         model = provider.provide()
     if peft is not None:
         model = _apply_peft(model, copy.deepcopy(peft))

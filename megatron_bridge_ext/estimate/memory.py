@@ -11,6 +11,7 @@ never allocated (only a PEFT's adapters, small, while it creates them).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import configs, precision, routing, static, te, te_fp8, unmodelled
-from megatron_bridge_ext.estimate.build import ATTENTIONS, FUSED, LOCAL, build_rank_model
+from megatron_bridge_ext.estimate import configs, mamba, precision, routing, static, te, te_fp8, unmodelled
+from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
+                                                set_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
@@ -148,8 +150,7 @@ def _fp4(setting: str) -> Finding:
 
 
 def _unsupported(model) -> list[Finding]:
-    hybrid = unmodelled.hybrid_finding(model)
-    out = [hybrid] if hybrid else []
+    out = unmodelled.hybrid_findings(model)
     for field, what in (("multi_latent_attention", "multi-latent attention"),
                         ("mtp_num_layers", "multi-token prediction")):
         if getattr(model, field, None):
@@ -360,32 +361,37 @@ class ReducedStage:
 
 
 def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
-    """How an MoE model's ``stage`` can be traced with a few layers; None: every layer is traced.
+    """How an MoE or hybrid model's ``stage`` can be traced with a few layers; None: every layer is traced.
 
     An MoE layer traces each of its local experts (dozens), so a whole stage takes minutes. Every layer after the
-    first saves what a later layer of the same kind (dense or MoE, the same spec) saves: its input is the
-    previous layer's fresh output whatever that layer's kind. So the stage is traced as its first layer, then one
-    layer of each kind that follows, in the order they first follow (at least :data:`TRACED_LAYERS` layers), and
-    each later layer repeats the last traced layer of its kind. The shortcut needs an even pipeline split without
-    embedding or loss in it, no interleaving and no full recompute (whose checkpoints the decoder keeps outside
-    the layers).
+    first saves what a later layer of the same kind (dense, MoE, or a hybrid model's Mamba, attention, MLP, MoE:
+    the same spec) saves: its input is the previous layer's fresh output whatever that layer's kind. So the stage
+    is traced as its first layer, then one layer of each kind that follows, in the order they first follow (at
+    least :data:`TRACED_LAYERS` layers), and each later layer repeats the last traced layer of its kind. The
+    shortcut needs an even pipeline split without embedding or loss in it, no interleaving and no full recompute
+    (whose checkpoints the decoder keeps outside the layers).
     """
-    from megatron_bridge_ext.estimate.build import moe_layer_pattern
+    from megatron_bridge_ext.estimate.build import layer_kinds
 
     pp = provider.pipeline_model_parallel_size
     size = provider.num_layers // pp
     even = not (provider.num_layers_in_first_pipeline_stage or provider.num_layers_in_last_pipeline_stage
                 or getattr(provider, "account_for_embedding_in_pipeline_split", False)
                 or getattr(provider, "account_for_loss_in_pipeline_split", False))
-    if (not getattr(provider, "num_moe_experts", None) or size <= TRACED_LAYERS or not even
+    if (not (getattr(provider, "num_moe_experts", None) or is_hybrid(provider)) or size <= TRACED_LAYERS or not even
             or provider.num_layers % pp or (provider.virtual_pipeline_model_parallel_size or 1) > 1
             or provider.recompute_granularity == "full"):
         return None
-    layers = moe_layer_pattern(provider)[stage * size:(stage + 1) * size]
+    layers = layer_kinds(provider)[stage * size:(stage + 1) * size]
     pattern = [layers[0]] + list(dict.fromkeys(layers[1:]))
     pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
     last = {kind: index for index, kind in enumerate(pattern)}
     return ReducedStage(pattern, [0] + [last[kind] for kind in layers[1:]])
+
+
+HYBRID_MAMBA, HYBRID_MLP = "M", "-"
+MOE_KINDS = (1, "E")
+"""The kinds of :func:`..build.layer_kinds` that are MoE layers."""
 
 
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,
@@ -402,16 +408,15 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
     load = routing.RoutedLoad(imbalance)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load), routing.in_order_streams():
+            routing.balanced_routing(load), routing.in_order_streams(), \
+            (mamba.mamba_kernels() if is_hybrid(provider) else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
         stage_provider.virtual_pipeline_model_parallel_size = None  # a stage's chunks traced as one model
         reduced = traced_layers(provider, stage)
         if reduced:
-            stage_provider.num_layers = len(reduced.pattern) * pp
-            if getattr(provider, "moe_layer_freq", 1) != 1:
-                stage_provider.moe_layer_freq = reduced.pattern * pp
+            set_layer_kinds(stage_provider, reduced.pattern)
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
                                  dtype=prepared.dtype)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
@@ -423,7 +428,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         moe_layers = len(load.routed_tokens)
         if reduced:
             traced = traced.extended(reduced.sources)
-            layers, moe_layers = len(reduced.sources), sum(reduced.pattern[source] for source in reduced.sources)
+            layers, moe_layers = len(reduced.sources), sum(reduced.pattern[source] in MOE_KINDS for source in reduced.sources)
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
@@ -455,8 +460,12 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
                                     "allocated by the forward and kept"))
+    kinds = set(layer_kinds(provider))
+    hybrid = is_hybrid(provider)
     components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
-                              recomputed_layer=recomputed_layer, routed=routed, dense_layers=layers > moe_layers)
+                              recomputed_layer=recomputed_layer, routed=routed,
+                              dense_layers=HYBRID_MLP in kinds if hybrid else layers > moe_layers,
+                              mamba_layers=hybrid and HYBRID_MAMBA in kinds)
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
     if getattr(provider, "num_moe_experts", None):
         settings.update(_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
@@ -532,9 +541,11 @@ def _activations(traced, in_flight: float, contract: te.TeContract,
 
 
 def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int, sp: bool,
-                recomputed_layer: int, routed: int = 0, dense_layers: bool = True) -> list[Component]:
+                recomputed_layer: int, routed: int = 0, dense_layers: bool = True,
+                mamba_layers: bool = False) -> list[Component]:
     """The loss's logits and one layer's backward (``routed``: the tokens the local experts of an MoE layer
-    received; ``dense_layers``: the stage has layers with a dense MLP)."""
+    received; ``dense_layers``: the stage has layers with a dense MLP; ``mamba_layers``: a hybrid model's Mamba
+    layers, whose scan backward is :func:`..mamba.backward_bytes`)."""
     s, b, h = prepared.seq, prepared.micro_batch, provider.hidden_size
     tp = provider.tensor_model_parallel_size
     out = []
@@ -557,6 +568,15 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
                            f"[{routed}, {ffn}] + [{routed}, {h}]: the {routed:,} tokens routed to this rank's experts "
                            "(each of the EP x ETP ranks that send to them: its tokens x top-k x imbalance / EP), "
                            "as the dispatcher hands them over"))
+    if mamba_layers:
+        m = mamba.shapes(provider)
+        states_dtype = getattr(provider, "mamba_training_ssm_states_dtype", None)
+        state_element = static.dtype_bytes(states_dtype) if states_dtype is not None else element
+        candidates.append((mamba.backward_bytes(m, seq=s, micro_batch=b, element=element, state_element=state_element),
+                           f"formula: the Mamba scan's backward allocations (estimate.mamba.backward_bytes, from "
+                           f"mamba_ssm's ssd_combined.py): gradients [{b}, {s}, {m.in_proj}] + [{b}, {s}, {m.inner}] + "
+                           f"2 x [{b}, {s}, {m.conv}], and the chunk states' fp32 recompute and gradients "
+                           f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"))
     mlp_grads, basis = max(candidates)
     if recomputed_layer:
         out.append(Component(TRANSIENT, "recomputed layer in backward", recomputed_layer + mlp_grads,
@@ -570,21 +590,17 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
 def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str) -> int:
     """What one layer saves when full recompute runs it again in backward: layer 0 of a one-layer-per-stage
     build without recompute (the first layer of a frozen-embedding PEFT model saves a little less than later
-    ones; the difference is its LoRA-A input gradient path, not its saved inputs). With dense and MoE layers
-    mixed, the larger of the two kinds."""
-    from megatron_bridge_ext.estimate.build import moe_layer_pattern
-
-    kinds = sorted(set(moe_layer_pattern(provider)))
-    return max(_one_layer_bytes(provider, prepared, attention, mode, device, kind if len(kinds) > 1 else None)
-               for kind in kinds)
+    ones; the difference is its LoRA-A input gradient path, not its saved inputs). With layers of several kinds
+    (dense and MoE, a hybrid model's), the largest."""
+    return max(_one_layer_bytes(provider, prepared, attention, mode, device, kind)
+               for kind in dict.fromkeys(layer_kinds(provider)))
 
 
-def _one_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str, kind: Optional[int]) -> int:
-    """What layer 0 of a one-layer-per-stage build without recompute saves; ``kind``: 1 MoE, 0 dense (mixed models)."""
+def _one_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str, kind) -> int:
+    """What layer 0 of a one-layer-per-stage build of layers of ``kind`` (:func:`..build.layer_kinds`) saves,
+    without recompute."""
     one_layer = copy.deepcopy(provider)
-    one_layer.num_layers = provider.pipeline_model_parallel_size
-    if kind is not None:
-        one_layer.moe_layer_freq = [kind] * one_layer.num_layers
+    set_layer_kinds(one_layer, [kind])
     one_layer.num_layers_in_first_pipeline_stage = one_layer.num_layers_in_last_pipeline_stage = None
     one_layer.virtual_pipeline_model_parallel_size = None
     one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None

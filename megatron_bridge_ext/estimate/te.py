@@ -31,7 +31,9 @@ from typing import Callable
 
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
 
-COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1", "in_proj")
+"""The column-parallel linears TE fuses with the norm before them (``TELayerNormColumnParallelLinear``): attention's
+QKV, a dense MLP's first linear, a Mamba mixer's input projection (Core's hybrid spec)."""
 SHARDS = "TE norm-output shards (contract)"
 """The component of the norm-output shards TE keeps beside Bridge's LoRA-A (bf16)."""
 

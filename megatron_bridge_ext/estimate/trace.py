@@ -18,6 +18,7 @@ from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
 
 NORMS = "norms"
 ATTENTION = "attention"
+MAMBA = "mamba"
 MLP = "mlp"
 MOE_DISPATCH = "moe dispatch"
 EXPERTS = "experts"
@@ -25,13 +26,19 @@ LORA_INPUTS = "lora inputs"
 EMBEDDING = "embedding"
 LOGITS_LOSS = "logits and loss"
 CHECKPOINT_INPUTS = "recompute checkpoints"
-CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MLP, MOE_DISPATCH, EXPERTS, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
+CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MAMBA, MLP, MOE_DISPATCH, EXPERTS, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
+
+
+HYBRID_NORMS = ("norm", "final_norm")
+"""The norms of a hybrid model named otherwise than GPT's ``*layernorm``: a Mamba layer's input norm
+(``decoder.layers.N.norm``) and the hybrid stack's final norm (``decoder.final_norm``)."""
 
 
 def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
-    """The estimate's category of a module of a Megatron Core GPTModel, by its qualified name.
+    """The estimate's category of a module of a Megatron Core GPTModel or HybridModel, by its qualified name.
 
-    Adapters (``...adapter...``) are LoRA inputs wherever they sit; norms (``*layernorm``) before
+    Adapters (``...adapter...``) are LoRA inputs wherever they sit; a hybrid model's Mamba mixer
+    (``...mixer...``: its projections, scan and gated norm) is mamba; norms (``*layernorm``) before
     attention and MLP so that q/k norms count as norms; the rotary embedding's cos/sin count with
     attention. In a mixture-of-experts layer (``moe_layers``: the names of its MoE modules), the routed
     experts are experts, the router and what the MoE module saves itself (the token dispatcher is no
@@ -43,7 +50,9 @@ def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     parts = module.split(".")
     if "adapter" in parts:
         return LORA_INPUTS
-    if any(part.endswith("layernorm") for part in parts):
+    if "mixer" in parts:
+        return MAMBA
+    if any(part.endswith("layernorm") for part in parts) or parts[-1] in HYBRID_NORMS:
         return NORMS
     if "self_attention" in parts or "rotary_pos_emb" in parts:
         return ATTENTION

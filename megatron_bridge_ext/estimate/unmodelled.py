@@ -1,14 +1,13 @@
 """What our estimate leaves out of a config, each part named with the setting that brings it in.
 
-Two things a config can switch on are outside every figure here, and a plan that stays silent on
+Some things a config can switch on are outside every figure here, and a plan that stays silent on
 them would read as if they were counted:
 
-* the Mamba layers of a hybrid model (Nemotron-H, Nemotron 3 Nano: Bridge's ``HybridModelProvider``,
-  ``hybrid_layer_pattern`` with ``M`` for Mamba). Megatron Core's Mamba mixer
-  (``ssm/mamba_mixer.py``) imports its kernels from ``mamba_ssm`` and ``causal_conv1d``, which do
-  not install without CUDA, so the rank's model cannot be built on fake tensors here: our estimate
-  refuses the config by name (:func:`hybrid_finding`). Bridge's formula reads no layer pattern and
-  has no Mamba term: it counts every layer as attention plus MLP or MoE (:func:`bridge_caveat`);
+* of a hybrid model (Nemotron-H, Nemotron 3 Nano: Bridge's ``HybridModelProvider``,
+  ``hybrid_layer_pattern``), the layer kinds other than Mamba, attention, MLP and MoE, and pipeline
+  stages: our estimate refuses those by name (:func:`hybrid_findings`); its Mamba layers are traced
+  with stand-ins for the ``mamba_ssm`` kernels (:mod:`.mamba`). Bridge's formula reads no layer
+  pattern and has no Mamba term: it counts every layer as attention plus MLP or MoE (:func:`bridge_caveat`);
 * CUDA graphs (``cuda_graph_impl``, or the deprecated ``enable_cuda_graph`` /
   ``external_cuda_graph`` that Core's ``TransformerConfig.__post_init__`` turns into it): each
   captured graph allocates from its own memory pool (static inputs, outputs and the intermediates
@@ -45,19 +44,38 @@ def layer_counts(pattern: str) -> dict[str, int]:
     return {name: pattern.count(symbol) for symbol, name in LAYER_NAMES.items() if pattern.count(symbol)}
 
 
-def hybrid_finding(model) -> Optional[Finding]:
-    """The refusal of a hybrid model with Mamba layers, naming them; None for any other model."""
+MODELLED = frozenset("M*-E")
+"""The hybrid layers the estimate builds and traces: Mamba (kernels by stand-in, :mod:`.mamba`), attention, MLP, MoE."""
+
+
+def hybrid_findings(model) -> list[Finding]:
+    """What of a hybrid model the estimate does not model, each by name: layer kinds other than Mamba, attention,
+    MLP and MoE, and pipeline stages (Core splits the pattern at its ``|`` marks; not traced here). Empty for a
+    hybrid model the estimate traces and for any other model."""
     pattern = hybrid_pattern(model)
-    if pattern is None or MAMBA not in pattern:
-        return None
+    if pattern is None:
+        return []
+    out = []
     counts = layer_counts(pattern)
-    others = ", ".join(f"{n} {name}" for name, n in counts.items() if name != LAYER_NAMES[MAMBA])
-    return Finding("unsupported_model", ERROR, "model.hybrid_layer_pattern",
-                   f"the hybrid model's {counts[LAYER_NAMES[MAMBA]]} Mamba layers (of {len(pattern)}; {others}) are "
-                   "not modelled by our estimate: Megatron Core's Mamba mixer needs mamba_ssm and causal_conv1d, "
-                   "which do not install without CUDA, so the rank's model cannot be built here",
-                   "read Bridge's figure beside it (its formula has no Mamba term either), or measure one training "
-                   "step on a GPU")
+    others = {LAYER_NAMES[symbol]: counts[LAYER_NAMES[symbol]] for symbol in LAYER_NAMES
+              if symbol not in MODELLED and symbol in pattern}
+    if others:
+        named = ", ".join(f"{n} {name}" for name, n in others.items())
+        out.append(Finding("unsupported_model", ERROR, "model.hybrid_layer_pattern",
+                           f"the hybrid model's {named} layer(s) (of {len(pattern)}) are not modelled by our estimate "
+                           "(it traces Mamba, attention, MLP and MoE layers)",
+                           "read Bridge's figure beside it, or measure one training step on a GPU"))
+    if MAMBA in pattern and (getattr(model, "fp8", None) or getattr(model, "fp4", None)):
+        out.append(Finding("unsupported_model", ERROR, "model.fp8" if getattr(model, "fp8", None) else "model.fp4",
+                           "low precision on a hybrid model's Mamba layers is not modelled by our estimate (the "
+                           "quantised copies of in_proj and out_proj are not counted)",
+                           "estimate the bf16 config (mixed_precision=bf16_mixed)"))
+    if (getattr(model, "pipeline_model_parallel_size", 1) or 1) > 1:
+        out.append(Finding("unsupported_model", ERROR, "model.pipeline_model_parallel_size",
+                           "pipeline stages of a hybrid model are not modelled by our estimate (Core splits its "
+                           "layer pattern at the '|' marks)",
+                           "estimate with pipeline_model_parallel_size=1, or read Bridge's figure beside it"))
+    return out
 
 
 def bridge_caveat(model) -> Optional[str]:

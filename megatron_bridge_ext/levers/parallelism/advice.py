@@ -18,7 +18,7 @@ from megatron_bridge_ext.levers.step import Cost, Option, State, breakdown, evid
 if TYPE_CHECKING:
     from megatron_bridge_ext.planner import Planner
 
-LAYER_CATEGORIES = (trace.NORMS, trace.ATTENTION, trace.MLP, trace.MOE_DISPATCH, trace.EXPERTS, trace.LORA_INPUTS,
+LAYER_CATEGORIES = (trace.NORMS, trace.ATTENTION, trace.MAMBA, trace.MLP, trace.MOE_DISPATCH, trace.EXPERTS, trace.LORA_INPUTS,
                     te.SHARDS, te_fp8.FP8_SHARDS)
 """Activation categories that live in the transformer layers (what layer offloading moves)."""
 EXPERT_NAMES = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_tensor_parallel_size",

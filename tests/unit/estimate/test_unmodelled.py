@@ -1,4 +1,5 @@
-"""What the estimate leaves out, named: a hybrid model's Mamba layers, CUDA graph memory pools."""
+"""What the estimate leaves out, named: a hybrid model's untraced layer kinds and pipeline stages, CUDA graph
+memory pools."""
 
 from __future__ import annotations
 
@@ -18,23 +19,42 @@ def _model(**fields):
     return SimpleNamespace(**{**base, **fields})
 
 
-def test_a_hybrid_pattern_names_its_mamba_layers_and_leaves_out_pipe_marks_and_mtp():
-    """``M*|-ME/*E``: the main decoder is M, *, -, M, E (five layers); ``/`` starts the MTP layers."""
-    finding = unmodelled.hybrid_finding(_model(hybrid_layer_pattern="M*|-ME/*E"))
+def test_a_hybrid_model_of_traced_layer_kinds_is_not_refused():
+    """Mamba, attention, MLP and MoE layers are built and traced (the Mamba kernels by stand-in)."""
+    assert unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*|-ME/*E", pipeline_model_parallel_size=1)) == []
+
+
+def test_other_layer_kinds_are_named_with_their_counts_pipe_marks_and_mtp_left_out():
+    """``MG*|GD/*E``: the main decoder is M, G, *, G, D (five layers); ``/`` starts the MTP layers."""
+    [finding] = unmodelled.hybrid_findings(_model(hybrid_layer_pattern="MG*|GD/*E"))
     assert finding.setting == "model.hybrid_layer_pattern"
-    assert "2 Mamba layers (of 5; 1 attention, 1 MLP, 1 MoE) are not modelled by our estimate" in finding.message
-    assert "mamba_ssm and causal_conv1d" in finding.message
+    assert finding.message.startswith("the hybrid model's 2 gated delta net, 1 DeepSeek sparse attention layer(s) "
+                                      "(of 5) are not modelled by our estimate")
     assert finding.fix
 
 
 def test_the_deprecated_override_pattern_is_read_too():
-    finding = unmodelled.hybrid_finding(_model(hybrid_override_pattern="MMM-"))
-    assert "3 Mamba layers (of 4; 1 MLP)" in finding.message
+    [finding] = unmodelled.hybrid_findings(_model(hybrid_override_pattern="M+M-"))
+    assert "1 multi-latent attention layer(s) (of 4)" in finding.message
 
 
-@pytest.mark.parametrize("fields", [{}, {"hybrid_layer_pattern": None}, {"hybrid_layer_pattern": "*-*E"}])
-def test_no_mamba_layers_no_refusal(fields):
-    assert unmodelled.hybrid_finding(_model(**fields)) is None
+@pytest.mark.parametrize("fields, setting", [
+    ({"pipeline_model_parallel_size": 2}, "model.pipeline_model_parallel_size"),
+    ({"fp8": "hybrid"}, "model.fp8"),
+    ({"fp4": "nvfp4"}, "model.fp4"),
+])
+def test_pipeline_stages_and_low_precision_of_a_mamba_hybrid_are_named(fields, setting):
+    [finding] = unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*M-", **fields))
+    assert finding.setting == setting and finding.fix
+
+
+def test_low_precision_without_mamba_layers_is_left_to_the_precision_model():
+    assert unmodelled.hybrid_findings(_model(hybrid_layer_pattern="*-*E", fp8="hybrid")) == []
+
+
+@pytest.mark.parametrize("fields", [{}, {"hybrid_layer_pattern": None}, {"pipeline_model_parallel_size": 4}])
+def test_a_model_without_a_pattern_is_no_hybrid(fields):
+    assert unmodelled.hybrid_findings(_model(**fields)) == []
 
 
 def test_bridges_caveat_counts_the_layers_it_reads_as_transformer_layers():
