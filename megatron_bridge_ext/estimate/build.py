@@ -21,7 +21,7 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from megatron_bridge_ext.estimate.mamba import mamba_kernels
+from megatron_bridge_ext.estimate.mamba import mamba_kernels, rebind_parameters
 
 FUSED = "fused"
 LOCAL = "local"
@@ -174,6 +174,8 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
     if peft is not None:
         model = _apply_peft(model, copy.deepcopy(peft))
     _to_fake_device(model, mode, device, dtype)
+    if hybrid:
+        rebind_parameters(model)
     return model.train()
 
 

@@ -183,8 +183,9 @@ class MambaShapes:
         return 2 * self.inner + 2 * self.groups * self.state + self.heads
 
 
-def shapes(provider) -> MambaShapes:
-    tp = provider.tensor_model_parallel_size
+def shapes(provider, tp: Optional[int] = None) -> MambaShapes:
+    """The sizes on one of ``tp`` ranks (the provider's TP by default; 1: the whole layer's)."""
+    tp = tp or provider.tensor_model_parallel_size
     head_dim = provider.mamba_head_dim
     heads = provider.mamba_num_heads or EXPAND * provider.hidden_size // head_dim
     return MambaShapes(heads // tp, head_dim, provider.mamba_num_groups // tp, provider.mamba_state_dim,
@@ -215,3 +216,25 @@ def backward_bytes(m: MambaShapes, *, seq: int, micro_batch: int, element: int, 
     late = (2 * state_element * states + 4 * b * m.groups * padded * L + 16 * b * m.heads * padded
             + 8 * b * l * m.groups * m.state)
     return live + kept + max(passing, late)
+
+
+CONTEXT_PARALLEL_PARAMETERS = {"conv1d_weight_cp1": "conv1d_weight", "conv1d_bias_cp1": "conv1d_bias",
+                               "dt_bias_cp1": "dt_bias", "A_log_cp1": "A_log", "D_cp1": "D"}
+"""The mixer's parameters that Core's ``MambaContextParallel`` keeps references to (``mamba_context_parallel.py``,
+``__init__``), by its attribute name; its ``get_*`` methods hand them to the scan."""
+
+
+def rebind_parameters(model: torch.nn.Module) -> None:
+    """Point each Mamba mixer's ``MambaContextParallel`` at the mixer's current parameters.
+
+    Megatron's ``Float16Module`` casts parameters in place, so in training the references the context-parallel
+    helper took at construction stay the mixer's parameters. The estimate swaps every Parameter object for a fake
+    one in the training dtype (:func:`..build._to_fake_device`), which would leave the helper handing the scan the
+    parameters as built (``D`` in fp32, counted as a saved activation); this puts the swapped ones in their place.
+    """
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    for module in model.modules():
+        if isinstance(module, MambaMixer):
+            for reference, name in CONTEXT_PARALLEL_PARAMETERS.items():
+                setattr(module.cp, reference, getattr(module, name))

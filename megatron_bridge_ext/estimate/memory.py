@@ -138,9 +138,19 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     dim = getattr(peft, "dim", None)
     if dim and tp > 1:
         checks.append((dim % tp, "peft.dim", f"LoRA rank {dim} is not divisible by TP={tp} (Bridge shards LoRA-A on it)"))
+    if is_hybrid(model) and HYBRID_MAMBA in layer_kinds(model):
+        m = mamba.shapes(model, tp=1)
+        checks += [(m.heads % tp, "model.tensor_model_parallel_size",
+                    f"TP={tp} does not divide the {m.heads} Mamba heads"),
+                   (m.groups % tp, "model.tensor_model_parallel_size",
+                    f"TP={tp} does not divide the {m.groups} Mamba groups")]
     for failed, setting, message in checks:
         if failed:
             refuse("parallel_layout", setting, message, "choose sizes that divide it")
+    if getattr(model, "num_moe_experts", None) and tp > 1 and not model.sequence_parallel:
+        refuse("parallel_layout", "model.sequence_parallel",
+               f"is off with TP={tp} on an MoE model: Megatron Core's MoE layer refuses to train so "
+               "(moe/moe_layer.py, MoELayer.forward)", "set model.sequence_parallel=True")
     return out
 
 

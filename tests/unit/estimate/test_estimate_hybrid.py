@@ -1,0 +1,195 @@
+"""The memory estimate of hybrid Mamba models (Nemotron 3 Nano's config.json, shrunk), against hand computation.
+
+A Mamba layer's saves are recomputed from its shapes and the saved sets of mamba_ssm's kernels
+(:mod:`megatron_bridge_ext.estimate.mamba` cites the lines): what its mixer keeps per microbatch is ``in_proj``'s
+input (the sequence shard under SP), ``zxbcdt`` [b, s, in_proj / TP], the scan's ungated output and the gated norm's
+input [b, s, d_inner / TP] each, the norm's fp32 ``rstd`` per group and row, ``out_proj``'s input [s, b, d_inner / TP],
+and three fp32 vectors of a head each (``exp(A_log)`` that ``-exp`` keeps, ``A`` and ``dt_bias`` cast to fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_bridge_ext.estimate import configs, mamba, memory
+from megatron_bridge_ext.estimate.trace import CATEGORIES, MAMBA, category_of
+from tests.support.estimate import DATA
+
+pytestmark = [pytest.mark.unit]
+
+NANO = os.path.join(DATA, "nemotron-3-nano-30b-a3b", "config.json")
+BF16, FP32 = 2, 4
+H, HEADS, HEAD_DIM, GROUPS, STATE, CHUNK, SEQ = 64, 8, 16, 2, 16, 32, 128
+
+
+def _tiny(*, tp=2, ep=2, dp=2, pattern="MEM*-", peft="none", seq=SEQ, extra=()):
+    """Nemotron 3 Nano's config.json shrunk: Mamba-2 mixers, squared-ReLU MoE with a shared expert, GQA attention."""
+    layout = configs.Layout(tp=tp, ep=ep, dp=dp, seq=seq, peft=peft, lora_dim=8, lora_alpha=8)
+    overrides = [f"model.num_layers={len(pattern)}", f"model.hybrid_layer_pattern={pattern}", f"model.hidden_size={H}",
+                 f"model.mamba_num_heads={HEADS}", f"model.mamba_head_dim={HEAD_DIM}",
+                 f"model.mamba_num_groups={GROUPS}", f"model.mamba_state_dim={STATE}",
+                 f"model.mamba_chunk_size={CHUNK}", "model.num_attention_heads=4", "model.num_query_groups=2",
+                 "model.kv_channels=16", "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=32",
+                 "model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_shared_expert_intermediate_size=48",
+                 "model.vocab_size=512", "model.moe_token_dispatcher_type=alltoall", *extra]
+    return configs.from_hf_config(NANO, layout, overrides)
+
+
+def _mamba_layer_bytes(*, tp: int, seq: int = SEQ, batch: int = 1, sp: bool = True) -> int:
+    heads, groups = HEADS // tp, GROUPS // tp
+    inner = heads * HEAD_DIM
+    in_proj = 2 * inner + 2 * groups * STATE + heads
+    proj_input = BF16 * (seq // tp if sp else seq) * batch * H
+    return (proj_input + BF16 * batch * seq * (in_proj + 3 * inner) + FP32 * groups * seq * batch
+            + 3 * FP32 * heads)
+
+
+@pytest.mark.parametrize("tp, ep, dp", [(2, 2, 2), (1, 2, 2)])
+def test_a_mamba_layer_saves_what_its_kernels_and_core_keep(tp, ep, dp):
+    est = memory.estimate(_tiny(tp=tp, ep=ep, dp=dp))
+    assert est.activations_per_microbatch[MAMBA] == 2 * _mamba_layer_bytes(tp=tp, sp=tp > 1)
+
+
+def test_the_micro_batch_scales_the_mamba_saves_through_the_copies_core_makes():
+    """With b > 1 the transposes before and after the scan copy (``.contiguous()``): the scan and the gated norm
+    keep those copies, the same bytes as the views at b = 1."""
+    cfg = _tiny()
+    cfg.train.micro_batch_size = 2
+    est = memory.estimate(cfg)
+    assert est.activations_per_microbatch[MAMBA] == 2 * _mamba_layer_bytes(tp=2, batch=2)
+
+
+def test_the_reduced_trace_of_a_hybrid_stage_equals_the_whole_trace(monkeypatch):
+    """First layer, then one of each kind: M E M * - traced as M E M * -; a longer pattern repeats the kinds."""
+    cfg = _tiny(pattern="MEM*EMEM-E")
+    reduced = memory.traced_layers(cfg.model)
+    assert reduced.pattern == ["M", "E", "M", "*", "-"]
+    assert reduced.sources == [0, 1, 2, 3, 1, 2, 1, 2, 4, 1]
+    fast = memory.estimate(cfg)
+    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
+    whole = memory.estimate(cfg)
+    assert fast.activations_per_microbatch == whole.activations_per_microbatch
+    assert fast.activations_per_layer == whole.activations_per_layer
+    assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]
+
+
+def test_lora_on_the_mamba_projections_leaves_their_inputs_to_the_adapters():
+    """Bridge's LoRA on in_proj and out_proj: each frozen base linear keeps no input of its own (its LoRA-A holds it,
+    a LoRA input), and with ``A_log`` frozen ``-exp(A_log)`` keeps nothing; the scan and the gated norm save as in
+    full training."""
+    lora = memory.estimate(_tiny(pattern="MM", peft="lora", extra=["++peft.target_modules=[in_proj,out_proj]"]))
+    proj_inputs = BF16 * SEQ // 2 * H + BF16 * SEQ * (HEADS // 2) * HEAD_DIM
+    assert lora.activations_per_microbatch[MAMBA] == 2 * (_mamba_layer_bytes(tp=2) - proj_inputs - FP32 * HEADS // 2)
+    assert lora.activations_per_microbatch["lora inputs"] > 2 * proj_inputs
+
+
+def test_mamba_layers_with_nothing_trainable_before_or_in_them_save_nothing():
+    """LoRA on attention only, in a model of Mamba layers: no tensor there needs a gradient, so autograd keeps none."""
+    lora = memory.estimate(_tiny(pattern="MM", peft="lora", extra=["++peft.target_modules=[linear_qkv]"]))
+    assert lora.activations_per_microbatch[MAMBA] == 0
+
+
+def _backward_tensors(*, tp: int, seq: int, batch: int = 1, element: int = BF16, state_element: int = BF16):
+    """The scan backward's allocations as mamba_ssm makes them (ssd_combined.py at mamba.SOURCE_COMMIT), each as a
+    shape and a dtype size, split into those alive throughout, those made and kept, and the two phases' own."""
+    heads, groups = HEADS // tp, GROUPS // tp
+    inner, conv = heads * HEAD_DIM, heads * HEAD_DIM + 2 * groups * STATE
+    chunks = -(-seq // CHUNK)
+    b, L = batch, CHUNK
+    live = [((b, seq, 2 * inner + 2 * groups * STATE + heads), element),  # dzxbcdt
+            ((b, seq, inner), element),  # dout
+            ((b, seq, conv), element), ((b, seq, conv), element)]  # xBC_conv recomputed, dxBC
+    kept = [((b, seq, heads), element), ((b, seq, heads, HEAD_DIM), element),  # dt_in, dout_x
+            ((b, heads, chunks, L), FP32), ((b, heads, chunks, L), FP32),  # dA_cumsum, dt
+            ((b, chunks, groups, L, L), FP32)]  # CB
+    states = (b, chunks, heads, HEAD_DIM, STATE)
+    passing = [(states, FP32), (states, FP32), (states, state_element), (states, state_element)]
+    late = [(states, state_element), (states, state_element), ((b, chunks, groups, L, L), FP32),
+            *[((b, heads, chunks, L), FP32)] * 4, ((b, seq, groups, STATE), FP32), ((b, seq, groups, STATE), FP32)]
+    return live, kept, passing, late
+
+
+def _nbytes(tensors) -> int:
+    total = 0
+    for shape, size in tensors:
+        n = size
+        for dim in shape:
+            n *= dim
+        total += n
+    return total
+
+
+@pytest.mark.parametrize("tp, seq", [(1, 128), (2, 128), (2, 100)])
+def test_the_scan_backward_transient_is_the_sum_of_its_allocations(tp, seq):
+    live, kept, passing, late = _backward_tensors(tp=tp, seq=seq)
+    expected = _nbytes(live) + _nbytes(kept) + max(_nbytes(passing), _nbytes(late))
+    shapes = mamba.MambaShapes(HEADS // tp, HEAD_DIM, GROUPS // tp, STATE, CHUNK)
+    assert mamba.backward_bytes(shapes, seq=seq, micro_batch=1, element=BF16, state_element=BF16) == expected
+
+
+def test_the_estimate_prices_a_mamba_stage_backward_with_the_scan_when_it_is_the_largest():
+    """A long sequence against small MLPs and experts: the scan's chunk states dominate the layer backward."""
+    cfg = _tiny(pattern="MM*", seq=1024)
+    est = memory.estimate(cfg)
+    layer = est.component("layer backward")
+    shapes = mamba.shapes(cfg.model)
+    assert shapes == mamba.MambaShapes(HEADS // 2, HEAD_DIM, GROUPS // 2, STATE, CHUNK)
+    assert layer.bytes == mamba.backward_bytes(shapes, seq=1024, micro_batch=1, element=BF16, state_element=BF16)
+    assert "Mamba scan" in layer.basis
+
+
+def test_mamba_modules_and_hybrid_norms_have_their_categories():
+    assert category_of("decoder.layers.0.mixer") == MAMBA
+    assert category_of("decoder.layers.0.mixer.in_proj") == MAMBA
+    assert category_of("decoder.layers.0.mixer.norm") == MAMBA
+    assert category_of("decoder.layers.0.mixer.in_proj.adapter.linear_in") == "lora inputs"
+    assert category_of("decoder.layers.0.norm") == "norms"
+    assert category_of("decoder.final_norm") == "norms"
+    assert MAMBA in CATEGORIES
+
+
+def test_pipeline_stages_of_a_hybrid_model_are_refused_by_name():
+    cfg = _tiny(dp=1, extra=["model.pipeline_model_parallel_size=2", "model.hybrid_layer_pattern=ME|M*",
+                             "model.num_layers=4"])
+    with pytest.raises(memory.NotModelled) as raised:
+        memory.estimate(cfg)
+    assert [f.setting for f in raised.value.findings] == ["model.pipeline_model_parallel_size"]
+
+
+def test_a_tp_that_does_not_divide_the_mamba_groups_is_a_layout_problem():
+    problems = memory.parallel_problems(_tiny(tp=4, ep=1, dp=1).model, micro_batch=1)
+    assert any(p.message == "TP=4 does not divide the 2 Mamba groups" for p in problems)
+
+
+def test_tp_without_sequence_parallelism_on_moe_is_refused_as_core_refuses_it():
+    cfg = _tiny(extra=["model.sequence_parallel=False"])
+    problems = memory.parallel_problems(cfg.model, micro_batch=1)
+    assert [p.setting for p in problems] == ["model.sequence_parallel"]
+
+
+def test_the_stand_ins_compute_nothing_on_real_tensors_and_refuse_other_calls():
+    import torch
+
+    x = torch.zeros(1, 4, 2 * 16 + 2 * 8 + 1)
+    with pytest.raises(RuntimeError, match="fake tensors only"):
+        mamba.split_conv1d_scan_combined(x, torch.zeros(24, 4), torch.zeros(24), torch.zeros(1), torch.zeros(1),
+                                         torch.zeros(1), 4, headdim=16, ngroups=1)
+    with pytest.raises(NotImplementedError, match="initial_states"):
+        mamba.split_conv1d_scan_combined(x, None, None, None, None, None, 4, initial_states=x, headdim=16)
+    with pytest.raises(NotImplementedError, match="no z"):
+        mamba.GatedRMSNorm(16)(torch.zeros(2, 16), z=torch.zeros(2, 16))
+
+
+def test_the_kernels_are_put_back_after_the_trace():
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.ssm import mamba_mixer
+
+    before = (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.mamba_split_conv1d_scan_combined,
+              hybrid_block.TENorm)
+    with mamba.mamba_kernels():
+        assert mamba_mixer.mamba_split_conv1d_scan_combined is mamba.split_conv1d_scan_combined
+    memory.estimate(_tiny(pattern="M*"))
+    assert (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.mamba_split_conv1d_scan_combined,
+            hybrid_block.TENorm) == before
