@@ -414,7 +414,12 @@ def _settings_line(s: dict, *, peft_defaulted: bool = False) -> str:
     return (f"TP={s['tp']} PP={s['pp']}{vpp}{_experts_sizes(s)} "
             f"DP={s['dp']} SP={'on' if s['sequence_parallel'] else 'off'}, seq {s['seq_length']}, micro-batch "
             f"{s['micro_batch']}, {s['num_microbatches']} microbatch(es)/step, {s['dtype']}, {peft}, recompute "
-            f"{recompute}, attention {s['attention']}, {s['transformer_impl']}{_experts_load(s)}")
+            f"{recompute}, attention {s['attention']}, {s['transformer_impl']}{_hybrid_layers(s)}{_experts_load(s)}")
+
+
+def _hybrid_layers(s: dict) -> str:
+    layers = s.get("hybrid_layers")
+    return (", hybrid: " + ", ".join(f"{n} {name}" for name, n in layers.items())) if layers else ""
 
 
 def _experts_sizes(s: dict) -> str:

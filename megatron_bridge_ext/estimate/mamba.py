@@ -151,6 +151,12 @@ def mamba_kernels() -> Iterator[None]:
             setattr(module, name, value)
 
 
+ASSUMPTION = ("hybrid model: Megatron Core's hybrid stack on the local backend (estimate.build.hybrid_stack_spec); "
+              "the Mamba mixers' fused scan and gated RMSNorm are stand-ins that save what mamba_ssm's kernels save "
+              f"(estimate.mamba; state-spaces/mamba {SOURCE_COMMIT[:7]}: ssd_combined.py L888-889, "
+              "layernorm_gated.py L360), their projections, norms and residuals Core's own; the scan's chunk states, "
+              "workspaces and backward as formulas")
+
 EXPAND = 2
 """``MambaMixer``'s ``expand`` (Core's default; the hybrid specs pass none): d_inner = expand x hidden when the config
 sets no ``mamba_num_heads``."""

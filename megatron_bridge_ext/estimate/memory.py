@@ -194,8 +194,10 @@ def _unsupported_moe(model) -> list[Finding]:
     dispatcher = getattr(model, "moe_token_dispatcher_type", "allgather")
     if dispatcher not in MOE_DISPATCHERS:
         out.append(Finding("unsupported_model", ERROR, "model.moe_token_dispatcher_type",
-                           f"the {dispatcher!r} token dispatcher is not modelled by the estimate",
-                           f"estimate with one of {list(MOE_DISPATCHERS)} (same expert shapes)"))
+                           f"the {dispatcher!r} token dispatcher is not modelled by the estimate"
+                           + (" (its DeepEP / HybridEP kernels do not run here)" if dispatcher == "flex" else ""),
+                           "estimate the same experts with Core's all-to-all dispatcher: add the override "
+                           "model.moe_token_dispatcher_type=alltoall"))
     if getattr(model, "moe_expert_capacity_factor", None) is not None or \
             getattr(model, "moe_pad_expert_input_to_capacity", False):
         out.append(Finding("unsupported_model", ERROR, "model.moe_expert_capacity_factor",
@@ -675,7 +677,14 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         "attention": attention, "transformer_impl": impl, "device": device,
         "distributed_optimizer": bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
         **_peft_settings(prepared.peft),
+        **_hybrid_settings(p),
     }
+
+
+def _hybrid_settings(provider) -> dict[str, Any]:
+    """A hybrid model's layers by kind (``hybrid_layers``, in the pattern's symbols' order), else nothing."""
+    pattern = unmodelled.hybrid_pattern(provider)
+    return {"hybrid_layers": unmodelled.layer_counts(pattern)} if pattern is not None else {}
 
 
 def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, contract: te.TeContract) -> list[str]:
@@ -701,4 +710,6 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
                    "the last stage keeps its own copy, as Megatron Core does")
     if (prepared.provider.virtual_pipeline_model_parallel_size or 1) > 1:
         out.append("interleaved pipeline: a stage's model chunks traced as one model; a chunk is 1/VPP of it")
+    if is_hybrid(prepared.provider):
+        out.append(mamba.ASSUMPTION)
     return out + prepared.notes
