@@ -449,8 +449,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                        num_microbatches=prepared.num_microbatches, stage=stage,
                                        group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     element = static.dtype_bytes(prepared.dtype)
-    components = _static(prepared, counts, precision.fp8_weights(model, fp8) if fp8 else None, fp8)
-    in_fp8 = _fp8_layers(model, fp8)
+    global_layers = global_layer_numbers(provider, stage, model)
+    components = _static(prepared, counts, precision.fp8_weights(model, fp8, global_layers) if fp8 else None, fp8)
+    in_fp8 = _fp8_layers(global_layers, fp8)
     modelled = fp8 is not None and not te_fp8.refused(fp8)  # TE's quantised shard replaces the bf16 one
     contract = te.TeContract(0, 0, 0, 0)
     if impl == TE and prepared.peft is not None:
@@ -515,11 +516,33 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
     return out + [c for c in [precision.component(fp8_weights, fp8)] if c]
 
 
-def _fp8_layers(model, fp8: Optional[precision.Fp8]):
-    """Whether the traced layer of index ``local`` (None outside the layers) runs in FP8, by its global number."""
+def global_layer_numbers(provider, stage: int, model) -> list[int]:
+    """The 0-based global number of each traced layer of ``stage``.
+
+    With an interleaved pipeline the stage's model chunks are traced as one model, chunk v's layers after chunk
+    v-1's, where Core numbers chunk v's layers from its own offset: Core's ``get_transformer_layer_offset`` and
+    ``get_num_layers_to_build`` for ``vp_stage=v`` on pipeline rank ``stage`` (uneven first and last stages
+    included). Without interleaving, the traced layers' own numbers.
+    """
     layers = model.decoder.layers
-    offset = layers[0].layer_number - 1 if len(layers) else 0
-    return lambda local: fp8 is not None and local is not None and fp8.layer_in_fp8(offset + local)
+    vpp = provider.virtual_pipeline_model_parallel_size or 1
+    if vpp == 1:
+        return [layer.layer_number - 1 for layer in layers]
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    out = []
+    for chunk in range(vpp):
+        offset = get_transformer_layer_offset(provider, vp_stage=chunk, pp_rank=stage)
+        out += range(offset, offset + get_num_layers_to_build(provider, vp_stage=chunk, pp_rank=stage))
+    if len(out) != len(layers):
+        raise RuntimeError(f"stage {stage} traced {len(layers)} layers where its {vpp} chunks hold {len(out)}")
+    return out
+
+
+def _fp8_layers(global_layers: list[int], fp8: Optional[precision.Fp8]):
+    """Whether the traced layer of index ``local`` (None outside the layers) runs in FP8, by its global number."""
+    return lambda local: fp8 is not None and local is not None and fp8.layer_in_fp8(global_layers[local])
 
 
 def _recomputes_layernorm(provider) -> bool:

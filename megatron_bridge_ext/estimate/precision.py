@@ -154,13 +154,14 @@ class Fp8Weights:
     layers: int
 
 
-def fp8_weights(model, fp8: Fp8) -> Fp8Weights:
-    """The weights of the dense linears of this rank's FP8 layers (global layer numbers decide), frozen or not;
-    a PEFT's adapters stay in 16 bits (they are not TE modules)."""
+def fp8_weights(model, fp8: Fp8, global_layers: Optional[list[int]] = None) -> Fp8Weights:
+    """The weights of the dense linears of this rank's FP8 layers (global layer numbers decide: ``global_layers``,
+    0-based per traced layer, else the layers' own numbers), frozen or not; a PEFT's adapters stay in 16 bits
+    (they are not TE modules)."""
     shapes = []
     layers = 0
-    for layer in model.decoder.layers:
-        if not fp8.layer_in_fp8(layer.layer_number - 1):
+    for index, layer in enumerate(model.decoder.layers):
+        if not fp8.layer_in_fp8(global_layers[index] if global_layers is not None else layer.layer_number - 1):
             continue
         layers += 1
         for path in LINEARS:

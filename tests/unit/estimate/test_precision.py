@@ -240,3 +240,35 @@ def test_mlp_recompute_under_fp8_traces_without_transformer_engine_and_saves_wha
     for cfg in (fp8, plain):
         cfg.model.recompute_granularity, cfg.model.recompute_modules = "selective", ["mlp"]
     assert _estimate(fp8).activations_per_microbatch == _estimate(plain).activations_per_microbatch
+
+
+def _interleaved(keep_at_start: int):
+    """8 layers over PP 2 with VPP 2 (chunks of 2 layers), the first ``keep_at_start`` layers in bf16, none at the
+    end (FP8 current scaling)."""
+    cfg = _tiny("bf16_with_fp8_current_scaling_mixed", num_layers_at_start_in_bf16=keep_at_start,
+                num_layers_at_end_in_bf16=0)
+    cfg.model.num_layers, cfg.model.pipeline_model_parallel_size = 8, 2
+    cfg.model.virtual_pipeline_model_parallel_size = 2
+    cfg.train.global_batch_size = 4 * cfg.train.micro_batch_size
+    return cfg
+
+
+@pytest.mark.parametrize("stage, expected", [(0, [0, 1, 4, 5]), (1, [2, 3, 6, 7])])
+def test_an_interleaved_stage_numbers_its_layers_by_chunk(stage, expected):
+    """Core gives chunk v of stage s the layers v x PP x 2 + s x 2 + (0, 1): stage 0 holds 0, 1 (chunk 0) and 4, 5
+    (chunk 1), traced as one model of four layers."""
+    from megatron_bridge_ext.estimate import memory
+
+    prepared = memory.prepare(_interleaved(3), data_parallel_size=1, num_microbatches=4)
+    model = SimpleNamespace(decoder=SimpleNamespace(layers=[_Layer(n, 32) for n in range(1, 5)]))
+    assert memory.global_layer_numbers(prepared.provider, stage, model) == expected
+
+
+def test_fp8_layers_of_an_interleaved_stage_are_read_by_their_global_numbers():
+    """The first 3 of 8 layers in bf16: the reported stage's FP8 layers are those of its global numbers (stage 0:
+    4 and 5; stage 1: 3, 6 and 7), where reading a stage's layers as contiguous would give stage 0 one (3) and
+    stage 1 four."""
+    est = _estimate(_interleaved(3))
+    fp8_layers = {0: 2, 1: 3}[est.stage]
+    assert f"of the {fp8_layers} FP8 layers' dense linears" in est.component("weights: FP8 linear weights").basis
+    assert _bytes(est, "weights: FP8 linear weights") == fp8_layers * TENSORWISE_LAYER
