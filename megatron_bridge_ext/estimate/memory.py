@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -705,9 +706,15 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
 
 
 def _hybrid_settings(provider) -> dict[str, Any]:
-    """A hybrid model's layers by kind (``hybrid_layers``, in the pattern's symbols' order), else nothing."""
+    """A hybrid model's layers by kind (``hybrid_layers``, in the pattern's symbols' order) and its Mamba mixer's
+    sizes (``mamba``), else nothing."""
     pattern = unmodelled.hybrid_pattern(provider)
-    return {"hybrid_layers": unmodelled.layer_counts(pattern)} if pattern is not None else {}
+    if pattern is None:
+        return {}
+    out: dict[str, Any] = {"hybrid_layers": unmodelled.layer_counts(pattern)}
+    if HYBRID_MAMBA in pattern:  # the whole mixer's sizes (TP divides heads and groups)
+        out["mamba"] = dataclasses.asdict(mamba.shapes(provider, tp=1))
+    return out
 
 
 def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, contract: te.TeContract) -> list[str]:

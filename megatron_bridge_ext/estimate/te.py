@@ -59,10 +59,12 @@ def base_layer_of(module: str) -> str:
 
 
 def is_te_lora_input(module: str) -> bool:
-    """LoRA-A of a column-parallel target that TE would fuse with its norm (a routed expert's ``linear_fc1`` takes
-    the dispatched tokens, not a norm output: TE has no norm to fuse there)."""
+    """LoRA-A of a column-parallel target that TE fuses with its norm. Not an MoE layer's: a routed expert's
+    ``linear_fc1`` takes the dispatched tokens, and a shared expert's is a plain ``TEColumnParallelLinear``
+    (Core's ``moe_module_specs``: the MoE layer's norm is its own ``pre_mlp_layernorm``, before the router)."""
     layer = base_layer_of(module)
-    return layer.rsplit(".", 1)[-1] in COLUMN_TARGETS and ".mlp.experts." not in layer
+    return (layer.rsplit(".", 1)[-1] in COLUMN_TARGETS and ".mlp.experts." not in layer
+            and ".mlp.shared_experts." not in layer)
 
 
 def norm_output_contract(lora_a_saved: dict[str, int], *, seq: int, micro_batch: int, hidden: int, tp: int,

@@ -161,15 +161,47 @@ def attention_linear_flops(s: dict) -> int:
     return (2 * tokens * s["hidden"] * (q + kv) + 2 * tokens * q * s["hidden"]) // s["tp"]
 
 
+def mamba_linear_flops(s: dict) -> int:
+    """Forward FLOPs of one Mamba mixer's projections per microbatch on a TP rank (``s["mamba"]``: the whole mixer's
+    sizes): ``in_proj`` h -> 2 d_inner + 2 groups state + heads and ``out_proj`` d_inner -> h, on the whole sequence
+    (``in_proj`` gathers it under SP)."""
+    m, tokens = s["mamba"], s["seq_length"] * s["micro_batch"]
+    inner = m["heads"] * m["head_dim"]
+    in_proj = 2 * inner + 2 * m["groups"] * m["state"] + m["heads"]
+    return (2 * tokens * s["hidden"] * in_proj + 2 * tokens * inner * s["hidden"]) // s["tp"]
+
+
+def mamba_scan_flops(s: dict) -> int:
+    """Forward FLOPs of one Mamba-2 chunked scan (SSD) per microbatch on a TP rank, its matrix products over chunks of
+    L tokens: C B^T per group (2 L state per token and group), the masked product with x per head (2 L head_dim), the
+    chunk states B^T x and their read-out C h per head (2 x 2 state head_dim per token). Its convolution and
+    elementwise steps are left out, as the other elementwise kernels are."""
+    m, tokens, tp = s["mamba"], s["seq_length"] * s["micro_batch"], s["tp"]
+    heads, groups, chunk = m["heads"] // tp, m["groups"] // tp, m["chunk"]
+    per_token = 2 * chunk * m["state"] * groups + 2 * chunk * m["head_dim"] * heads + 4 * m["state"] * m["head_dim"] * heads
+    return tokens * per_token
+
+
 def linear_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
-    """Forward FLOPs of the stage's linears per microbatch on a rank: attention on every layer, the dense MLP on
-    dense layers, the router, routed and shared experts on MoE layers (:func:`.recompute.cost.moe_layer_flops`)."""
-    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds
+    """Forward FLOPs of the stage's linears per microbatch on a rank: attention on its layers (every GPT layer), the
+    dense MLP on dense layers, the router, routed and shared experts on MoE layers
+    (:func:`.recompute.cost.moe_layer_flops`), a hybrid model's Mamba projections on its Mamba layers."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
     from megatron_bridge_ext.levers.recompute.cost import moe_layer_flops, recompute_flops_per_layer
 
-    dense, moe_layers = stage_layer_kinds(s, moe)
-    return ((dense + moe_layers) * attention_linear_flops(s) + dense * recompute_flops_per_layer("mlp", s)
-            + (moe_layers * moe_layer_flops(s, moe) if moe_layers else 0))
+    counts = layer_counts(s, moe)
+    return (counts.attention * attention_linear_flops(s) + counts.mlp * recompute_flops_per_layer("mlp", s)
+            + (counts.moe * moe_layer_flops(s, moe) if counts.moe else 0)
+            + (counts.mamba * mamba_linear_flops(s) if counts.mamba else 0))
+
+
+def core_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
+    """Forward FLOPs of the stage's attention cores and Mamba scans per microbatch on a rank (3 passes in training:
+    their backward is twice their forward)."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+
+    counts = layer_counts(s, moe)
+    return counts.attention * attention_core_flops(s) + (counts.mamba * mamba_scan_flops(s) if counts.mamba else 0)
 
 
 def attention_core_flops(s: dict) -> int:
@@ -192,7 +224,7 @@ def microbatch_flops(s: dict, moe: Optional[dict] = None) -> int:
 
     frozen = bool(s.get("peft"))
     linear_passes = 2 if frozen else 3  # forward, input gradient, weight gradient unless frozen
-    linears, core = linear_forward_flops(s, moe), attention_core_flops(s) * s["layers_on_stage"]
+    linears, core = linear_forward_flops(s, moe), core_forward_flops(s, moe)
     total = linear_passes * linears + 3 * core
     if s["recompute_granularity"] == "full":
         total += linears + core
@@ -202,11 +234,14 @@ def microbatch_flops(s: dict, moe: Optional[dict] = None) -> int:
 
 
 def recompute_hbm_bytes(s: dict) -> int:
-    """HBM bytes one microbatch's layernorm recompute reads and writes (two norms per layer, [s/t, b, h] under SP)."""
+    """HBM bytes one microbatch's layernorm recompute reads and writes ([s/t, b, h] under SP per norm: two per GPT
+    layer; one per attention, MLP or MoE layer of a hybrid model, none on its Mamba layers)."""
     if s["recompute_granularity"] != "selective" or "layernorm" not in s["recompute_modules"]:
         return 0
     seq = s["seq_length"] // s["tp"] if s["sequence_parallel"] else s["seq_length"]
-    return 2 * 2 * seq * s["micro_batch"] * s["hidden"] * element_size(s) * s["layers_on_stage"]
+    hybrid = s.get("hybrid_layers")
+    norms = (s["layers_on_stage"] - hybrid.get("Mamba", 0)) if hybrid else 2 * s["layers_on_stage"]
+    return 2 * seq * s["micro_batch"] * s["hidden"] * element_size(s) * norms
 
 
 def tp_bytes(s: dict, moe: Optional[dict] = None) -> int:
@@ -231,19 +266,30 @@ def tp_bytes(s: dict, moe: Optional[dict] = None) -> int:
 def trainable_params(s: dict, moe: Optional[dict] = None) -> int:
     """Trainable dense parameters on this rank: the stage's layers (and embedding/output) under full fine-tuning,
     the adapters under LoRA (r x (in + out) per targeted linear, divided over TP). MoE layers count their
-    attention here; their experts go over the expert-DP group (:func:`dp_bytes`)."""
-    from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds
+    attention here; their experts go over the expert-DP group (:func:`dp_bytes`). A hybrid model's layers count
+    the linears of their kind (attention, MLP, Mamba projections)."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
 
     h, ffn, t = s["hidden"], s["ffn"] * (2 if s["gated_linear_unit"] else 1), s["tp"]
     q, kv = s["heads"] * s["kv_channels"], 2 * s["query_groups"] * s["kv_channels"]
-    shapes = {"linear_qkv": (h, q + kv), "linear_proj": (q, h), "linear_fc1": (h, ffn), "linear_fc2": (s["ffn"], h)}
+    attention = {"linear_qkv": (h, q + kv), "linear_proj": (q, h)}
+    mlp = {"linear_fc1": (h, ffn), "linear_fc2": (s["ffn"], h)}
+    mamba = {}
+    if s.get("mamba"):
+        m = s["mamba"]
+        inner = m["heads"] * m["head_dim"]
+        mamba = {"in_proj": (h, 2 * inner + 2 * m["groups"] * m["state"] + m["heads"]), "out_proj": (inner, h)}
+    counts = layer_counts(s, moe)
+    if s.get("hybrid_layers"):  # a layer holds one part; an MoE layer's experts go over expert DP
+        parts = [(attention, counts.attention), (mlp, counts.mlp), (mamba, counts.mamba)]
+    else:  # every layer attention; MLP linears on dense layers under full fine-tuning, as adapted on every layer
+        parts = [(attention, counts.attention), (mlp, counts.mlp if not s.get("peft") else s["layers_on_stage"])]
     if s.get("peft"):
-        per_layer = sum(s["lora_dim"] * sum(shapes[target]) for target in s["lora_targets"] if target in shapes)
-        return per_layer * s["layers_on_stage"] // t
-    dense, moe_layers = stage_layer_kinds(s, moe)
-    attention = h * (q + kv) + q * h
+        targets = set(s["lora_targets"])
+        return sum(s["lora_dim"] * sum(sum(shape) for name, shape in shapes.items() if name in targets) * n
+                   for shapes, n in parts) // t
     ends = (s["stage"] == 0) + (s["stage"] == s["pp"] - 1)  # embedding on the first stage, output on the last
-    return (sum(i * o for i, o in shapes.values()) * dense + attention * moe_layers + ends * s["vocab_size"] * h) // t
+    return (sum(sum(i * o for i, o in shapes.values()) * n for shapes, n in parts) + ends * s["vocab_size"] * h) // t
 
 
 def dp_bytes(s: dict, moe: Optional[dict] = None) -> int:

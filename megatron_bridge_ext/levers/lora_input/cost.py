@@ -30,14 +30,23 @@ def _targets(s: dict) -> list[str]:
             if layer in COLUMN_PARALLEL]
 
 
+def _layers_with(s: dict, target: str) -> int:
+    """The stage's layers that hold ``target``: every GPT layer; a hybrid model's attention layers for linear_qkv,
+    its MLP and MoE layers (a shared expert's) for linear_fc1."""
+    hybrid = s.get("hybrid_layers")
+    if not hybrid:
+        return s["layers_on_stage"]
+    return hybrid.get("attention", 0) if target == "linear_qkv" else hybrid.get("MLP", 0) + hybrid.get("MoE", 0)
+
+
 def collective_elements(s: dict, strategy: str, *, stage: int) -> int:
     """Collective elements the eligible adapters of a stage move per microbatch under ``strategy``
-    (``s``: the estimate's settings; on stage 0 the first linear_qkv's input needs no gradient)."""
+    (``s``: the estimate's settings; on stage 0 of a GPT model the first linear_qkv's input needs no gradient)."""
     kwargs = dict(seq=s["seq_length"], micro_batch=s["micro_batch"], hidden=s["hidden"], rank=s["lora_dim"])
+    first = stage == 0 and not s.get("hybrid_layers")  # a hybrid model opens with its pattern's first layer
     return sum(lora_input_collective_elements(strategy, **kwargs,
-                                              input_needs_grad=not (layer == 0 and stage == 0
-                                                                    and target == "linear_qkv"))
-               for layer in range(s["layers_on_stage"]) for target in _targets(s))
+                                              input_needs_grad=not (layer == 0 and first and target == "linear_qkv"))
+               for target in _targets(s) for layer in range(_layers_with(s, target)))
 
 
 def collective_change(est, strategy: str) -> tuple[int, str]:

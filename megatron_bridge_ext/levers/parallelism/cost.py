@@ -3,6 +3,7 @@ for mixture-of-experts models the token dispatch and the expert weights' data-pa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
@@ -18,11 +19,17 @@ def tp_collective_bytes(s: dict, *, tp: int, layers: int, num_microbatches: int,
     without SP: the same volume), each moving (t - 1) / t of the tensor from a rank. ``moe_layers`` of the
     ``layers`` have an MoE layer for their MLP: its tokens reach the experts through the token dispatcher
     (:func:`dispatch_bytes_per_layer`), so only attention's half is TP traffic, and the shared experts' half
-    when there are shared experts (they follow the attention's TP and SP)."""
+    when there are shared experts (they follow the attention's TP and SP). A hybrid model's layer (``hybrid_layers``
+    in the settings) has one such part: its Mamba mixer's ``in_proj`` gathers and ``out_proj`` reduce-scatters as
+    attention's linears do."""
     if tp == 1:
         return 0
     sbh = s["seq_length"] * s["micro_batch"] * s["hidden"]
-    units = 8 * (layers - moe_layers) + (8 if shared_experts else 4) * moe_layers
+    if s.get("hybrid_layers"):  # one part per layer: attention, MLP or Mamba mixer, or an MoE layer's shared experts
+        counts = layer_counts(s, None)
+        units = 4 * (counts.attention + counts.mlp + counts.mamba) + (4 if shared_experts else 0) * counts.moe
+    else:
+        units = 8 * (layers - moe_layers) + (8 if shared_experts else 4) * moe_layers
     return units * sbh * element * (tp - 1) * num_microbatches // tp
 
 
@@ -104,6 +111,31 @@ def stage_layer_kinds(s: dict, moe: Optional[dict]) -> tuple[int, int]:
     start = 0 if s["stage"] == 0 else len(pattern) - layers
     moe_layers = sum(pattern[start:start + layers])
     return layers - moe_layers, moe_layers
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """The stage's layers by what they hold: attention, a dense MLP, an MoE layer, a Mamba mixer. A GPT layer holds
+    attention and an MLP or MoE layer; a hybrid model's layer holds exactly one of the four."""
+
+    attention: int
+    mlp: int
+    moe: int
+    mamba: int = 0
+
+
+HYBRID_NAMES = {"attention": "attention", "mlp": "MLP", "moe": "MoE", "mamba": "Mamba"}
+"""The fields of :class:`LayerCounts` by the estimate's names of a hybrid model's layer kinds (``hybrid_layers``)."""
+
+
+def layer_counts(s: dict, moe: Optional[dict]) -> LayerCounts:
+    """The estimated stage's layers by kind: a hybrid model's counts from its settings (``hybrid_layers``; its
+    stage is the whole model, the estimate refusing pipeline stages there), else :func:`stage_layer_kinds`."""
+    hybrid = s.get("hybrid_layers")
+    if hybrid:
+        return LayerCounts(**{field: hybrid.get(name, 0) for field, name in HYBRID_NAMES.items()})
+    dense, moe_layers = stage_layer_kinds(s, moe)
+    return LayerCounts(attention=dense + moe_layers, mlp=dense, moe=moe_layers)
 
 
 def tokens_per_rank(s: dict) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_bridge_ext.levers.parallelism.cost import dispatch_bytes_per_layer, stage_layer_kinds, tokens_per_rank
+from megatron_bridge_ext.levers.parallelism.cost import dispatch_bytes_per_layer, layer_counts, tokens_per_rank
 
 BASIS = "formula: forward GEMM FLOPs of the recomputed modules x layers x microbatches"
 MOE_BASIS = ("formula: forward GEMM FLOPs of the recomputed modules x their layers (dense layers for mlp, MoE layers "
@@ -58,13 +58,17 @@ def recompute_flops_per_layer(module: str, s: dict, moe: Optional[dict] = None) 
 
 
 def layers_for(module: str, s: dict, moe: Optional[dict]) -> int:
-    """The stage's layers that ``module`` recomputes on."""
-    dense, moe_layers = stage_layer_kinds(s, moe)
+    """The stage's layers that ``module`` recomputes on: dense MLPs for ``mlp``, MoE layers for the MoE modules,
+    attention for ``core_attn``, and for the others (``layernorm``) every layer but a hybrid model's Mamba layers
+    (Core's ``MambaLayer`` recomputes nothing)."""
+    counts = layer_counts(s, moe)
     if module in MLP_MODULES:
-        return dense
+        return counts.mlp
     if module in MOE_LAYER_MODULES:
-        return moe_layers
-    return dense + moe_layers
+        return counts.moe
+    if module == "core_attn":
+        return counts.attention
+    return s["layers_on_stage"] - counts.mamba
 
 
 def recompute_flops(s: dict, modules: list[str], moe: Optional[dict] = None) -> int:
@@ -79,6 +83,5 @@ def recompute_dispatch_bytes(s: dict, modules: list[str], moe: Optional[dict], e
     and microbatch."""
     if "moe" not in modules or not moe:
         return 0
-    _, moe_layers = stage_layer_kinds(s, moe)
     per_layer = dispatch_bytes_per_layer(s, moe, ep=moe["ep"], etp=moe["etp"], element=element, passes=2)
-    return per_layer * moe_layers * s["num_microbatches"]
+    return per_layer * layer_counts(s, moe).moe * s["num_microbatches"]

@@ -193,3 +193,14 @@ def test_the_kernels_are_put_back_after_the_trace():
     memory.estimate(_tiny(pattern="M*"))
     assert (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.mamba_split_conv1d_scan_combined,
             hybrid_block.TENorm) == before
+
+
+def test_te_keeps_a_norm_output_shard_beside_lora_a_on_its_layernorm_linears_only():
+    """Under SP, Bridge's LoRA-A on a TE LayerNormLinear keeps the gathered norm output and TE its own shard
+    [s/t, b, h]: in_proj (two Mamba layers), linear_qkv (one attention layer) and the MLP layer's linear_fc1; not the
+    MoE layer's shared-expert linear_fc1, a plain TEColumnParallelLinear after the MoE layer's own norm."""
+    cfg = _tiny(peft="lora", extra=["++peft.target_modules=[linear_qkv,linear_fc1,in_proj]"])
+    est = memory.estimate(cfg)
+    shard = BF16 * (SEQ // 2) * H
+    assert est.component("TE norm-output shards (contract)").bytes == 4 * shard
+    assert "4 LayerNormLinear(s)" in est.component("TE norm-output shards (contract)").basis

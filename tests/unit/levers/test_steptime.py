@@ -198,3 +198,52 @@ def test_moe_layers_price_the_router_the_routed_experts_and_the_dispatch():
     assert before.dispatch == pytest.approx(M * dispatch / 2 / NVLINK, rel=1e-12)
     assert after.dispatch == pytest.approx(M * dispatch * 3 / 4 / NVLINK, rel=1e-12)
     assert (before.dp_exposed, after.dp_exposed) == (0, 0) and after.compute == before.compute
+
+
+HYBRID = {"Mamba": 2, "attention": 1, "MLP": 1}
+"""A hybrid stage M*M- (Bridge's hybrid_layer_pattern): each layer holds one kind."""
+MAMBA = {"heads": 16, "head_dim": 64, "groups": 4, "state": 32, "chunk": 128}
+"""The whole mixer: d_inner 16 x 64 = 1024, in_proj h -> 2 x 1024 + 2 x 4 x 32 + 16."""
+MAMBA_IN_PROJ, MAMBA_INNER = 2 * 1024 + 2 * 4 * 32 + 16, 1024
+
+
+def hybrid_settings(**changes) -> dict:
+    return settings(layers_on_stage=4, num_layers=4, hybrid_layers=HYBRID, mamba=MAMBA, **changes)
+
+
+def test_a_hybrid_stage_counts_each_layer_by_its_kind():
+    """On TP 2: the two Mamba layers' projections (in_proj, out_proj) and scans (per token and TP rank: C B^T over a
+    128-token chunk per group, the masked product with x and the state products per head), the attention layer's
+    linears and core, the MLP layer's fc1 and fc2; TP sends one all-gather + reduce-scatter pair of [s, b, h] forward
+    and backward per layer (4 collectives, not a GPT layer's 8)."""
+    tp, heads, groups = 2, 8, 2
+    mamba_linears = 2 * T * (H * MAMBA_IN_PROJ + MAMBA_INNER * H) // tp
+    scan = T * (2 * 128 * 32 * groups + 2 * 128 * 64 * heads + 4 * 32 * 64 * heads)
+    attention, mlp = 2 * T * (H * 3 * H + H * H) // tp, 2 * T * (H * FFN + FFN * H) // tp
+    core, output = 2 * 2 * T * T * H // tp, 2 * T * H * V // tp
+    flops = 3 * (2 * mamba_linears + attention + mlp) + 3 * (core + 2 * scan) + 3 * output
+    tp_sent = 4 * T * H * 2 * 4 // 2  # 4 collectives x [s, b, h] bf16 x 4 layers x (2-1)/2
+    t = steptime.step_time(hybrid_settings(), H100)
+    assert t.compute == pytest.approx(M * flops / PEAK, rel=1e-12)
+    assert t.tp == pytest.approx(M * tp_sent / NVLINK, rel=1e-12)
+
+
+def test_a_hybrid_stage_trains_the_linears_of_its_layers_kinds():
+    """Full fine-tuning on DP 2 with the distributed optimizer: each rank reduce-scatters fp32 gradients (4 B) and
+    gathers bf16 parameters (2 B) of half of its trainable parameters: attention's, the MLP's, two Mamba layers'
+    projections, the embedding and the output layer, over TP 2. Under LoRA on linear_qkv and in_proj: r x (in + out)
+    on the one attention layer and the two Mamba layers."""
+    full = (H * 3 * H + H * H + 2 * H * FFN + 2 * (H * MAMBA_IN_PROJ + MAMBA_INNER * H) + 2 * V * H) // 2
+    assert steptime.dp_bytes(hybrid_settings(dp=2)) == (4 + 2) * full // 2
+    lora = 8 * ((H + 3 * H) + 2 * (H + MAMBA_IN_PROJ)) // 2
+    s = hybrid_settings(dp=2, peft="lora", lora_dim=8, lora_targets=["linear_qkv", "in_proj"])
+    assert steptime.dp_bytes(s) == (4 + 2) * lora // 2
+
+
+def test_layernorm_recompute_reads_one_norm_per_non_mamba_layer_of_a_hybrid_stage():
+    """Core's MambaLayer recomputes nothing; the attention and MLP layers have one norm each: 2 norms x [s/2, b, h]
+    read and written, where a GPT stage of 4 layers has 8."""
+    s = hybrid_settings(recompute_granularity="selective", recompute_modules=["layernorm"])
+    assert steptime.recompute_hbm_bytes(s) == 2 * (T // 2) * H * 2 * 2
+    gpt = settings(layers_on_stage=4, recompute_granularity="selective", recompute_modules=["layernorm"])
+    assert steptime.recompute_hbm_bytes(gpt) == 2 * (T // 2) * H * 2 * 8

@@ -54,3 +54,16 @@ def test_each_strategys_description_names_the_collectives_its_price_counts():
         rh, sbr = divmod(rest, 10**6)
         named = {size: strategy.communicates.count(f"({size}") for size in ("s*b*h", "r*h", "s*b*r")}
         assert named == {"s*b*h": sbh, "r*h": rh, "s*b*r": sbr // 1000}, (name, strategy.communicates)
+
+
+def test_a_hybrid_stage_counts_linear_qkv_on_attention_layers_and_linear_fc1_on_mlp_and_moe_layers():
+    """Pattern M*E-M (2 Mamba, 1 attention, 1 MoE, 1 MLP): Bridge's path on linear_qkv and linear_fc1 gathers x
+    (s*b*h) and the rank-r output (s*b*r) and reduce-scatters x's gradient: one linear_qkv (its input has a gradient:
+    the Mamba layer before it trains), two linear_fc1 (the MLP layer's and the MoE layer's shared expert); the
+    Mamba layers' in_proj is no eligible surface."""
+    seq, b, h, r = 64, 1, 32, 4
+    s = {"seq_length": seq, "micro_batch": b, "hidden": h, "lora_dim": r, "layers_on_stage": 5,
+         "lora_targets": ["linear_qkv", "linear_fc1", "in_proj"],
+         "hybrid_layers": {"Mamba": 2, "attention": 1, "MoE": 1, "MLP": 1}}
+    per_adapter = seq * b * h + seq * b * r + seq * b * h
+    assert lora_input_cost.collective_elements(s, "off", stage=0) == 3 * per_adapter
