@@ -42,6 +42,7 @@ def test_the_deprecated_override_pattern_is_read_too():
     ({"pipeline_model_parallel_size": 2}, "model.pipeline_model_parallel_size"),
     ({"fp8": "hybrid"}, "model.fp8"),
     ({"fp4": "nvfp4"}, "model.fp4"),
+    ({"use_mamba_mem_eff_path": False}, "model.use_mamba_mem_eff_path"),
 ])
 def test_pipeline_stages_and_low_precision_of_a_mamba_hybrid_are_named(fields, setting):
     [finding] = unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*M-", **fields))
