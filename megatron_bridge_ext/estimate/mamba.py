@@ -128,19 +128,20 @@ class GatedRMSNorm(torch.nn.Module):
 
 @contextlib.contextmanager
 def mamba_kernels() -> Iterator[None]:
-    """Megatron Core's Mamba mixer builds and trains with the stand-ins in place of ``mamba_ssm``'s kernels, and
-    Core's hybrid stack takes a local norm for its final norm (``hybrid_block.py`` builds ``TENorm``, which needs
-    Transformer Engine); everything is put back on exit."""
+    """Megatron Core's Mamba mixer builds and trains with the stand-ins in place of ``mamba_ssm``'s kernels
+    (``mamba_mixer.py``: ``HAVE_MAMBA_SSM``, ``ExtendedRMSNorm``, ``mamba_split_conv1d_scan_combined``, and
+    ``MAMBA_HAS_STATE_DTYPE``, as with a ``mamba_ssm`` whose scan takes ``state_dtype``, so that a config's
+    ``mamba_training_ssm_states_dtype`` reaches :func:`split_conv1d_scan_combined`), and Core's hybrid stack takes
+    the local norm for its final norm (``hybrid_block.py`` builds ``TENorm``, which needs Transformer Engine).
+    Everything is put back on exit."""
+    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.ssm import mamba_mixer
-    from megatron.core.models.backends import LocalSpecProvider
 
-    class ExtendedRMSNorm(GatedRMSNorm):
-        pass
-
-    replaced = {(mamba_mixer, "HAVE_MAMBA_SSM"): True, (mamba_mixer, "ExtendedRMSNorm"): ExtendedRMSNorm,
+    local_norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)  # reads config.normalization itself
+    replaced = {(mamba_mixer, "HAVE_MAMBA_SSM"): True, (mamba_mixer, "ExtendedRMSNorm"): GatedRMSNorm,
                 (mamba_mixer, "mamba_split_conv1d_scan_combined"): split_conv1d_scan_combined,
-                (mamba_mixer, "MAMBA_HAS_STATE_DTYPE"): True, (hybrid_block, "TENorm"): LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)}
+                (mamba_mixer, "MAMBA_HAS_STATE_DTYPE"): True, (hybrid_block, "TENorm"): local_norm}
     saved = {key: getattr(*key) for key in replaced}
     for (module, name), value in replaced.items():
         setattr(module, name, value)
