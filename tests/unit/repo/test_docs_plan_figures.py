@@ -102,3 +102,18 @@ def test_the_published_moe_peak_tables_are_derived_from_the_committed_json(saved
     text = saved.with_suffix(".txt").read_text()
     assert text.startswith("$ PYTHONPATH=$PWD python scripts/estimate_published.py --model ")
     assert all(_gb(r["estimate_bytes"]) in text for r in records)
+
+
+HYBRID_PAGE = ROOT / "docs" / "tools" / "estimate-precision-hybrid.md"
+HYBRID_PLAN = ROOT / "benchmarks" / "2026-12-01-nemotron-3-nano-peft-plan.txt"
+
+
+def test_the_hybrid_pages_nemotron_figures_are_the_committed_plan_output():
+    """The page abridges the Nemotron 3 Nano plan; its command and every figure line it shows are the committed
+    output's own lines."""
+    text, page = HYBRID_PLAN.read_text().splitlines(), HYBRID_PAGE.read_text()
+    assert text[0].startswith("$ mbx plan ") and text[0] in page.splitlines()
+    shown = [line for line in text if line.startswith(("  activations  mamba ", "  peak  ", "  total  ", "fits as is"))]
+    assert len(shown) == 4
+    for line in shown:
+        assert line in page.splitlines(), line
