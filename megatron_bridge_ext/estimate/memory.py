@@ -655,7 +655,8 @@ def _moe_settings(provider, *, imbalance: float, routed: int, moe_layers: int) -
             "moe_ffn": provider.moe_ffn_hidden_size, "ep": ep, "etp": etp,
             "local_experts": provider.num_moe_experts // ep,
             "moe_token_dispatcher": provider.moe_token_dispatcher_type, "moe_imbalance": imbalance,
-            "moe_layers_on_stage": moe_layers, "routed_tokens_per_layer": routed}
+            "moe_layers_on_stage": moe_layers, "routed_tokens_per_layer": routed,
+            "moe_shared_ffn": getattr(provider, "moe_shared_expert_intermediate_size", None) or 0}
 
 
 def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:

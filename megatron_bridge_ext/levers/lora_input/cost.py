@@ -31,12 +31,20 @@ def _targets(s: dict) -> list[str]:
 
 
 def _layers_with(s: dict, target: str) -> int:
-    """The stage's layers that hold ``target``: every GPT layer; a hybrid model's attention layers for linear_qkv,
-    its MLP and MoE layers (a shared expert's) for linear_fc1."""
+    """The stage's layers whose ``target`` is an eligible LoRA surface: linear_qkv on every GPT layer (a hybrid
+    model's attention layers); linear_fc1 on dense layers (a hybrid model's MLP layers) and on MoE layers only
+    through their shared experts (``moe_shared_ffn``): a routed expert's linear_fc1 takes the dispatched tokens."""
     hybrid = s.get("hybrid_layers")
-    if not hybrid:
-        return s["layers_on_stage"]
-    return hybrid.get("attention", 0) if target == "linear_qkv" else hybrid.get("MLP", 0) + hybrid.get("MoE", 0)
+    moe_layers = hybrid.get("MoE", 0) if hybrid else s.get("moe_layers_on_stage") or 0
+    if target == "linear_qkv":
+        return hybrid.get("attention", 0) if hybrid else s["layers_on_stage"]
+    dense = hybrid.get("MLP", 0) if hybrid else s["layers_on_stage"] - moe_layers
+    return dense + (moe_layers if s.get("moe_shared_ffn") else 0)
+
+
+def eligible_adapters(s: dict) -> int:
+    """The stage's LoRA-A adapters on eligible surfaces (:func:`_layers_with` per entry of :func:`_targets`)."""
+    return sum(_layers_with(s, target) for target in _targets(s))
 
 
 def collective_elements(s: dict, strategy: str, *, stage: int) -> int:
@@ -60,5 +68,5 @@ def collective_change(est, strategy: str) -> tuple[int, str]:
     basis = (f"formula: per eligible adapter and microbatch, {old}: {collectives.formula(old, input_needs_grad=False)} "
              f"(+ {collectives.input_grad_formula(old)} with an input gradient); "
              f"{strategy}: {collectives.formula(strategy)}; "
-             f"x {len(_targets(s))} adapters x {layers} layers x {nmb} microbatches x {e} B")
+             f"x {eligible_adapters(s)} eligible adapters on the stage's {layers} layers x {nmb} microbatches x {e} B")
     return total * nmb * e, basis

@@ -64,6 +64,26 @@ def test_a_hybrid_stage_counts_linear_qkv_on_attention_layers_and_linear_fc1_on_
     seq, b, h, r = 64, 1, 32, 4
     s = {"seq_length": seq, "micro_batch": b, "hidden": h, "lora_dim": r, "layers_on_stage": 5,
          "lora_targets": ["linear_qkv", "linear_fc1", "in_proj"],
-         "hybrid_layers": {"Mamba": 2, "attention": 1, "MoE": 1, "MLP": 1}}
+         "hybrid_layers": {"Mamba": 2, "attention": 1, "MoE": 1, "MLP": 1}, "moe_shared_ffn": 48}
     per_adapter = seq * b * h + seq * b * r + seq * b * h
     assert lora_input_cost.collective_elements(s, "off", stage=0) == 3 * per_adapter
+
+
+@pytest.mark.parametrize("moe_layers, shared_ffn, qkv, fc1", [
+    (0, 0, 4, 4),  # dense: both surfaces on every layer
+    (4, 0, 4, 0),  # every layer MoE without shared experts (Qwen3-30B-A3B): a routed expert's fc1 is no surface
+    (4, 64, 4, 4),  # shared experts: their linear_fc1 is one, on every MoE layer
+    (3, 0, 4, 1),  # one dense layer among MoE layers (moe_layer_freq)
+])
+def test_linear_fc1_counts_on_dense_layers_and_on_moe_layers_only_through_shared_experts(moe_layers, shared_ffn,
+                                                                                          qkv, fc1):
+    """Layer 0's linear_qkv takes the frozen embedding's output on stage 1 as any other layer's input (stage 1: no
+    exemption), so each adapter moves Bridge's s*b*h gather, s*b*r and the s*b*h gradient reduce-scatter."""
+    seq, b, h, r = 64, 1, 32, 4
+    s = {"seq_length": seq, "micro_batch": b, "hidden": h, "lora_dim": r, "layers_on_stage": 4,
+         "lora_targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
+    if moe_layers:
+        s.update(moe_layers_on_stage=moe_layers, moe_shared_ffn=shared_ffn)
+    per_adapter = seq * b * h + seq * b * r + seq * b * h
+    assert lora_input_cost.collective_elements(s, "off", stage=1) == (qkv + fc1) * per_adapter
+    assert lora_input_cost.eligible_adapters(s) == qkv + fc1
