@@ -41,6 +41,9 @@ QWEN3_8B_REGATHER = Evidence(
     "LoRA SFT peak 47.545 GB -> 42.814 GB (-10.0%) for -6.74% throughput with sequence_parallel_input_regather",
     "Megatron Bridge, Qwen3-8B TP2 sequence 8192, H100, SQuAD")
 
+MOE_REGATHER_SOURCE = ("Megatron Bridge, Memory Tuning, LoRA + SP input re-gather: real-checkpoint H100 training on "
+                       "SQuAD (Qwen3-30B-A3B TP4/EP4: -2.89% throughput; GPT-OSS-120B TP2/EP8: -0.34%)")
+
 COST_WITHOUT_EXPANDABLE = (
     f"without expandable segments the caching allocator fragments: {FRAGMENTATION_FIX}; the alternatives "
     f"cost throughput ({PP_DOUBLING.figure}, {TP_DOUBLING.figure}, {MLP_RECOMPUTE.figure})"

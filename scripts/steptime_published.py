@@ -57,6 +57,24 @@ def mixtral(ep: int, tp: int) -> tuple[dict, dict]:
     return s, moe
 
 
+def moe_lora(name: str, strategy: str) -> tuple[dict, dict]:
+    """An MoE model's LoRA layout as ``scripts/estimate_published.py`` estimated it (the committed JSON's first
+    record, Bridge's LoRA: TP, EP, DP, sequence, LoRA targets and rank), with the LoRA-A input ``strategy``."""
+    with open(os.path.join(ROOT, "benchmarks", f"2026-12-01-{name}-lora-estimate.json")) as f:
+        s = dict(json.load(f)[0]["estimate"]["settings"])
+    s["sequence_parallel_input_strategy"] = strategy
+    moe = {"experts": s["num_moe_experts"], "topk": s["moe_router_topk"], "moe_ffn": s["moe_ffn"],
+           "shared_ffn": s.get("moe_shared_ffn", 0), "ep": s["ep"], "etp": s["etp"],
+           "dispatcher": s["moe_token_dispatcher"], "grouped_gemm": False, "pattern": [1] * s["num_layers"]}
+    return s, moe
+
+
+def regather_pair(name: str) -> tuple[dict, dict, dict, dict]:
+    """Settings before and after regather, and the MoE shapes before and after (the same)."""
+    (before, moe), (after, _) = moe_lora(name, "off"), moe_lora(name, "regather")
+    return before, after, moe, moe
+
+
 def throughput_as_time(pct: float) -> float:
     return 100.0 * (1.0 / (1.0 + pct / 100.0) - 1.0)
 
@@ -77,6 +95,10 @@ def cases():
          settings(LLAMA3_70B, tp=4, pp=4, vpp=5, dp=2, recompute=["mlp"], **llama), None, None),
         ("Qwen3-8B LoRA, LoRA-A input regather", -6.74, evidence.QWEN3_8B_REGATHER.source,
          settings(QWEN3_8B, **qwen), settings(QWEN3_8B, strategy="regather", **qwen), None, None),
+        ("Qwen3-30B-A3B LoRA (TP4 EP4), LoRA-A input regather", -2.89, evidence.MOE_REGATHER_SOURCE,
+         *regather_pair("qwen3-30b-a3b")),
+        ("GPT-OSS-120B LoRA (TP2 EP8), LoRA-A input regather", -0.34, evidence.MOE_REGATHER_SOURCE,
+         *regather_pair("gpt-oss-120b")),
         ("Mixtral 8x7B, EP8 TP1 -> EP4 TP2 (slower, no figure)", None, evidence.EP_OVER_TP.source,
          ep8[0], ep4[0], ep8[1], ep4[1]),
     ]
@@ -89,7 +111,9 @@ def main() -> int:
     print(f"device: {device.name} ({device.source})")
     print("assumed: Llama 3 70B: seq 4096, micro-batch 1, global batch 8 (Bridge's llama3_70b_sft recipe), SP off "
           "(the recipe's), distributed optimizer; Qwen3-8B: LoRA r32 on the four linears, seq 8192, micro-batch 1, "
-          "DP 4, SP on; Mixtral 8x7B: 8 GPUs, seq 4096, micro-batch 1, global batch 64, full fine-tuning, SP with TP, "
+          "DP 4, SP on; Qwen3-30B-A3B and GPT-OSS-120B: the layouts of scripts/estimate_published.py (its committed "
+          "JSON: Bridge's recipe LoRA for Qwen3-30B-A3B, its default LoRA for GPT-OSS-120B, sequence 8192, DP 4); "
+          "Mixtral 8x7B: 8 GPUs, seq 4096, micro-batch 1, global batch 64, full fine-tuning, SP with TP, "
           "ETP = TP, all-to-all dispatcher, balanced routing")
     print("| case | published throughput | as step time | predicted step time | before (s) | after (s) | source |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
