@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -441,7 +441,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         moe_layers = len(load.routed_tokens)
         if reduced:
             traced = traced.extended(reduced.sources)
-            layers, moe_layers = len(reduced.sources), sum(reduced.pattern[source] in MOE_KINDS for source in reduced.sources)
+            layers = len(reduced.sources)
+            moe_layers = sum(reduced.pattern[source] in MOE_KINDS for source in reduced.sources)
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
