@@ -49,13 +49,27 @@ def layer_kinds(provider) -> list:
     return list(pattern) if pattern is not None else moe_layer_pattern(provider)
 
 
+def stage_layer_kinds(provider, stage: int) -> list:
+    """The kinds of pipeline stage ``stage``'s layers: a hybrid model's segment of its pattern
+    (:func:`..unmodelled.pipeline_segments`), a GPT model's even share of :func:`layer_kinds` (uneven first and last
+    stages are traced whole, never by kind)."""
+    from megatron_bridge_ext.estimate.unmodelled import pipeline_segments
+
+    segments = pipeline_segments(provider)
+    if segments is not None:
+        return list(segments[stage])
+    size = provider.num_layers // provider.pipeline_model_parallel_size
+    return layer_kinds(provider)[stage * size:(stage + 1) * size]
+
+
 def set_layer_kinds(provider, kinds: list) -> None:
     """Make ``provider`` (a copy) build layers of ``kinds`` (as :func:`layer_kinds` gives them), one stage's worth
-    repeated over its pipeline stages."""
+    repeated over its pipeline stages (a hybrid model's as segments between ``|`` marks)."""
     pp = provider.pipeline_model_parallel_size
     provider.num_layers = len(kinds) * pp
     if is_hybrid(provider):
-        provider.hybrid_layer_pattern, provider.hybrid_override_pattern = "".join(kinds) * pp, None
+        provider.hybrid_layer_pattern, provider.hybrid_override_pattern = "|".join(["".join(kinds)] * pp), None
+        provider.num_layers_in_first_pipeline_stage = provider.num_layers_in_last_pipeline_stage = None
     elif getattr(provider, "num_moe_experts", None):
         provider.moe_layer_freq = list(kinds) * pp
 

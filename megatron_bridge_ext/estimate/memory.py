@@ -22,7 +22,7 @@ import torch
 
 from megatron_bridge_ext.estimate import configs, mamba, precision, routing, static, te, te_fp8, unmodelled
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
-                                                set_layer_kinds)
+                                                set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
@@ -129,9 +129,14 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
         (model.sequence_parallel and tp > 1 and model.seq_length % tp, "model.seq_length",
          f"sequence {model.seq_length} is not divisible by TP={tp} (sequence parallelism splits it)"),
         (model.num_layers % pp and not (model.num_layers_in_first_pipeline_stage
-                                        or model.num_layers_in_last_pipeline_stage),
+                                        or model.num_layers_in_last_pipeline_stage) and not _piped(model),
          "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {model.num_layers} layers"),
     ]
+    segments = unmodelled.pipeline_segments(model) if _piped(model) else None
+    if segments is not None and len(segments) != pp:
+        checks.append((True, "model.hybrid_layer_pattern",
+                       f"its {len(segments)} pipeline segments ('|' marks) are not PP={pp} (Megatron Core gives each "
+                       "stage one segment)"))
     vpp = model.virtual_pipeline_model_parallel_size
     if vpp and vpp > 1:
         checks.append(((model.num_layers // pp) % vpp, "model.virtual_pipeline_model_parallel_size",
@@ -153,6 +158,12 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
                f"is off with TP={tp} on an MoE model: Megatron Core's MoE layer refuses to train so "
                "(moe/moe_layer.py, MoELayer.forward)", "set model.sequence_parallel=True")
     return out
+
+
+def _piped(model) -> bool:
+    """A hybrid model whose pattern marks its pipeline stages with ``|``."""
+    raw = getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None) or ""
+    return unmodelled.PIPE in raw.split(unmodelled.MTP_SEPARATOR, 1)[0]
 
 
 def _fp4(setting: str) -> Finding:
@@ -323,6 +334,8 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
         raise Refused(WHAT, problems)
     pp = prepared.provider.pipeline_model_parallel_size
     stages = [0] if pp == 1 else [0, pp - 1]
+    if is_hybrid(prepared.provider):  # its segments need not hold equal layers: every stage is a candidate
+        stages = list(range(pp))
     results = [_estimate_stage(prepared, stage, attention=attention, impl=impl, device=device,
                                imbalance=float(moe_imbalance)) for stage in stages]
     best = max(results, key=lambda r: r.peak_bytes)
@@ -381,21 +394,20 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
     the same spec) saves: its input is the previous layer's fresh output whatever that layer's kind. So the stage
     is traced as its first layer, then one layer of each kind that follows, in the order they first follow (at
     least :data:`TRACED_LAYERS` layers), and each later layer repeats the last traced layer of its kind. The
-    shortcut needs an even pipeline split without embedding or loss in it, no interleaving and no full recompute
-    (whose checkpoints the decoder keeps outside the layers).
+    shortcut needs an even pipeline split without embedding or loss in it (a hybrid model's stage is its segment of
+    the pattern, whatever its length), no interleaving and no full recompute (whose checkpoints the decoder keeps
+    outside the layers).
     """
-    from megatron_bridge_ext.estimate.build import layer_kinds
-
     pp = provider.pipeline_model_parallel_size
-    size = provider.num_layers // pp
-    even = not (provider.num_layers_in_first_pipeline_stage or provider.num_layers_in_last_pipeline_stage
-                or getattr(provider, "account_for_embedding_in_pipeline_split", False)
-                or getattr(provider, "account_for_loss_in_pipeline_split", False))
-    if (not (getattr(provider, "num_moe_experts", None) or is_hybrid(provider)) or size <= TRACED_LAYERS or not even
-            or provider.num_layers % pp or (provider.virtual_pipeline_model_parallel_size or 1) > 1
-            or provider.recompute_granularity == "full"):
+    hybrid = is_hybrid(provider)
+    even = hybrid or not (provider.num_layers_in_first_pipeline_stage or provider.num_layers_in_last_pipeline_stage
+                          or getattr(provider, "account_for_embedding_in_pipeline_split", False)
+                          or getattr(provider, "account_for_loss_in_pipeline_split", False)
+                          or provider.num_layers % pp)
+    layers = stage_layer_kinds(provider, stage) if even else []
+    if (not (getattr(provider, "num_moe_experts", None) or hybrid) or len(layers) <= TRACED_LAYERS or not even
+            or (provider.virtual_pipeline_model_parallel_size or 1) > 1 or provider.recompute_granularity == "full"):
         return None
-    layers = layer_kinds(provider)[stage * size:(stage + 1) * size]
     pattern = [layers[0]] + list(dict.fromkeys(layers[1:]))
     pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
     last = {kind: index for index, kind in enumerate(pattern)}
@@ -475,8 +487,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
                                     "allocated by the forward and kept"))
-    kinds = set(layer_kinds(provider))
     hybrid = is_hybrid(provider)
+    kinds = set(stage_layer_kinds(provider, stage) if hybrid else layer_kinds(provider))
     components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
                               recomputed_layer=recomputed_layer, routed=routed,
                               dense_layers=HYBRID_MLP in kinds if hybrid else layers > moe_layers,
@@ -703,17 +715,17 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         "attention": attention, "transformer_impl": impl, "device": device,
         "distributed_optimizer": bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
         **_peft_settings(prepared.peft),
-        **_hybrid_settings(p),
+        **_hybrid_settings(p, stage),
     }
 
 
-def _hybrid_settings(provider) -> dict[str, Any]:
-    """A hybrid model's layers by kind (``hybrid_layers``, in the pattern's symbols' order) and its Mamba mixer's
-    sizes (``mamba``), else nothing."""
+def _hybrid_settings(provider, stage: int) -> dict[str, Any]:
+    """A hybrid model's layers on ``stage`` by kind (``hybrid_layers``, in the pattern's symbols' order) and its
+    Mamba mixer's sizes (``mamba``), else nothing."""
     pattern = unmodelled.hybrid_pattern(provider)
     if pattern is None:
         return {}
-    out: dict[str, Any] = {"hybrid_layers": unmodelled.layer_counts(pattern)}
+    out: dict[str, Any] = {"hybrid_layers": unmodelled.layer_counts("".join(stage_layer_kinds(provider, stage)))}
     if HYBRID_MAMBA in pattern:  # the whole mixer's sizes (TP divides heads and groups)
         out["mamba"] = dataclasses.asdict(mamba.shapes(provider, tp=1))
     return out

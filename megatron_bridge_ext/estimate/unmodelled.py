@@ -4,9 +4,10 @@ Some things a config can switch on are outside every figure here, and a plan tha
 them would read as if they were counted:
 
 * of a hybrid model (Nemotron-H, Nemotron 3 Nano: Bridge's ``HybridModelProvider``,
-  ``hybrid_layer_pattern``), the layer kinds other than Mamba, attention, MLP and MoE, and pipeline
-  stages: our estimate refuses those by name (:func:`hybrid_findings`); its Mamba layers are traced
-  with stand-ins for the ``mamba_ssm`` kernels (:mod:`.mamba`). Bridge's formula reads no layer
+  ``hybrid_layer_pattern``), the layer kinds other than Mamba, attention, MLP and MoE: our estimate
+  refuses those by name (:func:`hybrid_findings`); its Mamba layers are traced with stand-ins for
+  the ``mamba_ssm`` kernels (:mod:`.mamba`), each pipeline stage with its segment of the pattern
+  (:func:`pipeline_segments`). Bridge's formula reads no layer
   pattern and has no Mamba term: it counts every layer as attention plus MLP or MoE (:func:`bridge_caveat`);
 * CUDA graphs (``cuda_graph_impl``, or the deprecated ``enable_cuda_graph`` /
   ``external_cuda_graph`` that Core's ``TransformerConfig.__post_init__`` turns into it): each
@@ -39,6 +40,33 @@ def hybrid_pattern(model) -> Optional[str]:
     return pattern.split(MTP_SEPARATOR, 1)[0].replace(PIPE, "")
 
 
+def pipeline_segments(model) -> Optional[list[str]]:
+    """Each pipeline stage's layer pattern of a hybrid model, as Megatron Core's ``select_pipeline_segment``
+    (``models/hybrid/hybrid_layer_allocation.py``) gives the stages their layers: the main pattern split at its
+    ``|`` marks, or without marks an even split over the pipeline stages (uneven with
+    ``num_layers_in_first_pipeline_stage`` / ``..._last_...``); None for any other model."""
+    raw = getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None)
+    if not raw:
+        return None
+    main = raw.split(MTP_SEPARATOR, 1)[0]
+    if PIPE in main:
+        return main.split(PIPE)
+    pp = getattr(model, "pipeline_model_parallel_size", 1) or 1
+    first = getattr(model, "num_layers_in_first_pipeline_stage", None)
+    last = getattr(model, "num_layers_in_last_pipeline_stage", None)
+    middle = pp - (first is not None) - (last is not None)
+    rest = len(main) - (first or 0) - (last or 0)
+    per = rest // middle if middle > 0 else 0
+    sizes = ([first] if first is not None else []) + [per] * middle + ([last] if last is not None else [])
+    if pp == 1:
+        sizes = [len(main)]
+    out, start = [], 0
+    for size in sizes:
+        out.append(main[start:start + size])
+        start += size
+    return out
+
+
 def layer_counts(pattern: str) -> dict[str, int]:
     """How many layers of each kind the pattern has, by name, in the order of :data:`LAYER_NAMES`."""
     return {name: pattern.count(symbol) for symbol, name in LAYER_NAMES.items() if pattern.count(symbol)}
@@ -50,8 +78,8 @@ MODELLED = frozenset("M*-E")
 
 def hybrid_findings(model) -> list[Finding]:
     """What of a hybrid model the estimate does not model, each by name: layer kinds other than Mamba, attention,
-    MLP and MoE, and pipeline stages (Core splits the pattern at its ``|`` marks; not traced here). Empty for a
-    hybrid model the estimate traces and for any other model."""
+    MLP and MoE, low precision on Mamba layers, the mixer's unfused path, and virtual pipelines (which Bridge's
+    provider refuses). Empty for a hybrid model the estimate traces and for any other model."""
     pattern = hybrid_pattern(model)
     if pattern is None:
         return []
@@ -75,11 +103,10 @@ def hybrid_findings(model) -> list[Finding]:
                            "low precision on a hybrid model's Mamba layers is not modelled by our estimate (the "
                            "quantised copies of in_proj and out_proj are not counted)",
                            "estimate the bf16 config (mixed_precision=bf16_mixed)"))
-    if (getattr(model, "pipeline_model_parallel_size", 1) or 1) > 1:
-        out.append(Finding("unsupported_model", ERROR, "model.pipeline_model_parallel_size",
-                           "pipeline stages of a hybrid model are not modelled by our estimate (Core splits its "
-                           "layer pattern at the '|' marks)",
-                           "estimate with pipeline_model_parallel_size=1, or read Bridge's figure beside it"))
+    if (getattr(model, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        out.append(Finding("unsupported_model", ERROR, "model.virtual_pipeline_model_parallel_size",
+                           "is set on a hybrid model: Bridge's HybridModelProvider refuses virtual pipelines "
+                           "(provide() asserts it is None)", "unset it (one model chunk per pipeline stage)"))
     return out
 
 

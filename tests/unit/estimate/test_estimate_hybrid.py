@@ -150,12 +150,59 @@ def test_mamba_modules_and_hybrid_norms_have_their_categories():
     assert MAMBA in CATEGORIES
 
 
-def test_pipeline_stages_of_a_hybrid_model_are_refused_by_name():
-    cfg = _tiny(dp=1, extra=["model.pipeline_model_parallel_size=2", "model.hybrid_layer_pattern=ME|M*",
-                             "model.num_layers=4"])
-    with pytest.raises(memory.NotModelled) as raised:
-        memory.estimate(cfg)
-    assert [f.setting for f in raised.value.findings] == ["model.pipeline_model_parallel_size"]
+def test_every_pipeline_stage_of_a_hybrid_model_is_a_candidate_and_traces_its_own_segment():
+    """``M|MMM|M`` on PP 3: Core gives each stage one segment. The middle stage holds 3 Mamba layers with 2
+    microbatches in flight (1F1B: PP - stage), more than the first (1 layer, 3 in flight) or the last (1 layer and
+    the loss): it is the one reported, with its own layers' saves."""
+    cfg = _tiny(dp=1, pattern="M|MMM|M", extra=["model.pipeline_model_parallel_size=3", "model.num_layers=5"])
+    cfg.train.global_batch_size = 8
+    est = memory.estimate(cfg)
+    assert sorted(est.stage_peaks) == [0, 1, 2]
+    assert est.stage == 1 and est.in_flight_microbatches == 2
+    assert est.settings["hybrid_layers"] == {"Mamba": 3} and est.settings["layers_on_stage"] == 3
+    assert est.activations_per_microbatch[MAMBA] == 3 * _mamba_layer_bytes(tp=2)
+
+
+def test_a_hybrid_stage_is_reduced_by_the_kinds_of_its_own_segment():
+    cfg = _tiny(dp=1, pattern="MEM*E|M-MEM", extra=["model.pipeline_model_parallel_size=2", "model.num_layers=10"])
+    first, second = memory.traced_layers(cfg.model, 0), memory.traced_layers(cfg.model, 1)
+    assert (first.pattern, first.sources) == (["M", "E", "M", "*"], [0, 1, 2, 3, 1])
+    assert (second.pattern, second.sources) == (["M", "-", "M", "E"], [0, 1, 2, 3, 2])
+
+
+@pytest.mark.parametrize("fields, segments", [
+    ({"hybrid_layer_pattern": "MM*|M-/E"}, ["MM*", "M-"]),  # '|' marks the stages; '/' starts the MTP layers
+    ({"hybrid_layer_pattern": "MM*M-E"}, ["MM*", "M-E"]),  # no marks: an even split
+    ({"hybrid_layer_pattern": "MM*M-E", "num_layers_in_first_pipeline_stage": 2}, ["MM", "*M-E"]),
+    ({"hybrid_layer_pattern": "MM*M-E", "num_layers_in_last_pipeline_stage": 1}, ["MM*M-", "E"]),
+])
+def test_pipeline_segments_follow_cores_split(fields, segments):
+    from types import SimpleNamespace
+
+    from megatron_bridge_ext.estimate import unmodelled
+
+    model = SimpleNamespace(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=None,
+                            num_layers_in_last_pipeline_stage=None)
+    model.__dict__.update(fields)
+    assert unmodelled.pipeline_segments(model) == segments
+
+
+def test_the_reduced_trace_of_a_hybrid_pipeline_stage_equals_its_whole_trace(monkeypatch):
+    cfg = _tiny(dp=1, pattern="MEM*E|M-MEM", extra=["model.pipeline_model_parallel_size=2", "model.num_layers=10"])
+    cfg.train.global_batch_size = 4
+    fast = memory.estimate(cfg)
+    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
+    whole = memory.estimate(cfg)
+    assert fast.stage_peaks == whole.stage_peaks
+    assert fast.activations_per_layer == whole.activations_per_layer
+    assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]
+
+
+def test_a_pattern_whose_segments_are_not_the_pipeline_stages_is_a_layout_problem():
+    cfg = _tiny(dp=1, pattern="MM|M*|-", extra=["model.pipeline_model_parallel_size=2", "model.num_layers=5"])
+    problems = memory.parallel_problems(cfg.model, micro_batch=1)
+    assert [p.setting for p in problems] == ["model.hybrid_layer_pattern"]
+    assert "3 pipeline segments" in problems[0].message
 
 
 def test_a_tp_that_does_not_divide_the_mamba_groups_is_a_layout_problem():

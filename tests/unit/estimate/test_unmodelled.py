@@ -1,5 +1,5 @@
-"""What the estimate leaves out, named: a hybrid model's untraced layer kinds and pipeline stages, CUDA graph
-memory pools."""
+"""What the estimate leaves out, named: a hybrid model's untraced layer kinds, low precision on its Mamba layers,
+virtual pipelines; CUDA graph memory pools."""
 
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ def test_the_deprecated_override_pattern_is_read_too():
 
 
 @pytest.mark.parametrize("fields, setting", [
-    ({"pipeline_model_parallel_size": 2}, "model.pipeline_model_parallel_size"),
+    ({"virtual_pipeline_model_parallel_size": 2}, "model.virtual_pipeline_model_parallel_size"),
     ({"fp8": "hybrid"}, "model.fp8"),
     ({"fp4": "nvfp4"}, "model.fp4"),
     ({"use_mamba_mem_eff_path": False}, "model.use_mamba_mem_eff_path"),
 ])
-def test_pipeline_stages_and_low_precision_of_a_mamba_hybrid_are_named(fields, setting):
+def test_virtual_pipelines_low_precision_and_the_unfused_path_of_a_mamba_hybrid_are_named(fields, setting):
     [finding] = unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*M-", **fields))
     assert finding.setting == setting and finding.fix
 
@@ -53,7 +53,7 @@ def test_low_precision_without_mamba_layers_is_left_to_the_precision_model():
     assert unmodelled.hybrid_findings(_model(hybrid_layer_pattern="*-*E", fp8="hybrid")) == []
 
 
-@pytest.mark.parametrize("fields", [{}, {"hybrid_layer_pattern": None}, {"pipeline_model_parallel_size": 4}])
+@pytest.mark.parametrize("fields", [{}, {"hybrid_layer_pattern": None}, {"virtual_pipeline_model_parallel_size": 4}])
 def test_a_model_without_a_pattern_is_no_hybrid(fields):
     assert unmodelled.hybrid_findings(_model(**fields)) == []
 
