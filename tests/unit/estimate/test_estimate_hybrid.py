@@ -67,9 +67,16 @@ def test_the_reduced_trace_of_a_hybrid_stage_equals_the_whole_trace(monkeypatch)
     reduced = memory.traced_layers(cfg.model)
     assert reduced.pattern == ["M", "E", "M", "*", "-"]
     assert reduced.sources == [0, 1, 2, 3, 1, 2, 1, 2, 4, 1]
+    _assert_reduced_equals_whole(cfg, monkeypatch)
+
+
+def _assert_reduced_equals_whole(cfg, monkeypatch):
+    """The estimate with each stage traced by kind equals the one with every layer traced: per stage peak, per
+    category and layer, per component."""
     fast = memory.estimate(cfg)
     monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
     whole = memory.estimate(cfg)
+    assert fast.stage_peaks == whole.stage_peaks
     assert fast.activations_per_microbatch == whole.activations_per_microbatch
     assert fast.activations_per_layer == whole.activations_per_layer
     assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]
@@ -190,12 +197,7 @@ def test_pipeline_segments_follow_cores_split(fields, segments):
 def test_the_reduced_trace_of_a_hybrid_pipeline_stage_equals_its_whole_trace(monkeypatch):
     cfg = _tiny(dp=1, pattern="MEM*E|M-MEM", extra=["model.pipeline_model_parallel_size=2", "model.num_layers=10"])
     cfg.train.global_batch_size = 4
-    fast = memory.estimate(cfg)
-    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
-    whole = memory.estimate(cfg)
-    assert fast.stage_peaks == whole.stage_peaks
-    assert fast.activations_per_layer == whole.activations_per_layer
-    assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]
+    _assert_reduced_equals_whole(cfg, monkeypatch)
 
 
 def test_a_pattern_whose_segments_are_not_the_pipeline_stages_is_a_layout_problem():
