@@ -57,18 +57,12 @@ class _SplitConvScanSaves(torch.autograd.Function):
         nheads = dt_bias.shape[0]
         out_x = zxbcdt.new_empty(batch, seqlen, nheads, headdim)
         out = zxbcdt.new_empty(batch, seqlen, nheads * headdim)
-        saved = [zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias]
-        ctx.save_for_backward(*[t for t in saved if t is not None])
-        ctx.with_bias, ctx.with_d = conv1d_bias is not None, D is not None
+        ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias)  # None saves nothing
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = list(ctx.saved_tensors)
-        zxbcdt, weight = saved[0], saved[1]
-        bias = saved[2] if ctx.with_bias else None
-        rest = saved[3 if ctx.with_bias else 2:]
-        A, D, dt_bias = rest[1], rest[2] if ctx.with_d else None, rest[-1]
+        zxbcdt, weight, bias, _, A, D, dt_bias = ctx.saved_tensors
         grads = [torch.empty_like(t) if t is not None else None for t in (zxbcdt, weight, bias, dt_bias, A, D)]
         return (*grads, None)
 

@@ -144,7 +144,7 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     dim = getattr(peft, "dim", None)
     if dim and tp > 1:
         checks.append((dim % tp, "peft.dim", f"LoRA rank {dim} is not divisible by TP={tp} (Bridge shards LoRA-A on it)"))
-    if is_hybrid(model) and HYBRID_MAMBA in layer_kinds(model):
+    if is_hybrid(model) and unmodelled.MAMBA in layer_kinds(model):
         m = mamba.shapes(model, tp=1)
         checks += [(m.heads % tp, "model.tensor_model_parallel_size",
                     f"TP={tp} does not divide the {m.heads} Mamba heads"),
@@ -162,8 +162,7 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
 
 def _piped(model) -> bool:
     """A hybrid model whose pattern marks its pipeline stages with ``|``."""
-    raw = getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None) or ""
-    return unmodelled.PIPE in raw.split(unmodelled.MTP_SEPARATOR, 1)[0]
+    return unmodelled.PIPE in (unmodelled.main_pattern(model) or "")
 
 
 def _fp4(setting: str) -> Finding:
@@ -414,8 +413,7 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
     return ReducedStage(pattern, [0] + [last[kind] for kind in layers[1:]])
 
 
-HYBRID_MAMBA, HYBRID_MLP = "M", "-"
-MOE_KINDS = (1, "E")
+MOE_KINDS = (1, unmodelled.MOE)
 """The kinds of :func:`..build.layer_kinds` that are MoE layers."""
 
 
@@ -432,9 +430,10 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     sp = bool(provider.sequence_parallel) and tp > 1
     rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
     load = routing.RoutedLoad(imbalance)
+    hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
             routing.balanced_routing(load), routing.in_order_streams(), \
-            (mamba.mamba_kernels() if is_hybrid(provider) else contextlib.nullcontext()):
+            (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
@@ -487,12 +486,11 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
                                     "allocated by the forward and kept"))
-    hybrid = is_hybrid(provider)
     kinds = set(stage_layer_kinds(provider, stage) if hybrid else layer_kinds(provider))
     components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
                               recomputed_layer=recomputed_layer, routed=routed,
-                              dense_layers=HYBRID_MLP in kinds if hybrid else layers > moe_layers,
-                              mamba_layers=hybrid and HYBRID_MAMBA in kinds)
+                              dense_layers=unmodelled.MLP in kinds if hybrid else layers > moe_layers,
+                              mamba_layers=hybrid and unmodelled.MAMBA in kinds)
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
     if getattr(provider, "num_moe_experts", None):
         settings.update(_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
@@ -726,7 +724,7 @@ def _hybrid_settings(provider, stage: int) -> dict[str, Any]:
     if pattern is None:
         return {}
     out: dict[str, Any] = {"hybrid_layers": unmodelled.layer_counts("".join(stage_layer_kinds(provider, stage)))}
-    if HYBRID_MAMBA in pattern:  # the whole mixer's sizes (TP divides heads and groups)
+    if unmodelled.MAMBA in pattern:  # the whole mixer's sizes (TP divides heads and groups)
         out["mamba"] = dataclasses.asdict(mamba.shapes(provider, tp=1))
     return out
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 from megatron_bridge_ext.findings import ERROR, Finding
 
-MAMBA = "M"
+MAMBA, MLP, MOE = "M", "-", "E"
 LAYER_NAMES = {"M": "Mamba", "G": "gated delta net", "*": "attention", "D": "DeepSeek sparse attention",
                "+": "multi-latent attention", "-": "MLP", "E": "MoE"}
 """The layer symbols of Megatron Core's hybrid pattern (``models/hybrid/hybrid_layer_allocation.py``, ``Symbols``)."""
@@ -34,10 +34,15 @@ def hybrid_pattern(model) -> Optional[str]:
     Bridge's provider takes the deprecated ``hybrid_override_pattern`` as ``hybrid_layer_pattern`` in
     ``finalize``; before that either field may hold it.
     """
+    main = main_pattern(model)
+    return None if main is None else main.replace(PIPE, "")
+
+
+def main_pattern(model) -> Optional[str]:
+    """The main decoder's layer pattern of a hybrid model as given, pipeline marks kept (MTP layers left out), or
+    None."""
     pattern = getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None)
-    if not pattern:
-        return None
-    return pattern.split(MTP_SEPARATOR, 1)[0].replace(PIPE, "")
+    return pattern.split(MTP_SEPARATOR, 1)[0] if pattern else None
 
 
 def pipeline_segments(model) -> Optional[list[str]]:
@@ -45,21 +50,20 @@ def pipeline_segments(model) -> Optional[list[str]]:
     (``models/hybrid/hybrid_layer_allocation.py``) gives the stages their layers: the main pattern split at its
     ``|`` marks, or without marks an even split over the pipeline stages (uneven with
     ``num_layers_in_first_pipeline_stage`` / ``..._last_...``); None for any other model."""
-    raw = getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None)
-    if not raw:
+    main = main_pattern(model)
+    if main is None:
         return None
-    main = raw.split(MTP_SEPARATOR, 1)[0]
     if PIPE in main:
         return main.split(PIPE)
     pp = getattr(model, "pipeline_model_parallel_size", 1) or 1
+    if pp == 1:
+        return [main]
     first = getattr(model, "num_layers_in_first_pipeline_stage", None)
     last = getattr(model, "num_layers_in_last_pipeline_stage", None)
     middle = pp - (first is not None) - (last is not None)
     rest = len(main) - (first or 0) - (last or 0)
     per = rest // middle if middle > 0 else 0
     sizes = ([first] if first is not None else []) + [per] * middle + ([last] if last is not None else [])
-    if pp == 1:
-        sizes = [len(main)]
     out, start = [], 0
     for size in sizes:
         out.append(main[start:start + size])

@@ -165,10 +165,16 @@ def mamba_linear_flops(s: dict) -> int:
     """Forward FLOPs of one Mamba mixer's projections per microbatch on a TP rank (``s["mamba"]``: the whole mixer's
     sizes): ``in_proj`` h -> 2 d_inner + 2 groups state + heads and ``out_proj`` d_inner -> h, on the whole sequence
     (``in_proj`` gathers it under SP)."""
-    m, tokens = s["mamba"], s["seq_length"] * s["micro_batch"]
-    inner = m["heads"] * m["head_dim"]
-    in_proj = 2 * inner + 2 * m["groups"] * m["state"] + m["heads"]
-    return (2 * tokens * s["hidden"] * in_proj + 2 * tokens * inner * s["hidden"]) // s["tp"]
+    m, tokens = _mamba_shapes(s), s["seq_length"] * s["micro_batch"]
+    return (2 * tokens * s["hidden"] * m.in_proj + 2 * tokens * m.inner * s["hidden"]) // s["tp"]
+
+
+def _mamba_shapes(s: dict):
+    """The whole mixer's sizes the estimate's settings carry (``s["mamba"]``), as :class:`..estimate.mamba.MambaShapes`
+    (its ``inner``, ``in_proj`` widths)."""
+    from megatron_bridge_ext.estimate.mamba import MambaShapes
+
+    return MambaShapes(**s["mamba"])
 
 
 def mamba_scan_flops(s: dict) -> int:
@@ -239,8 +245,10 @@ def recompute_hbm_bytes(s: dict) -> int:
     if s["recompute_granularity"] != "selective" or "layernorm" not in s["recompute_modules"]:
         return 0
     seq = s["seq_length"] // s["tp"] if s["sequence_parallel"] else s["seq_length"]
-    hybrid = s.get("hybrid_layers")
-    norms = (s["layers_on_stage"] - hybrid.get("Mamba", 0)) if hybrid else 2 * s["layers_on_stage"]
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+
+    norms = (s["layers_on_stage"] - layer_counts(s, None).mamba if s.get("hybrid_layers")
+             else 2 * s["layers_on_stage"])
     return 2 * seq * s["micro_batch"] * s["hidden"] * element_size(s) * norms
 
 
@@ -276,9 +284,8 @@ def trainable_params(s: dict, moe: Optional[dict] = None) -> int:
     mlp = {"linear_fc1": (h, ffn), "linear_fc2": (s["ffn"], h)}
     mamba = {}
     if s.get("mamba"):
-        m = s["mamba"]
-        inner = m["heads"] * m["head_dim"]
-        mamba = {"in_proj": (h, 2 * inner + 2 * m["groups"] * m["state"] + m["heads"]), "out_proj": (inner, h)}
+        m = _mamba_shapes(s)
+        mamba = {"in_proj": (h, m.in_proj), "out_proj": (m.inner, h)}
     counts = layer_counts(s, moe)
     if s.get("hybrid_layers"):  # a layer holds one part; an MoE layer's experts go over expert DP
         parts = [(attention, counts.attention), (mlp, counts.mlp), (mamba, counts.mamba)]

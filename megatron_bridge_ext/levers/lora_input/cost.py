@@ -34,11 +34,16 @@ def _layers_with(s: dict, target: str) -> int:
     """The stage's layers whose ``target`` is an eligible LoRA surface: linear_qkv on every GPT layer (a hybrid
     model's attention layers); linear_fc1 on dense layers (a hybrid model's MLP layers) and on MoE layers only
     through their shared experts (``moe_shared_ffn``): a routed expert's linear_fc1 takes the dispatched tokens."""
-    hybrid = s.get("hybrid_layers")
-    moe_layers = hybrid.get("MoE", 0) if hybrid else s.get("moe_layers_on_stage") or 0
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+
+    if s.get("hybrid_layers"):
+        counts = layer_counts(s, None)
+        attention, dense, moe_layers = counts.attention, counts.mlp, counts.moe
+    else:
+        moe_layers = s.get("moe_layers_on_stage") or 0
+        attention, dense = s["layers_on_stage"], s["layers_on_stage"] - moe_layers
     if target == "linear_qkv":
-        return hybrid.get("attention", 0) if hybrid else s["layers_on_stage"]
-    dense = hybrid.get("MLP", 0) if hybrid else s["layers_on_stage"] - moe_layers
+        return attention
     return dense + (moe_layers if s.get("moe_shared_ffn") else 0)
 
 

@@ -129,8 +129,8 @@ HYBRID_NAMES = {"attention": "attention", "mlp": "MLP", "moe": "MoE", "mamba": "
 
 
 def layer_counts(s: dict, moe: Optional[dict]) -> LayerCounts:
-    """The estimated stage's layers by kind: a hybrid model's counts from its settings (``hybrid_layers``; its
-    stage is the whole model, the estimate refusing pipeline stages there), else :func:`stage_layer_kinds`."""
+    """The estimated stage's layers by kind: a hybrid model's from its settings (``hybrid_layers``, the stage's own
+    segment of its pattern), else :func:`stage_layer_kinds`."""
     hybrid = s.get("hybrid_layers")
     if hybrid:
         return LayerCounts(**{field: hybrid.get(name, 0) for field, name in HYBRID_NAMES.items()})
