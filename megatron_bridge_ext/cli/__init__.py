@@ -8,11 +8,10 @@ Each subcommand parses its options and calls the module that does the work (``mb
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 
-from megatron_bridge_ext.cli import env, patches, plan
+from megatron_bridge_ext.cli import diagnose, env, patches, plan
 
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 """Megatron Core's ``TransformerConfig.cuda_graph_impl`` values (0.17-0.19)."""
@@ -25,10 +24,6 @@ mbx patches --apply --verbose    # apply them to this process; each target and r
 ENV_EXAMPLES = """
 mbx env                          # the allocator settings torch reads now, and what setup would change
 mbx env --nccl-ub --json         # the guard findings for a job with NCCL user buffers, as JSON
-"""
-DIAGNOSE_EXAMPLES = """
-mbx diagnose oom_rank0.json                      # an OOM report written by the OOM handler
-mbx diagnose stats.json --total-memory 80GiB --expandable-segments off
 """
 RUN_EXAMPLES = """
 mbx run -- torchrun --nproc_per_node=8 pretrain.py
@@ -51,26 +46,6 @@ def _parser(sub, name: str, examples: str, **kwargs) -> argparse.ArgumentParser:
     """A subcommand whose --help ends with worked examples (kept as written)."""
     return sub.add_parser(name, epilog="examples:\n" + textwrap.indent(examples.strip("\n"), "  "),
                           formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-
-
-def _diagnose(args: argparse.Namespace) -> int:
-    from megatron_bridge_ext.sizes import SizeError, parse_size
-
-    try:  # the size first: a bad one is refused before the file is read
-        total_memory = None if args.total_memory is None else parse_size(args.total_memory, "--total-memory")
-    except SizeError as error:
-        print(f"mbx diagnose: {error}", file=sys.stderr)
-        return 2
-    from megatron_bridge_ext.diagnose import diagnose_file
-
-    expandable = {"on": True, "off": False, None: None}[args.expandable_segments]
-    try:
-        diagnosis = diagnose_file(args.stats, total_memory=total_memory, expandable_segments=expandable)
-    except (OSError, ValueError) as error:
-        print(f"mbx diagnose: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(diagnosis.to_dict(), indent=2) if args.json else diagnosis.format())
-    return 0
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -152,18 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON (default: text)")
     p.set_defaults(func=env.command)
 
-    p = _parser(sub, "diagnose", DIAGNOSE_EXAMPLES,
-                help="fragmentation or capacity: diagnose an OOM from a memory_stats() JSON dump or an OOM report")
-    p.add_argument("stats", help="JSON of torch.cuda.memory_stats(), or oom_rank<N>.json written by the OOM handler")
-    p.add_argument("--total-memory", metavar="SIZE", default=None,
-                   help="device memory with its unit: 80GiB (2^30 bytes) or 85.5GB (10^9 bytes); a GPU sold as "
-                        "\"80GB\" holds about 80GiB (default: the OOM report's figure; none for a stats dump)")
-    p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
-                   help="allocator state at the OOM, when the file does not say (default: the OOM report's, "
-                        "else unknown)")
-    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON (default: text)")
-    p.set_defaults(func=_diagnose)
-
+    diagnose.add_parser(sub, _parser)
     plan.add_parser(sub, _parser)
 
     sub.add_parser("run", help="turn on expandable segments and megatron_bridge_ext.init()'s import hooks for the "

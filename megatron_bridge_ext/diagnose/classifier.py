@@ -265,6 +265,24 @@ def parse_oom_message(message: str) -> dict[str, Optional[int]]:
             "free_bytes": find(r"of which ")}
 
 
+def diagnose_data(data: Mapping[str, Any], *, total_memory: Optional[int] = None,
+                  expandable_segments: Optional[bool] = None) -> Diagnosis:
+    """Diagnose a ``torch.cuda.memory_stats()`` dictionary or an OOM report of :class:`OOMHandler` (parsed JSON)."""
+    if "stats" not in data:
+        return classify(data, total_memory=total_memory, expandable_segments=expandable_segments)
+    allocator = data.get("allocator", {})  # an OOM report of OOMHandler
+    if allocator is None:
+        allocator = {}
+    if not isinstance(allocator, dict):
+        raise ValueError(f"allocator is {allocator!r}; an OOM report holds an object there")
+    recorded = allocator.get("expandable_segments")
+    if recorded is not None and not isinstance(recorded, bool):
+        raise ValueError(f"allocator.expandable_segments is {recorded!r}; it must be true, false or null")
+    return classify(data["stats"], total_memory=total_memory if total_memory is not None else data.get("total_memory"),
+                    expandable_segments=expandable_segments if expandable_segments is not None else recorded,
+                    request_bytes=data.get("request_bytes"))
+
+
 def diagnose_file(path: str, *, total_memory: Optional[int] = None,
                   expandable_segments: Optional[bool] = None) -> Diagnosis:
     """Diagnose a JSON dump of ``torch.cuda.memory_stats()`` or an OOM report of :class:`OOMHandler`."""
@@ -276,18 +294,6 @@ def diagnose_file(path: str, *, total_memory: Optional[int] = None,
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object (memory_stats() or an OOM report), got {type(data).__name__}")
     try:
-        if "stats" not in data:
-            return classify(data, total_memory=total_memory, expandable_segments=expandable_segments)
-        allocator = data.get("allocator", {})  # an OOM report of OOMHandler
-        if allocator is None:
-            allocator = {}
-        if not isinstance(allocator, dict):
-            raise ValueError(f"allocator is {allocator!r}; an OOM report holds an object there")
-        recorded = allocator.get("expandable_segments")
-        if recorded is not None and not isinstance(recorded, bool):
-            raise ValueError(f"allocator.expandable_segments is {recorded!r}; it must be true, false or null")
-        return classify(data["stats"], total_memory=total_memory if total_memory is not None else data.get("total_memory"),
-                        expandable_segments=expandable_segments if expandable_segments is not None else recorded,
-                        request_bytes=data.get("request_bytes"))
+        return diagnose_data(data, total_memory=total_memory, expandable_segments=expandable_segments)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None

@@ -1,0 +1,110 @@
+"""``mbx diagnose``: parsing and printing only; the readers and the classifier are :mod:`megatron_bridge_ext.diagnose`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from megatron_bridge_ext.sizes import TIB
+
+EXAMPLES = """
+mbx diagnose train.log                           # a merged log of every rank (torchrun, srun, mpirun prefixes)
+mbx diagnose logs/ --tp 2 --pp 2 --plot ranks.png  # a directory of per-rank logs; per-rank bars by stage
+mbx diagnose oom_rank0.json                      # an OOM report written by the OOM handler
+mbx diagnose memory_snapshot_rank3.pickle        # a memory snapshot (torch.cuda.memory._dump_snapshot)
+mbx diagnose stats.json --total-memory 80GiB --expandable-segments off
+kubectl logs job/train | mbx diagnose -          # standard input; .gz files are read as they are
+"""
+SIZES = ("tp", "pp", "cp", "ep", "etp", "dp")
+MAX_DEVICE = TIB
+"""No GPU holds a tebibyte: a larger --total-memory is a unit slip (80TB for 80GB)."""
+
+
+def add_parser(sub, make_parser) -> None:
+    p = make_parser(sub, "diagnose", EXAMPLES,
+                    help="why a run ran out of memory: reads training logs (every rank), PyTorch's OOM messages, "
+                         "Bridge's and Megatron's memory lines, memory snapshots, memory_stats() JSON",
+                    description="Reads every INPUT (files, directories, - for standard input; gzip or not), places "
+                                "each rank in the parallel layout, and says per failing rank: fragmentation, "
+                                "capacity, CUDA-graph pools or memory outside PyTorch's allocator, with the next "
+                                "step. Figures in GiB (2^30 bytes).")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="a training log, a directory of them, a memory snapshot pickle, a memory_stats() JSON or "
+                        "oom_rank<N>.json of the OOM handler, or - (standard input)")
+    p.add_argument("--total-memory", metavar="SIZE", default=None,
+                   help="device memory with its unit: 80GiB (2^30 bytes) or 85.5GB (10^9 bytes); a GPU sold as "
+                        "\"80GB\" holds about 80GiB (default: the OOM report's figure; none for a stats dump)")
+    p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
+                   help="allocator state at the OOM, when the inputs do not say (default: the OOM report's, "
+                        "else unknown)")
+    for size in SIZES:
+        p.add_argument(f"--{size}", type=int, default=None, metavar="N",
+                       help=f"the run's {size.upper()} size, when the log does not print it (default: the log's)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw per-rank max allocated and max reserved against the device total, grouped by "
+                        "pipeline stage (a snapshot alone: its segment map) (default: no picture)")
+    p.add_argument("--json", action="store_true", help="print everything as JSON (default: text)")
+    p.set_defaults(func=command)
+
+
+def _fail(message: str) -> int:
+    print(f"mbx diagnose: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_plot(path: str):
+    """A --plot path that cannot be written is refused before any input is read."""
+    if not path.lower().endswith(".png"):
+        return f"--plot {path}: give a .png file name (e.g. --plot ranks.png)"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path}: the folder {folder} does not exist. Fix: create it or write the picture elsewhere"
+    if not os.access(folder, os.W_OK):
+        return f"--plot {path}: the folder {folder} is not writable. Fix: write the picture elsewhere"
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return '--plot needs matplotlib. Fix: pip install "megatron-bridge-ext[plot]"'
+    return None
+
+
+def command(args: argparse.Namespace) -> int:
+    from megatron_bridge_ext.sizes import SizeError, parse_size
+
+    try:  # every option first: a bad one is refused before any input is read
+        total = None if args.total_memory is None else parse_size(args.total_memory, "--total-memory")
+    except SizeError as error:
+        return _fail(str(error))
+    if total is not None and total > MAX_DEVICE:
+        return _fail(f"--total-memory {args.total_memory} is more than any GPU holds (1 TiB). Fix: the device's "
+                     "memory, e.g. --total-memory 80GiB")
+    sizes = {s: getattr(args, s) for s in SIZES}
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            return _fail(f"--{name} {value}: a parallel size is a whole number >= 1")
+    if args.plot and (problem := _check_plot(args.plot)):
+        return _fail(problem)
+    from megatron_bridge_ext.diagnose.collect import InputError, LayoutError, diagnose_inputs
+
+    expandable = {"on": True, "off": False, None: None}[args.expandable_segments]
+    try:
+        result = diagnose_inputs(args.inputs, sizes=sizes, total_memory=total, expandable=expandable)
+    except (InputError, LayoutError) as error:
+        return _fail(str(error))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.format(), flush=True)
+    if args.plot:
+        return _plot(result, args.plot, total)
+    return 0
+
+
+def _plot(result, path: str, total) -> int:
+    from megatron_bridge_ext.diagnose import plot
+
+    try:
+        plot.draw(result, path, total_memory=total)
+    except plot.NothingToDraw as error:
+        return _fail(f"--plot {path}: {error}")
+    print(f"mbx diagnose: picture written to {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,131 @@
+"""`mbx diagnose`'s inputs -> one :class:`~.report.RunDiagnosis`: each input to its reader, the records joined.
+
+A single JSON input (``torch.cuda.memory_stats()`` or an OOM report) keeps its own output
+(:class:`~.classifier.Diagnosis`); any other mix of logs, JSON and snapshots gives the run view.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from megatron_bridge_ext.diagnose import events, logs
+from megatron_bridge_ext.diagnose.classifier import Diagnosis, diagnose_data
+from megatron_bridge_ext.diagnose.inputs import EXPECTED, JSON, LOG, PICKLE, InputError, expand, open_source
+from megatron_bridge_ext.diagnose.layout import LayoutError
+from megatron_bridge_ext.diagnose.report import Failure, RunDiagnosis, resolve_layout
+
+NOTHING = ("no memory report line and no out-of-memory error; expected a training log of Megatron Bridge or "
+           "Megatron-LM (its '[Rank N] (after K iterations) memory' lines or PyTorch's 'CUDA out of memory' message)")
+
+
+def diagnose_inputs(paths: list[str], *, sizes: Optional[dict] = None, total_memory: Optional[int] = None,
+                    expandable: Optional[bool] = None):
+    """Read every input; InputError or LayoutError (one line each) for anything that cannot be read or placed."""
+    facts, json_items, snapshots = [], [], []
+    for path, explicit in expand(paths):
+        source = open_source(path, explicit)
+        try:
+            if source.kind == LOG:
+                found = logs.read_log(source.text_lines(), source.name)
+                if found.empty and explicit:
+                    raise InputError(f"{source.name}: {NOTHING}")
+                facts.append(found)
+            elif source.kind == JSON:
+                json_items.append((source.name, _json(source)))
+            elif source.kind == PICKLE:
+                snapshots.append(_snapshot(source))
+        except (EOFError, OSError) as error:  # a truncated gzip stream, a read error
+            raise InputError(f"{source.name}: cannot be read to its end ({error}); {EXPECTED}") from None
+        finally:
+            if source.stream is not None and source.name != "<stdin>":
+                source.stream.close()
+    if len(json_items) == 1 and not facts and not snapshots:
+        name, data = json_items[0]
+        return _stats_diagnosis(name, data, total_memory, expandable)
+    if not (facts or json_items or snapshots) or all(f.empty for f in facts) and not (json_items or snapshots):
+        raise InputError(f"{', '.join(paths)}: {NOTHING}")
+    return _run(facts, json_items, snapshots, sizes or {}, total_memory, expandable)
+
+
+def _json(source) -> dict:
+    try:
+        data = json.load(source.text_lines())
+    except json.JSONDecodeError as error:
+        raise InputError(f"{source.name}: not JSON ({error}); {EXPECTED}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{source.name}: expected a JSON object (memory_stats() or an OOM report), got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def _snapshot(source):
+    from megatron_bridge_ext.diagnose.snapshot import read_snapshot
+
+    return read_snapshot(source.stream, source.name)
+
+
+def _stats_diagnosis(name: str, data: dict, total_memory, expandable) -> Diagnosis:
+    try:
+        return diagnose_data(data, total_memory=total_memory, expandable_segments=expandable)
+    except ValueError as error:
+        raise InputError(f"{name}: {error}") from None
+
+
+def _run(facts, json_items, snapshots, sizes, total_memory, expandable) -> RunDiagnosis:
+    reports: dict[int, list] = {}
+    for f in facts:
+        for located in f.reports:
+            reports.setdefault(located.rank, []).append(located.record)
+    for rank in reports:
+        reports[rank] = _unique_iterations(reports[rank])
+    failures, notes = _failures(facts, expandable), []
+    for name, data in json_items:
+        diagnosis = _stats_diagnosis(name, data, total_memory, expandable)
+        rank = data.get("rank") if isinstance(data.get("rank"), int) else logs.rank_from_name(name)
+        failures.append(Failure(rank, events.Verdict(diagnosis.kind, diagnosis.headline.split(": ", 1)[1],
+                                                     dict(diagnosis.next_step), diagnosis.metrics,
+                                                     tuple(diagnosis.notes)), name))
+    ranks = set(reports) | {f.rank for f in failures if f.rank is not None}
+    ranks |= {s.rank for s in snapshots if getattr(s, "rank", None) is not None}
+    layout, layout_notes = resolve_layout(sizes, facts, max(ranks) if ranks else None)
+    notes += layout_notes
+    if any("local" in f.prefix_kinds for f in facts):
+        notes.append("[<role>N]: prefixes (torchrun --tee) give the local rank: read as the global rank, as on one node")
+    coordinates = {}
+    if layout is not None:
+        coordinates = {r: layout.coordinates(r) for r in range(layout.world)}
+        for failure in failures:
+            if failure.rank is not None:
+                failure.coordinates = coordinates[failure.rank].text()
+    theoretical = next((f.theoretical for f in facts if f.theoretical is not None), None)
+    return RunDiagnosis(layout, failures, reports, notes, theoretical, coordinates, snapshots)
+
+
+def _unique_iterations(reports: list) -> list:
+    """One report per iteration (a log given twice, or merged with its per-rank copy, repeats lines)."""
+    seen, out = set(), []
+    for report in sorted(reports, key=lambda r: r.iteration):
+        if report.iteration not in seen:
+            seen.add(report.iteration)
+            out.append(report)
+    return out
+
+
+def _failures(facts, expandable) -> list[Failure]:
+    """The first OOM of each rank (a traceback is often printed twice); each distinct one of unknown ranks."""
+    out, seen = [], set()
+    for f in facts:
+        for located in f.allocator_ooms + f.external_ooms:
+            key = located.rank if located.rank is not None else ("?", repr(located.record))
+            if key in seen:
+                continue
+            seen.add(key)
+            record = located.record
+            verdict = (events.classify_message(record, expandable=expandable) if hasattr(record, "wording")
+                       else events.classify_external(record))
+            out.append(Failure(located.rank, verdict, f"{f.name}:{located.line}"))
+    return sorted(out, key=lambda x: (x.rank is None, x.rank if x.rank is not None else 0))
+
+
+__all__ = ["InputError", "LayoutError", "diagnose_inputs"]
