@@ -88,8 +88,10 @@ class Layout:
 
     @property
     def expert_tp(self) -> int:
-        """Core's default: the expert TP is the dense TP unless set."""
-        return self.tp if self.etp is None else self.etp
+        """The expert TP as set, else as Bridge and Core default it (:func:`default_expert_tp`)."""
+        from megatron_bridge_ext.levers.parallelism.constraints import default_expert_tp
+
+        return default_expert_tp(self.tp, self.ep) if self.etp is None else self.etp
 
     @property
     def expert_dp(self) -> int:
