@@ -1,0 +1,159 @@
+"""`mbx diagnose` over whole runs: merged and per-rank logs, prefixes, gzip, directories, the run view (CPU only).
+
+The logs are written by tests/support/oom_logs.py; the expected ranks, classes and bytes come from what
+the test put into them and from the layout's own arithmetic (rank = tp + TP * (cp + CP * (dp + DP * pp))).
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import random
+
+import pytest
+
+from megatron_bridge_ext.diagnose.collect import InputError, LayoutError, diagnose_inputs
+from megatron_bridge_ext.diagnose.classifier import Diagnosis
+from megatron_bridge_ext.diagnose.report import RunDiagnosis
+from tests.support.oom_logs import (GIB, MIB, allocator_oom, bridge_layout_lines, bridge_memory_line, bridge_stats,
+                                    prefixed, traceback)
+
+pytestmark = pytest.mark.unit
+GB = 10**9
+TP, PP, DP = 2, 2, 2
+FAILING = 6  # tp 0, dp 1, pp 1: 0 + 2 * (0 + 1 * (1 + 2 * 1)) = 6
+
+
+def _max_allocated(rank: int, iteration: int) -> int:
+    return (30 + rank + 5 * iteration) * GB
+
+
+def _run_lines(style="torch", failing=FAILING, reporters=None, layout=True):
+    """An 8-rank TP2 PP2 DP2 run: iterations 1 and 2 reported by the DP-rank-0 ranks, one OOM on ``failing``."""
+    reporters = [r for r in range(8) if (r // TP) % DP == 0] if reporters is None else reporters
+    lines = [prefixed(0, x, style) for x in bridge_layout_lines(TP, PP)] if layout else []
+    for iteration in (1, 2):
+        for rank in range(8):  # interleaved: every rank's step lines in turn
+            lines.append(prefixed(rank, f" iteration {iteration}/ 10 | consumed samples: 8", style))
+            if rank in reporters:
+                stats = bridge_stats(20 * GB, _max_allocated(rank, iteration), 50 * GB, 52 * GB)
+                lines.append(prefixed(rank, bridge_memory_line(rank, iteration, stats), style))
+    message = allocator_oom(2 * GIB, total=80 * GIB, free=100 * MIB, allocated=60 * GIB, reserved=79 * GIB)
+    lines += [prefixed(failing, x, style) for x in traceback(message)] * 2  # printed twice, as torchrun does
+    return lines
+
+
+def _write(path, lines, compress=False):
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(gzip.compress(data) if compress else data)
+    return str(path)
+
+
+@pytest.mark.parametrize("style", ["torch", "torchrun", "slurm", "mpi"])
+def test_a_merged_8_rank_log_gives_the_failing_rank_its_place_class_and_step(tmp_path, style):
+    result = diagnose_inputs([_write(tmp_path / "train.log", _run_lines(style))], sizes={"dp": DP})
+    assert isinstance(result, RunDiagnosis)
+    assert len(result.failures) == 1  # the repeated traceback is one failure
+    failure = result.failures[0]
+    assert failure.rank == FAILING and failure.coordinates == "PP stage 1, TP 0, CP 0, DP 1"
+    assert failure.verdict.kind == "fragmentation" and failure.verdict.next_step["step"] == 1
+    assert sorted(result.reports) == [0, 1, 4, 5]
+    peak_rank, peak = result.peak()
+    assert peak_rank == 5 and peak.get("max_allocated") == _max_allocated(5, 2)
+    assert result.silent_ranks() == []
+    assert [r["max_allocated_rise_bytes"] for r in result.rises()] == [5 * GB] * 4
+    stage1 = result.stage_spread()[1]
+    assert (stage1["low_rank"], stage1["high_rank"], stage1["spread_bytes"]) == (4, 5, GB)
+    text = result.format()
+    assert text.splitlines()[0].startswith("rank 6 = PP stage 1, TP 0, CP 0, DP 1: fragmentation:")
+
+
+def test_ranks_that_should_report_but_printed_nothing_are_listed(tmp_path):
+    result = diagnose_inputs([_write(tmp_path / "train.log", _run_lines(reporters=[0, 1, 5]))], sizes={"dp": DP})
+    assert result.silent_ranks() == [4]
+
+
+def test_a_directory_of_per_rank_gzip_logs_reads_each_rank_from_its_file_name(tmp_path):
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    lines = _run_lines(layout=True)
+    for rank in range(8):
+        own = [x.split(": ", 1)[1] for x in lines if x.startswith(f"[rank{rank}]: ")]
+        _write(folder / f"rank{rank}.log.gz", own or ["starting"], compress=True)
+    result = diagnose_inputs([str(folder)], sizes={"dp": DP})
+    assert [f.rank for f in result.failures] == [FAILING]
+    assert sorted(result.reports) == [0, 1, 4, 5]
+
+
+def test_a_thousand_rank_logs_are_read(tmp_path):
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for rank in range(1000):
+        line = bridge_memory_line(rank, 1, bridge_stats(GB, 2 * GB + rank * 10**6, 3 * GB, 3 * GB)) if rank % 8 == 0 \
+            else "iteration 1"
+        _write(folder / f"rank{rank:04d}.log", [line])
+    result = diagnose_inputs([str(folder)], sizes={"tp": 8, "dp": 125})
+    assert len(result.reports) == 125 and result.peak()[0] == 992
+    assert result.layout.world == 1000
+
+
+def test_the_layout_may_come_from_the_command_line_only(tmp_path):
+    result = diagnose_inputs([_write(tmp_path / "t.log", _run_lines(layout=False))], sizes={"tp": 2, "pp": 2, "dp": 2})
+    assert result.failures[0].coordinates == "PP stage 1, TP 0, CP 0, DP 1"
+
+
+def test_a_layout_that_contradicts_the_log_is_refused(tmp_path):
+    with pytest.raises(LayoutError, match="--tp 4 contradicts the log"):
+        diagnose_inputs([_write(tmp_path / "t.log", _run_lines())], sizes={"tp": 4})
+
+
+def test_a_rank_beyond_the_stated_world_is_refused(tmp_path):
+    lines = _run_lines(failing=9)
+    with pytest.raises(LayoutError, match="rank 9 appears in the inputs, beyond the world of 8"):
+        diagnose_inputs([_write(tmp_path / "t.log", lines)], sizes={"dp": DP})
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"", "empty"),
+    (b"\x00\x01\x02binary", "neither gzip nor a pickle"),
+    (b"\xff\xfe\xfa not utf8 at all, long enough to be judged", "not UTF-8 text"),
+    (b"hello\nno memory here\n", "no memory report line and no out-of-memory error"),
+    (gzip.compress("\n".join(str(random.Random(0).random()) for _ in range(20000)).encode())[:-30],
+     "cannot be read to its end"),
+])
+def test_bad_inputs_are_one_line_naming_the_file(tmp_path, content, fragment):
+    path = tmp_path / "bad.log"
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=fragment) as error:
+        diagnose_inputs([str(path)])
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_single_stats_json_keeps_its_own_output(tmp_path):
+    from tests.support.memstats import fragmentation_stats
+    import json
+
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(fragmentation_stats()))
+    assert isinstance(diagnose_inputs([str(path)]), Diagnosis)
+
+
+def test_a_pickle_is_handed_to_the_snapshot_reader_not_unpickled_here(tmp_path, monkeypatch):
+    seen = []
+    import megatron_bridge_ext.diagnose.collect as collect
+
+    monkeypatch.setattr(collect, "_snapshot", lambda source: seen.append(source.name) or _NoSnapshot())
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": []}, protocol=4))
+    diagnose_inputs([str(path), _write(tmp_path / "t.log", _run_lines())], sizes={"dp": DP})
+    assert seen == [str(path)]
+
+
+class _NoSnapshot:
+    rank = None
+
+    def lines(self):
+        return []
+
+    def to_dict(self):
+        return {}
