@@ -20,6 +20,7 @@ MAX_SEGMENTS = 24
 """Bars drawn at most, the largest segments first (the title says how many were left out)."""
 COLORS = {ALLOCATED: "#3b6fb6", AWAITING_FREE: "#e8a33d", "inactive": "#e6e6e6"}
 LABELS = {ALLOCATED: "allocated", AWAITING_FREE: "active, awaiting free", "inactive": "free (inactive)"}
+DPI = 110
 ROW_INCHES = 0.32
 """Height per bar: enough for one 8-point tick label with space around it."""
 
@@ -27,7 +28,7 @@ ROW_INCHES = 0.32
 def plot_snapshot(summary_or_snapshot: Union[SnapshotSummary, dict, list], path: str) -> None:
     """Draw the segment map of the device that ran out of memory (else the first device) to ``path`` (PNG)."""
     figure = build_figure(summary_or_snapshot)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=DPI)
 
 
 def build_figure(summary_or_snapshot: Union[SnapshotSummary, dict, list]):
@@ -40,11 +41,11 @@ def build_figure(summary_or_snapshot: Union[SnapshotSummary, dict, list]):
     device = _device_to_draw(summary)
     segments = sorted(device.segments, key=lambda s: -s.total_size)[:MAX_SEGMENTS]
     rows = len(segments) + (1 if device.oom else 0)
-    figure = Figure(figsize=(10, 1.9 + ROW_INCHES * rows), layout="constrained")
+    figure = Figure(figsize=(10, 2.4 + ROW_INCHES * rows), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     scale, unit = (GIB, "GiB") if max(s.total_size for s in segments) >= GIB else (MIB, "MiB")
-    labels = [_draw_segment(axes, row, segment, (scale, unit), device) for row, segment in enumerate(segments)]
+    labels = [_draw_segment(axes, row, segment, scale, device) for row, segment in enumerate(segments)]
     if device.oom:
         labels.append(_draw_request(axes, len(segments), device, scale))
     axes.set_yticks(range(rows), labels, fontsize=8)
@@ -52,7 +53,7 @@ def build_figure(summary_or_snapshot: Union[SnapshotSummary, dict, list]):
     axes.set_xlabel(f"offset within the segment ({unit})")
     axes.set_ylabel("segment (largest first)")
     axes.xaxis.get_major_locator().set_params(nbins=8)
-    figure.legend(handles=_legend(device), loc="outside right upper", fontsize=8)
+    figure.legend(handles=_legend(device), loc="outside lower center", ncols=3, fontsize=8)
     figure.suptitle(_title(summary, device, len(segments)), fontsize=10)
     return figure
 
@@ -64,9 +65,9 @@ def _device_to_draw(summary: SnapshotSummary) -> DeviceSummary:
     return next((d for d in drawable if d.oom), drawable[0])
 
 
-def _draw_segment(axes, row: int, segment, unit: tuple[int, str], device: DeviceSummary) -> str:
+def _draw_segment(axes, row: int, segment, scale: int, device: DeviceSummary) -> str:
     """The segment's blocks left to right as they lie in memory; the largest free block outlined in red."""
-    (scale, name), offset, marked = unit, 0, False
+    offset, marked = 0, False
     for block in segment.blocks:
         largest = block.state == "inactive" and block.size == device.largest_free_block_bytes and not marked
         marked = marked or largest
@@ -74,7 +75,7 @@ def _draw_segment(axes, row: int, segment, unit: tuple[int, str], device: Device
                   edgecolor="#c0392b" if largest else "white", linewidth=2 if largest else 0.5)
         offset += block.size
     pool = " private pool" if segment.private else ""
-    return f"#{row + 1}: {segment.total_size / scale:.2f} {name}{pool}"
+    return f"#{row + 1}: {fmt_bytes(segment.total_size)}{pool}"
 
 
 def _draw_request(axes, row: int, device: DeviceSummary, scale: float) -> str:
