@@ -62,7 +62,10 @@ def _json(source) -> dict:
 def _snapshot(source):
     from megatron_bridge_ext.diagnose.snapshot import read_snapshot
 
-    return read_snapshot(source.stream, source.name)
+    try:
+        return read_snapshot(source.stream, source.name)
+    except ValueError as error:  # the reader's one line already names the file
+        raise InputError(str(error)) from None
 
 
 def _stats_diagnosis(name: str, data: dict, total_memory, expandable) -> Diagnosis:

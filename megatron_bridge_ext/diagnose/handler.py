@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from megatron_bridge_ext.levers.allocator import runtime
 from megatron_bridge_ext.diagnose.classifier import classify, parse_oom_message
+from megatron_bridge_ext.diagnose.events import classify_message
+from megatron_bridge_ext.diagnose.oom_text import parse_allocator
 
 log = logging.getLogger("megatron_bridge_ext.diagnose")
 
@@ -104,14 +106,26 @@ class OOMHandler:
         except ValueError as error:
             report["diagnosis_error"] = str(error)
             text = f"no diagnosis: {error}"
+        headline = _headline(rank, str(exc), allocator["expandable_segments"])
+        report["headline"] = headline
         path = os.path.join(self.report_dir, f"oom_rank{rank}.json")
         snapshot_path = _write_snapshot(torch, path[:-len(".json")] + ".snapshot.pickle")
         report["snapshot"] = snapshot_path
         write_atomic(path, lambda f: json.dump(report, f, indent=2, default=str))
         self.report, self.report_path = report, path
         print(f"[rank {rank}] out of memory; report: {path}" + (f", snapshot: {snapshot_path}" if snapshot_path else "")
-              + "\n" + text, file=self.stream or sys.stderr, flush=True)
+              + ("\n" + headline if headline else "") + "\n" + text, file=self.stream or sys.stderr, flush=True)
         return path
+
+
+def _headline(rank: int, message: str, expandable) -> Optional[str]:
+    """The headline ``mbx diagnose`` prints for this OOM message in a log (rank, class, numbers, next step)."""
+    from megatron_bridge_ext.diagnose.report import Failure
+
+    event = parse_allocator(message)
+    if event is None:
+        return None
+    return Failure(rank, classify_message(event, expandable=expandable), "").headline()
 
 
 def oom_guard(fn: Optional[Callable] = None, **handler_kwargs):

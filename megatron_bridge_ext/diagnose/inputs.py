@@ -5,7 +5,8 @@ Each is opened as a binary stream; a gzip stream (magic ``1f 8b``) is decompress
 first bytes decide the kind:
 
 * ``\\x80`` followed by a protocol byte 2-5: a pickle (a memory snapshot, :mod:`.snapshot`);
-* ``{`` after white space: JSON (``torch.cuda.memory_stats()`` or an OOM report, :mod:`.classifier`);
+* ``{``, or ``[`` opening a JSON array (not ``[Rank 0]`` nor a launcher's ``[1,0]<stderr>:``), after white
+  space: JSON (``torch.cuda.memory_stats()`` or an OOM report, :mod:`.classifier`);
 * text without NUL bytes that decodes as UTF-8: a log (:mod:`.logs`);
 * anything else is refused, naming the file and what was expected.
 """
@@ -94,10 +95,25 @@ def _peek(stream: BinaryIO) -> bytes:
     return stream.peek(PEEK)[:PEEK]
 
 
+def _opens_array(text: bytes) -> bool:
+    after = text[1:].lstrip()[:1]
+    return bool(after) and after in b'{["]-0123456789'
+
+
+def _prefixed(head: bytes) -> bool:
+    """The first line begins with a launcher's rank prefix (``[rank0]:``, ``[1,0]<stderr>:``): a log, not JSON."""
+    from megatron_bridge_ext.diagnose.logs import strip_prefixes
+
+    first = head.lstrip().split(b"\n", 1)[0].decode("utf-8", "replace")
+    return strip_prefixes(first)[1] is not None
+
+
 def _kind(name: str, head: bytes) -> str:
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         return PICKLE
-    if head.lstrip()[:1] == b"{":
+    text = head.lstrip()
+    if text[:1] == b"{" or text[:1] == b"[" and _opens_array(text) \
+            and not _prefixed(head):
         return JSON
     if b"\x00" in head:
         raise InputError(f"{name}: binary data that is neither gzip nor a pickle; {EXPECTED}")

@@ -38,8 +38,7 @@ class Failure:
             who += f" = {self.coordinates}"
         step = self.verdict.next_step
         numbered = f"step {step['step']} of 5, {step['name']}" if step.get("step") else step["name"]
-        return (f"{who}: {self.verdict.kind}: {self.verdict.summary}; next ({numbered}): {step['action']} "
-                f"[{self.where}]")
+        return f"{who}: {self.verdict.kind}: {self.verdict.summary}; next ({numbered}): {step['action']}"
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "coordinates": self.coordinates, "where": self.where, **self.verdict.to_dict()}
@@ -104,7 +103,7 @@ class RunDiagnosis:
 
     # ---- output --------------------------------------------------------------------------------------
     def format(self) -> str:
-        lines = [f.headline() for f in self.failures] or ["no out-of-memory error in the inputs"]
+        lines = [f"{f.headline()} [{f.where}]" for f in self.failures] or ["no out-of-memory error in the inputs"]
         if self.layout is not None:
             lines.append(f"layout: {self.layout.text()}; from {_sources(self.layout)}")
         lines += self._table()

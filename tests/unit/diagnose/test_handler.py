@@ -51,7 +51,22 @@ def test_handler_reraises_the_same_exception_and_writes_a_complete_report(tmp_pa
     assert report["snapshot"] is None  # no device, no history recording
     assert sorted(p.name for p in tmp_path.iterdir()) == ["oom_rank3.json"]  # no temporary file left
     printed = stream.getvalue().splitlines()
-    assert printed[0].startswith("[rank 3] out of memory; report:") and printed[1].startswith("fragmentation:")
+    assert printed[0].startswith("[rank 3] out of memory; report:") and printed[2].startswith("fragmentation:")
+    assert printed[1] == report["headline"]
+
+
+def test_the_handler_prints_the_headline_mbx_diagnose_prints_for_the_same_message_in_a_log(tmp_path):
+    from megatron_bridge_ext.diagnose.collect import diagnose_inputs
+
+    stream = io.StringIO()
+    with pytest.raises(torch.OutOfMemoryError):
+        with OOMHandler(str(tmp_path), rank=3, stats_fn=fragmentation_stats, stream=stream):
+            _step()
+    log = tmp_path / "train.log"
+    log.write_text(f"[rank3]: torch.OutOfMemoryError: {OOM_MESSAGE}\n")
+    from_log = diagnose_inputs([str(log)], expandable=False).failures[0].headline()
+    assert stream.getvalue().splitlines()[1] == from_log
+    assert from_log.startswith("rank 3: fragmentation: ")
 
 
 def test_report_can_be_diagnosed_again_from_the_file(tmp_path):
