@@ -155,7 +155,8 @@ class RunDiagnosis:
             lines.append("max allocated rose from the report after iteration " + " / ".join(f"{a} to {b}" for a, b in steps)
                          + ": " + ", ".join(f"rank {r['rank']} +{gib(r['max_allocated_rise_bytes'])}" for r in rises[:16])
                          + (f" and {len(rises) - 16} more" if len(rises) > 16 else "")
-                         + " GiB (the optimizer's moments exist from the first step on)")
+                         + " GiB (the report after iteration 2 is the first taken when the optimizer's moments and "
+                         "a step's activations were alive together)")
         if self.theoretical is not None:
             t = self.theoretical
             lines.append(f"Bridge's theoretical estimate (rank 0): weight and optimizer {gib(t.weight_and_optimizer)} GiB"

@@ -124,3 +124,33 @@ def prefixed(rank: int, line: str, style: str = "torch") -> str:
     "mpi" ``[1,3]<stderr>:``."""
     return {"torch": f"[rank{rank}]: ", "torchrun": f"[default{rank}]:", "slurm": f"{rank}: ",
             "mpi": f"[1,{rank}]<stderr>:"}[style] + line
+
+
+RUN_TP, RUN_PP, RUN_DP, RUN_FAILING = 2, 2, 2, 6
+"""The example run: 8 ranks, TP 2 x PP 2 x DP 2; rank 6 (PP stage 1, TP 0, DP 1) runs out of memory."""
+
+
+def run_max_allocated(rank: int, iteration: int) -> int:
+    return (30 + rank + 5 * iteration) * 10**9
+
+
+def run_lines(style: str = "torch", failing: int = RUN_FAILING, reporters=None, layout: bool = True) -> list[str]:
+    """The example run's merged log: rank 0's layout lines, iterations 1 and 2 of every rank interleaved, memory
+    reports on the data-parallel-rank-0 ranks, then ``failing``'s OOM traceback printed twice (as a rank and then
+    torchrun's error summary print it)."""
+    gb = 10**9
+    reporters = [r for r in range(8) if (r // RUN_TP) % RUN_DP == 0] if reporters is None else reporters
+    lines = [prefixed(0, x, style) for x in bridge_layout_lines(RUN_TP, RUN_PP)] if layout else []
+    for iteration in (1, 2):
+        for rank in range(8):
+            lines.append(prefixed(rank, f" iteration {iteration}/ 10 | consumed samples: {8 * iteration}", style))
+            if rank in reporters:
+                stats = bridge_stats(20 * gb, run_max_allocated(rank, iteration), 50 * gb, 52 * gb)
+                lines.append(prefixed(rank, bridge_memory_line(rank, iteration, stats), style))
+    message = allocator_oom(2 * GIB, total=80 * GIB, free=100 * MIB, allocated=60 * GIB, reserved=79 * GIB)
+    lines += [prefixed(failing, x, style) for x in traceback(message)] * 2
+    return lines
+
+
+if __name__ == "__main__":  # tests/data/diagnose/merged-8-ranks.log: python -m tests.support.oom_logs > ...
+    print("\n".join(run_lines()))

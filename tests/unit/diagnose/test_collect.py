@@ -15,32 +15,13 @@ import pytest
 from megatron_bridge_ext.diagnose.collect import InputError, LayoutError, diagnose_inputs
 from megatron_bridge_ext.diagnose.classifier import Diagnosis
 from megatron_bridge_ext.diagnose.report import RunDiagnosis
-from tests.support.oom_logs import (GIB, MIB, allocator_oom, bridge_layout_lines, bridge_memory_line, bridge_stats,
-                                    prefixed, traceback)
+from tests.support.oom_logs import (RUN_DP, RUN_FAILING, RUN_PP, RUN_TP, bridge_memory_line, bridge_stats,
+                                    run_lines, run_max_allocated)
 
 pytestmark = pytest.mark.unit
 GB = 10**9
-TP, PP, DP = 2, 2, 2
-FAILING = 6  # tp 0, dp 1, pp 1: 0 + 2 * (0 + 1 * (1 + 2 * 1)) = 6
-
-
-def _max_allocated(rank: int, iteration: int) -> int:
-    return (30 + rank + 5 * iteration) * GB
-
-
-def _run_lines(style="torch", failing=FAILING, reporters=None, layout=True):
-    """An 8-rank TP2 PP2 DP2 run: iterations 1 and 2 reported by the DP-rank-0 ranks, one OOM on ``failing``."""
-    reporters = [r for r in range(8) if (r // TP) % DP == 0] if reporters is None else reporters
-    lines = [prefixed(0, x, style) for x in bridge_layout_lines(TP, PP)] if layout else []
-    for iteration in (1, 2):
-        for rank in range(8):  # interleaved: every rank's step lines in turn
-            lines.append(prefixed(rank, f" iteration {iteration}/ 10 | consumed samples: 8", style))
-            if rank in reporters:
-                stats = bridge_stats(20 * GB, _max_allocated(rank, iteration), 50 * GB, 52 * GB)
-                lines.append(prefixed(rank, bridge_memory_line(rank, iteration, stats), style))
-    message = allocator_oom(2 * GIB, total=80 * GIB, free=100 * MIB, allocated=60 * GIB, reserved=79 * GIB)
-    lines += [prefixed(failing, x, style) for x in traceback(message)] * 2  # printed twice, as torchrun does
-    return lines
+TP, PP, DP, FAILING = RUN_TP, RUN_PP, RUN_DP, RUN_FAILING  # rank 6: tp 0, dp 1, pp 1 = 0 + 2 * (0 + 1 * (1 + 2 * 1))
+_run_lines, _max_allocated = run_lines, run_max_allocated
 
 
 def _write(path, lines, compress=False):
@@ -157,3 +138,11 @@ class _NoSnapshot:
 
     def to_dict(self):
         return {}
+
+
+def test_the_shipped_example_log_is_the_generators_output():
+    """tests/data/diagnose/merged-8-ranks.log (the docs' example) is `python -m tests.support.oom_logs`'s output."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "merged-8-ranks.log"
+    assert shipped.read_text().splitlines() == run_lines()
