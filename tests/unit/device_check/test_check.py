@@ -129,9 +129,14 @@ def test_the_snapshot_verdict_passes_fragmentation_shown_with_the_workloads_figu
     assert status == check.DRY and detail.startswith("fragmentation shown: ")
 
 
+def _ask_three_pieces(data, workload):
+    data["device_traces"][0][0]["size"] = 3 * workload.PIECE  # still fragmentation, not the workload's request
+
+
 @pytest.mark.parametrize("edit, said", [
     (_request_all_of_it, "capacity ruled out"),
     (_merge_two_holes, "unknown undecided"),
+    (_ask_three_pieces, "fragmentation shown"),
 ])
 def test_the_snapshot_verdict_fails_another_verdict_or_geometry(tmp_path, edit, said):
     status, detail = check.judge_snapshot(_snapshot_file(tmp_path, edit), check.PASS)
