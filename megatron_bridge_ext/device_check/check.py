@@ -8,7 +8,9 @@ Parts, each in its own process under its own timeout, in this order (fast first)
 
 1. preflight: GPU, torch, Megatron Core/Bridge versions, commit;
 2. fragmentation: :mod:`.fragmentation_workload` with the default allocator (must run out of
-   memory, and ``mbx diagnose`` on its memory stats must say fragmentation) and with
+   memory, and ``mbx diagnose`` on its memory stats must say fragmentation; it records memory history and
+   keeps the real snapshot and OOM message in ``$OUT``, and the snapshot read back must show fragmentation
+   from its blocks: the 2 * PIECE request larger than the largest free block, PIECE) and with
    ``megatron_bridge_ext.init()`` (must complete under the same cap, expandable segments verified);
 3. peak memory: :mod:`.peak_memory` per variant (baseline, upstream_regather, regather,
    shard_local) on the Qwen3-8B-shaped stack, rank 0 of TP=2 through a fake process group;
@@ -30,11 +32,13 @@ import argparse
 import datetime
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from megatron_bridge_ext.device_check import fragmentation_workload as workload
 from megatron_bridge_ext.device_check.peak_memory import MEASURED_VARIANTS as VARIANTS  # the estimates carried
 
 DEFAULT_LAYERS = 4
@@ -136,8 +140,9 @@ def fragmentation(check: Check, cuda: bool) -> None:
     for mode in ("default", "expandable"):
         env = {k: v for k, v in os.environ.items() if k not in clean}
         started = time.time()
-        code, out, err = _run([sys.executable, "-m", PARTS + "fragmentation_workload", "--mode", mode, "--json"], 120,
-                              env)
+        keep = ["--keep", str(check.out)] if mode == "default" else []
+        code, out, err = _run([sys.executable, "-m", PARTS + "fragmentation_workload", "--mode", mode, "--json",
+                               *keep], 120, env)
         runs[mode] = {"exit": code, "seconds": round(time.time() - started, 1), "result": _last_json(out),
                       "stderr_tail": err[-1500:]}
         check.part("fragmentation", runs)
@@ -155,6 +160,7 @@ def fragmentation(check: Check, cuda: bool) -> None:
     ok = bool(default.get("oom")) and (diagnosed or "").startswith("fragmentation:")
     check.verdict("fragmentation: default allocator", PASS if ok else FAIL,
                   f"OOM {default.get('oom')}; mbx diagnose: {diagnosed}")
+    check.verdict("fragmentation: the real snapshot", *judge_snapshot(check.out / workload.SNAPSHOT, PASS))
     ok = bool(expandable.get("completed") and expandable.get("reserved_within_cap")
               and (expandable.get("verify") or {}).get("in_effect"))
     check.verdict("fragmentation: megatron_bridge_ext.init()", PASS if ok else FAIL,
@@ -162,11 +168,31 @@ def fragmentation(check: Check, cuda: bool) -> None:
                   f"{expandable.get('reserved_within_cap')}, verify: {(expandable.get('verify') or {}).get('message')}")
 
 
+def judge_snapshot(path: Path, passed: str) -> tuple[str, str]:
+    """``passed`` when the snapshot at ``path``, read back as ``mbx diagnose`` reads it, shows fragmentation from
+    its blocks with the workload's geometry: a 2 * PIECE request, PIECE the largest free block."""
+    from megatron_bridge_ext.diagnose.snapshot import read_snapshot
+
+    if not path.is_file():
+        return FAIL, f"no snapshot at {path}"
+    try:
+        with open(path, "rb") as handle:
+            devices = read_snapshot(handle, str(path)).devices
+    except ValueError as error:
+        return FAIL, str(error)
+    device = next((d for d in devices if d.oom), None)
+    if device is None:
+        return FAIL, f"{path}: no device has an oom entry"
+    verdict = device.verdict
+    ok = (verdict.kind, verdict.fragmentation) == ("fragmentation", "shown") and \
+        (device.oom.request_bytes, device.largest_free_block_bytes) == (2 * workload.PIECE, workload.PIECE)
+    return (passed if ok else FAIL), f"{verdict.kind} {verdict.fragmentation}: {verdict.reason}"
+
+
 def _fragmentation_dry(check: Check) -> None:
     """On a CPU, the path only: the workload's expandable mode runs ``megatron_bridge_ext.init()`` from the
-    carried packages, and ``mbx diagnose`` reads the stats the workload's geometry implies at its OOM."""
-    from megatron_bridge_ext.device_check import fragmentation_workload as workload
-
+    carried packages, ``mbx diagnose`` reads the stats the workload's geometry implies at its OOM, and the
+    snapshot reader reads the snapshot it implies."""
     code, out, err = _run([sys.executable, "-m", PARTS + "fragmentation_workload", "--mode", "expandable", "--json"],
                           120)
     result = _last_json(out) or {}
@@ -183,6 +209,12 @@ def _fragmentation_dry(check: Check) -> None:
     check.verdict("fragmentation", DRY if ok else FAIL,
                   f"needs CUDA for the allocator run; path: init() {'ran' if setup else 'failed'}, mbx diagnose on the workload's "
                   f"geometry: {diagnosed}")
+    snapshot = check.out / "fragmentation_geometry_snapshot.pickle"
+    with open(snapshot, "wb") as handle:
+        pickle.dump(workload.snapshot_at_the_oom(), handle)
+    status, detail = judge_snapshot(snapshot, DRY)
+    check.verdict("fragmentation: the snapshot", status, f"needs CUDA for the real snapshot; the workload's geometry "
+                                                         f"read back: {detail}")
 
 
 def _adapter_bytes(shape: dict) -> int:

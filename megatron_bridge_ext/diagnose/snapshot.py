@@ -98,9 +98,7 @@ class Block:
 @dataclass(frozen=True)
 class Segment:
     device: int
-    address: int
     total_size: int
-    stream: int
     pool_id: tuple[int, int]
     is_expandable: Optional[bool]
     blocks: tuple[Block, ...]
@@ -174,9 +172,8 @@ def _segment(name: str, path: str, value: Any) -> Segment:
     if len(pool) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) for p in pool):
         raise ValueError(f"{name}: {path}.segment_pool_id is {_short(pool)}; a memory snapshot holds two integers there")
     blocks = tuple(_block(name, f"{path}.blocks[{i}]", b) for i, b in enumerate(fields.get("blocks", (list,))))
-    return Segment(fields.get("device", (int,)), fields.get("address", (int,), 0), fields.size("total_size"),
-                   fields.get("stream", (int,), 0), (pool[0], pool[1]), fields.get("is_expandable", (bool,), None),
-                   blocks)
+    return Segment(fields.get("device", (int,)), fields.size("total_size"), (pool[0], pool[1]),
+                   fields.get("is_expandable", (bool,), None), blocks)
 
 
 def _block(name: str, path: str, value: Any) -> Block:
@@ -441,8 +438,11 @@ def _evidence(d: DeviceSummary) -> list[str]:
                      f"{fmt_bytes(d.oom.device_free_bytes)}" + (f" (last of {d.oom_count})" if d.oom_count > 1 else ""))
     state = {True: "on", False: "off", None: "unknown"}[d.expandable_segments]
     lines.append(f"expandable segments: {state} ({d.expandable_source})")
-    lines.append(f"trace: {d.ring_buffer.entries:,} entries, ring buffer {d.ring_buffer.reason}" if d.ring_buffer
-                 else "trace: none (memory history was not recorded)")
+    if d.ring_buffer:
+        count = d.ring_buffer.entries
+        lines.append(f"trace: {count:,} {'entry' if count == 1 else 'entries'}, ring buffer {d.ring_buffer.reason}")
+    else:
+        lines.append("trace: none (memory history was not recorded)")
     for group in d.top_allocations:
         where = f"{group.site} {group.function}".rstrip()
         lines.append(f"live: {fmt_bytes(group.bytes)} in {group.count} block(s) from {where}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
@@ -99,3 +100,52 @@ def test_device_check_refuses_bad_options_before_any_part(argv, named, tmp_path,
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "device_check.json").exists()
+
+
+def _snapshot_file(tmp_path, edit=None):
+    """The workload's geometry snapshot (fragmentation_workload.snapshot_at_the_oom), optionally edited."""
+    from megatron_bridge_ext.device_check import fragmentation_workload as workload
+
+    data = workload.snapshot_at_the_oom()
+    if edit:
+        edit(data, workload)
+    path = tmp_path / "fragmentation_snapshot.pickle"
+    path.write_bytes(pickle.dumps(data))
+    return path
+
+
+def _request_all_of_it(data, workload):
+    data["device_traces"][0][0].update(size=2 * workload.BIG, device_free=0)
+
+
+def _merge_two_holes(data, workload):
+    blocks = data["segments"][0]["blocks"]
+    blocks[2]["size"] += blocks[3]["size"] + blocks[4]["size"]  # one free block of 3 pieces: the request fits it
+    del blocks[3:5]
+
+
+def test_the_snapshot_verdict_passes_fragmentation_shown_with_the_workloads_figures(tmp_path):
+    status, detail = check.judge_snapshot(_snapshot_file(tmp_path), check.DRY)
+    assert status == check.DRY and detail.startswith("fragmentation shown: ")
+
+
+def _ask_three_pieces(data, workload):
+    data["device_traces"][0][0]["size"] = 3 * workload.PIECE  # still fragmentation, not the workload's request
+
+
+@pytest.mark.parametrize("edit, said", [
+    (_request_all_of_it, "capacity ruled out"),
+    (_merge_two_holes, "unknown undecided"),
+    (_ask_three_pieces, "fragmentation shown"),
+])
+def test_the_snapshot_verdict_fails_another_verdict_or_geometry(tmp_path, edit, said):
+    status, detail = check.judge_snapshot(_snapshot_file(tmp_path, edit), check.PASS)
+    assert status == check.FAIL and detail.startswith(said)
+
+
+def test_the_snapshot_verdict_fails_a_missing_or_unreadable_snapshot(tmp_path):
+    assert check.judge_snapshot(tmp_path / "none.pickle", check.PASS) == (check.FAIL, f"no snapshot at {tmp_path}/none.pickle")
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"\x80\x04")
+    status, detail = check.judge_snapshot(bad, check.PASS)
+    assert status == check.FAIL and detail.startswith(f"{bad}: ")
