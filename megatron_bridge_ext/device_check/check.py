@@ -161,6 +161,8 @@ def fragmentation(check: Check, cuda: bool) -> None:
     check.verdict("fragmentation: default allocator", PASS if ok else FAIL,
                   f"OOM {default.get('oom')}; mbx diagnose: {diagnosed}")
     check.verdict("fragmentation: the real snapshot", *judge_snapshot(check.out / workload.SNAPSHOT, PASS))
+    check.verdict("fragmentation: mbx diagnose on the real OOM message and snapshot",
+                  *judge_cli([check.out / workload.MESSAGE, check.out / workload.SNAPSHOT], PASS))
     ok = bool(expandable.get("completed") and expandable.get("reserved_within_cap")
               and (expandable.get("verify") or {}).get("in_effect"))
     check.verdict("fragmentation: megatron_bridge_ext.init()", PASS if ok else FAIL,
@@ -189,6 +191,21 @@ def judge_snapshot(path: Path, passed: str) -> tuple[str, str]:
     return (passed if ok else FAIL), f"{verdict.kind} {verdict.fragmentation}: {verdict.reason}"
 
 
+def judge_cli(paths: list[Path], passed: str) -> tuple[str, str]:
+    """``passed`` when ``mbx diagnose`` itself, given each file as a user would, calls it fragmentation: the OOM
+    message as a one-line log ("rank ?: fragmentation: ..."), the snapshot ("snapshot ...: fragmentation shown")."""
+    details, ok = [], True
+    for path in paths:
+        if not path.is_file():
+            return FAIL, f"no file at {path}"
+        code, out, err = _run([sys.executable, "-m", "megatron_bridge_ext.cli", "diagnose", str(path)], 60)
+        lines = out.splitlines()
+        said = next((line for line in lines if "fragmentation" in line), lines[0] if lines else "")
+        ok = ok and code == 0 and ("rank ?: fragmentation: " in out or "fragmentation shown" in out)
+        details.append(f"{path.name}: {said[:200] if code == 0 else err.strip()[-200:]}")
+    return (passed if ok else FAIL), "; ".join(details)
+
+
 def _fragmentation_dry(check: Check) -> None:
     """On a CPU, the path only: the workload's expandable mode runs ``megatron_bridge_ext.init()`` from the
     carried packages, ``mbx diagnose`` reads the stats the workload's geometry implies at its OOM, and the
@@ -215,6 +232,9 @@ def _fragmentation_dry(check: Check) -> None:
     status, detail = judge_snapshot(snapshot, DRY)
     check.verdict("fragmentation: the snapshot", status, f"needs CUDA for the real snapshot; the workload's geometry "
                                                          f"read back: {detail}")
+    status, detail = judge_cli([snapshot], DRY)
+    check.verdict("fragmentation: mbx diagnose on the real OOM message and snapshot", status,
+                  f"needs CUDA for the real message; mbx diagnose on the geometry's snapshot: {detail}")
 
 
 def _adapter_bytes(shape: dict) -> int:

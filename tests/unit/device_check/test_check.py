@@ -149,3 +149,31 @@ def test_the_snapshot_verdict_fails_a_missing_or_unreadable_snapshot(tmp_path):
     bad.write_bytes(b"\x80\x04")
     status, detail = check.judge_snapshot(bad, check.PASS)
     assert status == check.FAIL and detail.startswith(f"{bad}: ")
+
+
+def _message_file(tmp_path, **figures):
+    """The OOM message torch prints for the workload's geometry: 1 GiB reserved, half free in 32 MiB holes, a
+    64 MiB request under a memory-fraction cap (tests/support/oom_logs.allocator_oom)."""
+    from megatron_bridge_ext.device_check import fragmentation_workload as workload
+    from tests.support.oom_logs import allocator_oom
+
+    values = dict(total=80 << 30, free=79 << 30, allocated=workload.BIG // 2, reserved=workload.BIG,
+                  allowed=workload.BIG + workload.HEADROOM) | figures
+    path = tmp_path / workload.MESSAGE
+    path.write_text(allocator_oom(2 * workload.PIECE, **values) + "\n")
+    return path
+
+
+def test_mbx_diagnose_itself_calls_the_message_and_the_snapshot_fragmentation(tmp_path):
+    status, detail = check.judge_cli([_message_file(tmp_path), _snapshot_file(tmp_path)], check.PASS)
+    assert status == check.PASS, detail
+    assert "fragmentation_oom_message.txt: rank ?: fragmentation: " in detail
+
+
+def test_mbx_diagnose_on_a_capacity_message_fails_the_verdict(tmp_path):
+    from megatron_bridge_ext.device_check import fragmentation_workload as workload
+
+    capacity = _message_file(tmp_path, allocated=workload.BIG - (8 << 20))  # 8 MiB free: no room for 64 MiB
+    status, detail = check.judge_cli([capacity], check.PASS)
+    assert status == check.FAIL and "capacity" in detail
+    assert check.judge_cli([tmp_path / "none.txt"], check.PASS)[0] == check.FAIL
