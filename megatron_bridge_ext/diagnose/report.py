@@ -103,6 +103,8 @@ class RunDiagnosis:
 
     # ---- output --------------------------------------------------------------------------------------
     def format(self) -> str:
+        if self.snapshots and not self.failures and not self.reports:  # snapshots alone: their own lines
+            return "\n".join(line for summary in self.snapshots for line in summary.lines())
         lines = [f"{f.headline()} [{f.where}]" for f in self.failures] or ["no out-of-memory error in the inputs"]
         if self.layout is not None:
             lines.append(f"layout: {self.layout.text()}; from {_sources(self.layout)}")

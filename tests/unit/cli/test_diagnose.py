@@ -90,3 +90,12 @@ def test_a_code_running_pickle_is_refused_and_runs_nothing(tmp_path):
     done = mbx("diagnose", str(path))
     assert done.returncode == 2 and "Traceback" not in done.stderr and str(path) in done.stderr
     assert not marker.exists()
+
+
+def test_a_snapshot_alone_prints_its_verdict_and_draws_its_segment_map(tmp_path, capsys):
+    snapshot = ROOT / "tests" / "data" / "diagnose" / "oom_rank0.snapshot.pickle"
+    png = tmp_path / "map.png"
+    assert main(["diagnose", str(snapshot), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("snapshot rank 0, device 0: fragmentation shown: the 64.0 MiB request")
+    assert png.stat().st_size > 0

@@ -146,3 +146,13 @@ def test_the_shipped_example_log_is_the_generators_output():
 
     shipped = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "merged-8-ranks.log"
     assert shipped.read_text().splitlines() == run_lines()
+
+
+def test_the_shipped_snapshot_is_the_workloads_geometry():
+    """tests/data/diagnose/oom_rank0.snapshot.pickle (the docs' example) is the device check's geometry pickled."""
+    from pathlib import Path
+
+    from megatron_bridge_ext.device_check.fragmentation_workload import snapshot_at_the_oom
+
+    shipped = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "oom_rank0.snapshot.pickle"
+    assert shipped.read_bytes() == pickle.dumps(snapshot_at_the_oom(), protocol=4)
