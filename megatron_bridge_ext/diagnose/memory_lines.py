@@ -136,11 +136,9 @@ _LAYOUT_PATTERNS = (
     ("cp", re.compile(r"(?:^|[\s,])context-parallel size: (\d+)")),
     ("tp", re.compile(r"(?:^|, )tensor-model-parallel size: (\d+)")),
     ("pp", re.compile(r"(?:^|, )pipeline-model-parallel size: (\d+)")),
-    ("tp", re.compile(r"^\s*tensor_model_parallel_size: (\d+)\s+\(Mcore default")),
-    ("pp", re.compile(r"^\s*pipeline_model_parallel_size: (\d+)\s+\(Mcore default")),
-    ("cp", re.compile(r"^\s*context_parallel_size: (\d+)\s+\(Mcore default")),
-    ("ep", re.compile(r"^\s*expert_model_parallel_size: (\d+)\s+\(Mcore default")),
-    ("etp", re.compile(r"^\s*expert_tensor_parallel_size: (\d+)\s+\(Mcore default")),
+    *((size, re.compile(rf"^\s*{field}: (\d+)\s+\(Mcore default")) for size, field in (  # Bridge's config summary
+        ("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"), ("cp", "context_parallel_size"),
+        ("ep", "expert_model_parallel_size"), ("etp", "expert_tensor_parallel_size"))),
     ("dp", re.compile(r"> initialized HyperCommGrid with tp=\d+, pp=\d+, cp=\d+, dp=(\d+)")),
 )
 _USE_TP_PP_DP = re.compile(r"^\s*use_tp_pp_dp_mapping: True")
