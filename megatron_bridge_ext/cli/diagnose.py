@@ -10,12 +10,9 @@ import sys
 from megatron_bridge_ext.sizes import TIB
 
 EXAMPLES = """
-mbx diagnose train.log                           # a merged log of every rank (torchrun, srun, mpirun prefixes)
+mbx diagnose train.log oom_rank3.snapshot.pickle   # a merged log of every rank, a snapshot, a stats JSON...
 mbx diagnose logs/ --tp 2 --pp 2 --plot ranks.png  # a directory of per-rank logs; per-rank bars by stage
-mbx diagnose oom_rank0.json                      # an OOM report written by the OOM handler
-mbx diagnose memory_snapshot_rank3.pickle        # a memory snapshot (torch.cuda.memory._dump_snapshot)
-mbx diagnose stats.json --total-memory 80GiB --expandable-segments off
-kubectl logs job/train | mbx diagnose -          # standard input; .gz files are read as they are
+kubectl logs job/train | mbx diagnose -            # standard input; .gz files are read as they are
 """
 SIZES = ("tp", "pp", "cp", "ep", "etp", "dp")
 MAX_DEVICE = TIB
