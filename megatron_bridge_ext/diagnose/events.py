@@ -91,7 +91,7 @@ def classify_message(event: AllocatorOOM, *, expandable: Optional[bool] = None) 
     numbers = {"request_bytes": request, "total_bytes": event.total, "free_bytes": event.free,
                "allocated_bytes": event.allocated, "reserved_bytes": reserved, "unallocated_bytes": unallocated,
                "private_pool_bytes": private, "outside_bytes": outside, "allowed_bytes": event.allowed,
-               "other_processes": [list(p) for p in event.other_processes]}
+               "this_process_bytes": event.this_process, "other_processes": [list(p) for p in event.other_processes]}
     if reserved is None or unallocated is None:
         return Verdict(UNKNOWN, "the message lacks the allocated and reserved figures", _step(1, expandable), numbers)
     notes = []
