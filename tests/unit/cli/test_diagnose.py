@@ -99,3 +99,12 @@ def test_a_snapshot_alone_prints_its_verdict_and_draws_its_segment_map(tmp_path,
     out = capsys.readouterr().out
     assert out.startswith("snapshot rank 0, device 0: fragmentation shown: the 64.0 MiB request")
     assert png.stat().st_size > 0
+
+
+def test_the_large_input_benchmark_runs_on_small_inputs(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/diagnose_stream_bench.py", "--size-gb", "0.001", "--ranks", "16",
+                           "--keep", str(tmp_path / "bench")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("16 rank logs") and lines[1].endswith("exit 0")
+    assert lines[2].startswith("one merged log of 0.00 GB") and lines[2].endswith("exit 0")
