@@ -57,14 +57,17 @@ def blocks_bounds(sizes) -> tuple[int, int]:
     return sum(low for low, _ in bounds), sum(high for _, high in bounds)
 
 
+def _span(low: int, high: int) -> str:
+    return f"{low:,} B" if low == high else f"{low:,}..{high:,} B"
+
+
 def judge_meter(row: dict) -> tuple[bool, str]:
     """The allocator's growth over one forward against the blocks of the meter's storages and the loss."""
     low, high = blocks_bounds([*row["saved_storage_bytes"], LOSS_BYTES])
     grown = row["allocated_after_forward"] - row["allocated_before_forward"]
-    bound = f"{low:,} B" if low == high else f"{low:,}..{high:,} B"
     return low <= grown <= high, (f"memory_allocated grew {grown:,} B over forward; the meter's "
                                   f"{len(row['saved_storage_bytes'])} storages ({sum(row['saved_storage_bytes']):,} B) "
-                                  f"and the loss take {bound} in 512-byte blocks")
+                                  f"and the loss take {_span(low, high)} in 512-byte blocks")
 
 
 def saving_bounds(shape: dict) -> tuple[int, int]:
@@ -85,9 +88,8 @@ def judge_saving(base: dict, ours: dict) -> tuple[bool, str]:
     grown = {name: row["memory_after_forward"] - row["memory_before_step"] for name, row in
              (("base", base), ("ours", ours))}
     drop = grown["base"] - grown["ours"]
-    bound = f"{low:,} B" if low == high else f"{low:,}..{high:,} B"
     return low <= drop <= high, (f"after-forward drop {drop:,} B; expected {2 * base['shape']['layers']} adapters x "
-                                 f"(gathered input block - shard block) = {bound}")
+                                 f"(gathered input block - shard block) = {_span(low, high)}")
 
 
 def _fake_world(tp: int) -> None:
@@ -185,7 +187,8 @@ def verdict(result: dict, cuda: bool) -> tuple[str, str]:
             return ("pass" if ok else "FAIL"), detail
         low, high = blocks_bounds([*result["saved_storage_bytes"], LOSS_BYTES])
         return "dry run", (f"needs CUDA for memory_allocated; the meter's {len(result['saved_storage_bytes'])} "
-                           f"storages and the loss take {low:,}..{high:,} B in 512-byte blocks")
+                           f"storages and the loss take {_span(low, high)} in 512-byte blocks: the GPU's growth over "
+                           "forward must be that")
     base, ours = result["baseline"], result["shard_local"]
     if cuda:
         ok, detail = judge_saving(base, ours)
@@ -202,7 +205,7 @@ def verdict(result: dict, cuda: bool) -> tuple[str, str]:
     ok = drop == 2 * shape["layers"] * worth
     return ("dry run" if ok else "FAIL"), (f"needs CUDA for memory_allocated; saved-activation drop {drop:,} B, "
                                            f"expected {2 * shape['layers']} x {worth:,} B; the GPU's after-forward "
-                                           f"drop must lie in {low:,}..{high:,} B")
+                                           f"drop must be {_span(low, high)}")
 
 
 NAMES = {"meter": "one GPU: saved-activation meter vs memory_allocated (TP=1)",
