@@ -9,6 +9,8 @@ and runs the check; each job is a module, runnable with ``python -m``:
   (``megatron_bridge_ext.init()``);
 * ``peak_memory``: rank 0 of a TP=2 LoRA job on one device through a fake process group, per variant;
   ``estimates.json`` (package data) holds the memory estimates of the measured configs;
+* ``one_gpu``: two allocator-level checks on one GPU at the grid's tiny shapes (the saved-activation meter
+  against ``memory_allocated``; shard_local's saving at rank 0 of TP=2), bound by the allocator's rounding;
 * ``wheels``: the pinned wheel set downloaded and checked against its budget, and installed;
 * ``torch_only_venv`` and ``rehearsal``: the whole check rehearsed on a CPU (``make device-rehearsal``).
 

@@ -19,7 +19,10 @@ Parts, each in its own process under its own timeout, in this order (fast first)
    between (2L-1) and 2L adapters' worth; step-time ratios are compute only (collectives are free on
    a fake group), reported with the collective bytes per step; the memory estimate of each variant
    (``megatron_bridge_ext.estimate``) against its measured peak, within the estimate's target;
-4. with two or more GPUs: the functional tests under NCCL (needs pytest).
+4. one GPU, the grid's tiny shapes (:mod:`.one_gpu`): the saved-activation meter against
+   ``memory_allocated`` after forward at TP=1, and shard_local's after-forward saving at rank 0 of TP=2
+   through a fake process group, each bound by the caching allocator's 512-byte blocks;
+5. with two or more GPUs: the functional tests under NCCL (needs pytest).
 
 ``$OUT/device_check.json`` is rewritten after every part, so a kill leaves what finished. One verdict
 line per check; the exit status is non-zero when a check failed or did not run. ``--dry-run`` runs
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 
 from megatron_bridge_ext.device_check import fragmentation_workload as workload
+from megatron_bridge_ext.device_check import one_gpu
 from megatron_bridge_ext.device_check.peak_memory import MEASURED_VARIANTS as VARIANTS  # the estimates carried
 
 DEFAULT_LAYERS = 4
@@ -381,6 +385,7 @@ def main(argv=None) -> int:
           f"commit {info['commit']}", flush=True)
     fragmentation(check, cuda)
     peak_memory(check, args.layers, args.dry_run, cuda)
+    one_gpu.part(check, cuda, _run)
     functional(check, torch.cuda.device_count() if cuda else 0)
     failed = check.failed()
     print(f"device check: {len(check.report['verdicts']) - len(failed)} of {len(check.report['verdicts'])} checks "

@@ -7,7 +7,8 @@ Bridge's LoRA is the reference; each float32 run's error is the largest relative
 and every LoRA gradient. Claim: shard_local sums partial products over ranks in another order than
 the baseline, so it is not bitwise equal to it, but it is no less accurate: its error against the
 float64 reference is at most twice the baseline's own float32 error. Regather is bitwise equal to the
-baseline, so it has exactly the baseline's error.
+baseline, so it has exactly the baseline's error. At TP=4 in bfloat16 it also checks that shard_local
+reduces LoRA-A's weight gradient over the ranks in float32, the one rule here a TP=2 run cannot test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_bridge_ext.levers.lora_input import sp_lora
 from megatron_bridge_ext.testing import tiny_model as tm
 from tests.support.dist_checks import assert_no_problems, local_rel_err
 from tests.support.lora_blocks import _gpt, _loss_and_grads
@@ -77,4 +79,50 @@ def test_shard_local_is_as_accurate_as_the_baseline_against_float64(tp_world):
         problems.append(f"shard_local {errors['shard_local']:.3g} > 2 x baseline {errors['baseline']:.3g}")
     if dist.get_rank() == 0:
         print(f"\nTP={WORLD} float32 error against float64: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert_no_problems(problems, tp_world)
+
+
+def _bf16_problem(s: int, b: int, h: int, r: int):
+    """Global x [s, b, h], LoRA-A weight A [r, h] and the replicated grad G [s, b, r] in bfloat16, the same on
+    every rank."""
+    gen = torch.Generator().manual_seed(29)
+    return tuple(torch.randn(*shape, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+                 for shape in ((s, b, h), (r, h), (s, b, r)))
+
+
+@pytest.mark.skipif(WORLD < 3, reason="two bf16 addends: their bf16 sum is their float32 sum rounded once, so a "
+                                      "bf16 reduction gives the same bits and the rule cannot fail at TP=2")
+def test_shard_local_reduces_the_bf16_weight_gradient_in_float32(tp_world):
+    """Each rank's partial wgrad of LoRA-A is G_k^T x_k [r, h] over its own tokens, in bf16; the shard_local
+    rule is that these t partials are summed in float32 and rounded to bf16 once (into an fp32 main_grad: not
+    rounded at all). Two bf16 addends (TP=2) sum in float32 exactly, and bf16 addition rounds that exact sum
+    once too, so the rule is only visible from three ranks on, where a bf16 reduction rounds after every
+    addition. The expected shard is formed here from every rank's partial (all ranks hold the whole problem),
+    summed in float64 (exact for four bf16 products of this size) and rounded, and a bf16 running sum is
+    checked to differ from it, so the comparison can tell the two reductions apart."""
+    t, rank = tp_world.size(), tp_world.rank()
+    s, b, h, r = 16 * t, 2, 32, 2 * t
+    x, a, g = _bf16_problem(s, b, h, r)
+    tokens, rows = s // t, r // t
+    partials = [g[k * tokens:(k + 1) * tokens].reshape(-1, r).t().matmul(x[k * tokens:(k + 1) * tokens].reshape(-1, h))
+                for k in range(t)]
+    exact = sum(p.double() for p in partials)[rank * rows:(rank + 1) * rows]
+    running = partials[0]
+    for p in partials[1:]:
+        running = running + p  # bf16: rounded after each addition
+    running = running[rank * rows:(rank + 1) * rows]
+    problems = []
+    if torch.equal(running, exact.to(torch.bfloat16)):
+        problems.append("a bf16 running sum equals the float32 one here: the problem cannot tell them apart")
+    for fusion in (False, True):
+        x_local = x[rank * tokens:(rank + 1) * tokens].clone().requires_grad_(True)
+        weight = a[rank * rows:(rank + 1) * rows].clone().requires_grad_(True)
+        if fusion:
+            weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+        sp_lora.shard_local_lora_a(x_local, weight, tp_world, gradient_accumulation_fusion=fusion).backward(g)
+        got, want = (weight.main_grad, exact.float()) if fusion else (weight.grad, exact.to(torch.bfloat16))
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            wrong = (got.double() != want.double()).sum().item() if got.shape == want.shape else "all"
+            problems.append(f"fusion={fusion}: {wrong} of {want.numel()} wgrad elements differ from the float32 "
+                            f"reduction ({got.dtype})")
     assert_no_problems(problems, tp_world)

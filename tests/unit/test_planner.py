@@ -86,14 +86,28 @@ def test_needs_the_lora_input_under_sequence_parallelism():
 
 
 def test_needs_selective_recompute():
-    shard_local = _peak(_cfg(), sequence_parallel_input_strategy="shard_local")
-    everything = _peak(_cfg(), sequence_parallel_input_strategy="shard_local", recompute_modules=list(recompute_advice.RECOMPUTE_CANDIDATES))
-    assert everything < shard_local
-    result = _plan(_cfg(), _device_for((shard_local + everything) / 2, planner.EXPANDABLE_MARGIN))
+    """Each candidate module is estimated on its own first; here core_attn raises the peak (the estimate's fused
+    attention keeps no s x s tensor to drop, and the recompute adds its transient) and is reported as saving
+    nothing, while layernorm and mlp save. The device sits between the peak with both recomputed and the lower of
+    the two alone, so the answer must recompute both, the cheaper per byte saved first: layernorm (no GEMM), then
+    mlp. Its FLOPs by hand from the shape (4 layers, 1 microbatch, TP 2): mlp repeats fc1 (h -> 2 ffn/t, SwiGLU)
+    and fc2 (ffn/t -> h), 2 s b h (ffn/t) x 3 per layer; layernorm repeats none."""
+    with_shard_local = dict(sequence_parallel_input_strategy="shard_local")
+    shard_local = _peak(_cfg(), **with_shard_local)
+    alone = {m: _peak(_cfg(), **with_shard_local, recompute_modules=[m]) for m in recompute_advice.RECOMPUTE_CANDIDATES}
+    assert [m for m, peak in alone.items() if peak < shard_local] == ["layernorm", "mlp"]
+    both = _peak(_cfg(), **with_shard_local, recompute_modules=["layernorm", "mlp"])
+    assert both < min(alone["layernorm"], alone["mlp"])
+    result = _plan(_cfg(), _device_for((both + min(alone["layernorm"], alone["mlp"])) / 2, planner.EXPANDABLE_MARGIN))
     chosen = result.chosen
-    assert chosen.step == 3 and chosen.flags["recompute_modules"]
+    assert chosen.step == 3 and chosen.flags["recompute_modules"] == ["layernorm", "mlp"]
+    assert chosen.peak_bytes == both
     assert [o.step for o in result.options if o.applicable][:2] == [1, 2]
-    assert chosen.cost.recomputed_flops > 0 or chosen.flags["recompute_modules"] == ["layernorm"]
+    [core_attn] = [o for o in result.options if o.label == "recompute core_attn"]
+    assert not core_attn.applicable and core_attn.reason == "saves nothing here (measured)"
+    s, b, h, ffn, tp, layers = 1024, 2, 64, 256, 2, 4
+    mlp = 2 * s * b * h * (ffn // tp) * 3
+    assert chosen.cost.recomputed_flops == mlp * layers  # the modules this option added: layernorm and mlp
     assert "model.recompute_granularity=selective" in chosen.overrides
 
 

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_bridge_ext import cli
+from megatron_bridge_ext import cli, planner
 from megatron_bridge_ext.cli import plan as plan_cli
+from tests.support.estimate import adapter_params, layer_params
 
 pytestmark = [pytest.mark.unit]
 
@@ -186,6 +187,9 @@ def test_plot_without_matplotlib_is_one_line(capsys, monkeypatch, tmp_path):
 
 
 def test_qwen3_8b_lora_json(capsys):
+    """Qwen3-8B, Bridge's LoRA (dim 32, its default) on the four linears, TP 2 x DP 4, sequence 8192: the static
+    components from config.json by hand, the LoRA inputs and the TE shards from their shapes, the peak their sum
+    with the largest transient, and the 10% margin of an 80 GB device."""
     argv = ["plan", "--hf-config", QWEN3_8B, "--tp", "2", "--seq", "8192", "--peft", "lora", "--dp", "4",
             "--gpu-memory", "80GB", "--json"]
     assert cli.main(argv) == 0
@@ -194,9 +198,28 @@ def test_qwen3_8b_lora_json(capsys):
     assert (settings["tp"], settings["sequence_parallel"], settings["seq_length"], settings["dp"]) == (2, True, 8192, 4)
     assert settings["peft"].endswith("LoRA") and settings["sequence_parallel_input_strategy"] == "off"
     assert report["fits_as_is"] is True and report["options"] == []
+    assert report["margin"] == 0.10 and report["usable_now"] == 72_000_000_000  # 80e9 B less 10%
+    hf = json.loads(Path(QWEN3_8B).read_text())
+    tp, rank, s, h, layers = 2, 32, 8192, hf["hidden_size"], hf["num_hidden_layers"]
+    adapters = layers * adapter_params(hf, tp, rank)
+    components = {c["name"]: c["bytes"] for c in report["estimate"]["components"]}
+    assert components["weights: embedding"] == components["weights: output layer"] == hf["vocab_size"] // tp * h * 2
+    assert components["weights: transformer layers"] == (layers * layer_params(hf, tp) + h) * 2
+    assert components["weights: adapters"] == adapters * 2
+    assert components["gradients (main_grad buffer)"] == adapters * 4  # bf16_mixed: fp32 main_grad, adapters only
+    assert components["optimizer states"] == -(-adapters * 12 // 4)  # distributed Adam over DP 4
+    # Bridge's path: LoRA-A of qkv and fc1 keep the gathered [s, 1, h] input, fc2's its [s, 1, ffn/t], each
+    # LoRA-B its [s, 1, r]; TE's LayerNormLinear keeps its [s/t, 1, h] shard beside each gathered copy.
+    ffn = hf["intermediate_size"]
+    assert components["lora inputs"] == layers * (2 * s * h + s * ffn // tp + 4 * s * rank) * 2
+    assert components["TE norm-output shards (contract)"] == 2 * layers * (s // tp) * h * 2
+    kinds = {}
+    for c in report["estimate"]["components"]:
+        kinds.setdefault(c["kind"], []).append(c["bytes"])
+    assert report["estimate"]["peak_bytes"] == (sum(kinds["static"]) + sum(kinds["activations"])
+                                                + sum(kinds.get("buffers", [])) + max(kinds["transient"]))
     # Bridge's own estimate charges the frozen base with gradients and optimizer states.
     assert report["bridge_estimate"]["total_bytes"] > report["estimate"]["peak_bytes"]
-    assert report["usable_now"] == int(80e9 * (1 - report["margin"]))
     assert "answer" in report and "chosen" not in report  # the text's word for it
 
 
@@ -214,7 +237,16 @@ def test_text_output_walks_the_levers_and_answers(capsys, tmp_path):
     assert positions == sorted(positions)
     steps = [line.split()[0] for line in text[positions[3]:positions[4]].splitlines()[3:] if line[:3].strip().isdigit()]
     assert steps == sorted(steps, key=int) and steps[:2] == ["1", "2"]
-    assert "MemoryConfig(" in text or "no combination of the levers fits" in text
+    # 4 GB less the 10% margin as is, less the 3% margin kept with expandable segments on at every step
+    assert f"usable {4e9 * (1 - planner.MARGIN) / 2**30:.2f} GiB after a 10% margin" in text
+    usable = f"{4e9 * (1 - planner.EXPANDABLE_MARGIN) / 2**30:.2f} GiB"
+    [tp_row] = [line for line in text.splitlines() if "TP 2 -> 4, DP 2 -> 1" in line and line.lstrip().startswith("4")]
+    assert usable in tp_row and " yes " in tp_row
+    # Steps 1 to 3 each lower the peak and every one is kept; only TP 2 -> 4 (half of every shard) fits.
+    assert "answer: step 4 (TP 2 -> 4, DP 2 -> 1)" in text
+    assert ("MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy='shard_local', "
+            "recompute_modules=['mlp'])") in text
+    assert "model.tensor_model_parallel_size=4" in text and "no combination of the levers fits" not in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -484,6 +516,11 @@ def _moe_plan(capsys, *argv) -> tuple[int, str]:
     return status, out
 
 
+def _row(lines: list[str], name: str, nbytes: int, basis: str) -> bool:
+    """A line of the estimate's table naming ``name`` with ``nbytes`` in GiB and ``basis``."""
+    return any(f" {name} " in line and f"{nbytes / 2**30:,.2f} GiB" in line and basis in line for line in lines)
+
+
 DROPPING = ["model.moe_expert_capacity_factor=1.0"]
 """Token dropping: an MoE setting our estimate does not model (Bridge's formula reads the config regardless)."""
 
@@ -498,6 +535,22 @@ def test_a_moe_plan_prints_our_table_beside_bridges_with_the_expert_load_stated(
             "--moe-imbalance sets the most loaded expert's share)") in config
     for row in ("weights: experts", "weights: expert adapters", "moe dispatch", "experts  "):
         assert any(row in line for line in lines), row
+    # By hand from config.json: 128 experts / EP 4 = 32 on the rank, unsharded (ETP 1), on 48 layers; each expert
+    # fc1 (h -> 2 x moe_ffn, SwiGLU) and fc2 (moe_ffn -> h), frozen; Bridge's LoRA (dim 32) on both, trainable.
+    hf = json.loads(Path(QWEN3_30B_A3B).read_text())
+    h, moe_ffn, layers, r = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_hidden_layers"], 32
+    local = layers * hf["num_experts"] // 4
+    experts = local * 3 * h * moe_ffn
+    expert_adapters = local * r * ((h + 2 * moe_ffn) + (moe_ffn + h))
+    # attention adapters over TP 4: qkv r x (h + (n + 2g) d), proj r x (n d + h)
+    n, g, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    dense = layers * r * ((h + (n + 2 * g) * d) + (n * d + h)) // 4
+    assert _row(lines, "weights: experts", experts * 2, f"{experts:,} frozen parameters x 2 B")
+    assert _row(lines, "weights: expert adapters", expert_adapters * 2, f"{expert_adapters:,} trainable parameters")
+    # Adam's 12 B: dense over DP 4, experts over expert DP = DP 4 x TP 4 / (EP 4 x ETP 1) = 4
+    assert _row(lines, "optimizer states", dense * 12 // 4 + expert_adapters * 12 // 4,
+                f"{dense:,} trainable parameters x adam")
+    assert f"{expert_adapters:,} trainable expert parameters x 12 B, distributed over expert DP" in text
     assert "Bridge's estimate_training_memory for the same config, per rank" in text
     assert "routed expert parameters and optimizer" in text and "Bridge minus ours: " in text
     assert "fits as is" in text and "our estimate: not modelled" not in text

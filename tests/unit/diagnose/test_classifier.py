@@ -70,6 +70,23 @@ def test_thresholds_decide_at_their_documented_boundaries():
     assert (classify(floor_at).kind, classify(floor_below).kind) == ("fragmentation", "capacity")
 
 
+def test_a_request_larger_than_all_free_memory_is_capacity_however_split_the_cache():
+    """Fragmentation-looking stats, but the failed request exceeds every free byte together (reserved but
+    unallocated plus the device's unreserved part): no allocator could have placed it, so it is capacity.
+    One byte less fits in principle, and the stats decide again (fragmentation)."""
+    stats = fragmentation_stats()
+    total = 80 * GiB
+    free = (74 * GiB + 614 * MiB - 52 * GiB) + (total - (74 * GiB + 614 * MiB))  # gap + unreserved = 28 GiB
+    assert free == 28 * GiB
+    over = classify(stats, total_memory=total, request_bytes=free + 1)
+    fits = classify(stats, total_memory=total, request_bytes=free)
+    assert (over.kind, fits.kind) == ("capacity", "fragmentation")
+    assert over.evidence[0].startswith("the failed request (28.00 GiB) is larger than all free memory together "
+                                       "(28.00 GiB: reserved but unallocated plus unreserved)")
+    # Without the device's total the unreserved part is unknown: the stats alone decide.
+    assert classify(stats, request_bytes=free + 1).kind == "fragmentation"
+
+
 def test_small_gap_is_capacity_even_when_its_fraction_is_high():
     stats = memory_stats(allocated=1 * GiB, reserved=1 * GiB + MIN_GAP_BYTES - 2 * MiB,
                          inactive_split=MIN_GAP_BYTES - 64 * MiB, small_reserved=4 * MiB, small_allocated=2 * MiB)

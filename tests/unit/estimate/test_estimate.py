@@ -16,7 +16,7 @@ import pytest
 from megatron_bridge_ext.estimate import configs
 from megatron_bridge_ext.estimate.trace import ATTENTION, LORA_INPUTS, MLP, NORMS
 from megatron_bridge_ext.findings import Refused
-from tests.support.estimate import DATA, DP, QWEN3_8B, RANK, SEQ, TP
+from tests.support.estimate import DATA, DP, QWEN3_8B, RANK, SEQ, TP, adapter_params, layer_params
 
 pytestmark = [pytest.mark.unit]
 
@@ -29,35 +29,13 @@ def _hf(path):
         return json.load(handle)
 
 
-def _layer_params(hf: dict, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank: column/row-parallel linears split by TP,
-    norms (and Qwen3's q/k norms) replicated."""
-    h, n, g, ffn = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"]
-    d = hf.get("head_dim", h // n)
-    qkv = (n + 2 * g) * d * h // tp
-    proj = n * d * h // tp
-    fc1 = 2 * ffn * h // tp  # gate and up (SwiGLU)
-    fc2 = ffn * h // tp
-    norms = 2 * h + (2 * d if hf["model_type"] == "qwen3" else 0)
-    return qkv + proj + fc1 + fc2 + norms
-
-
-def _adapter_params(hf: dict, tp: int, rank: int) -> int:
-    """Bridge LoRA on qkv, proj, fc1, fc2: rank x (in + out) per target, split by TP (A on the rank
-    dimension for column targets, on the input for row targets; B on the output)."""
-    h, n, g, ffn = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["intermediate_size"]
-    d = hf.get("head_dim", h // n)
-    in_out = (h + (n + 2 * g) * d) + (n * d + h) + (h + 2 * ffn) + (ffn + h)
-    return rank * in_out // tp
-
-
 def test_static_components_of_qwen3_8b_lora_match_hand_computation(qwen_lora):
     _, est = qwen_lora
     hf = _hf(QWEN3_8B)
     h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     embedding = vocab * h // TP
-    frozen_layers = layers * _layer_params(hf, TP) + h  # + the final norm
-    adapters = layers * _adapter_params(hf, TP, RANK)
+    frozen_layers = layers * layer_params(hf, TP) + h  # + the final norm
+    adapters = layers * adapter_params(hf, TP, RANK)
     assert est.component("weights: embedding").bytes == embedding * BF16
     assert est.component("weights: output layer").bytes == embedding * BF16  # untied, V/t rows on the last stage
     assert est.component("weights: transformer layers").bytes == frozen_layers * BF16
@@ -84,29 +62,46 @@ def test_lora_inputs_and_te_shards_of_qwen3_8b_match_their_shapes(qwen_lora):
     assert logits.bytes == s * b * (hf["vocab_size"] // TP) * BF16
 
 
+def _each_stage(cfg, stages) -> dict:
+    """Every stage's own estimate (``estimate`` reports only the most loaded one), traced as ``estimate`` traces it."""
+    from megatron_bridge_ext.estimate import memory
+
+    prepared = memory.prepare(cfg, data_parallel_size=None, num_microbatches=None)
+    attention = memory._attention_from(prepared.provider)
+    return {stage: memory._estimate_stage(prepared, stage, attention=attention, device="cuda",
+                                          impl=prepared.provider.transformer_impl) for stage in stages}
+
+
 def test_first_and_last_pipeline_stage_hold_the_embedding_and_the_output_layer():
+    """Full fine-tuning of Llama 3 8B cut to 4 layers, PP 2 x TP 2 x DP 2: stage 0 holds the vocabulary-parallel
+    embedding (V/t x h) and 2 layers, stage 1 2 layers, the final norm (h) and the output layer (V/t x h, untied);
+    every parameter trains, so gradients are 4 B each (bf16_mixed reduces in fp32) and the distributed Adam state
+    12 B each over DP = 2."""
     from megatron_bridge_ext.estimate import estimate
 
     hf = _hf(LLAMA3_8B)
     cfg = configs.from_hf_config(LLAMA3_8B, configs.Layout(tp=2, pp=2, dp=2, seq=512, peft="none"),
                                  ["model.num_layers=4"])
-    est = estimate(cfg)
     h, vocab = hf["hidden_size"], hf["vocab_size"]
-    assert sorted(est.stage_peaks) == [0, 1]
-    parts = {c.name for c in est.components}
-    stage_weights = 2 * _layer_params(hf, 2) * BF16  # 4 layers over 2 stages
-    if est.stage == 0:
-        assert "weights: embedding" in parts and "weights: output layer" not in parts
-        assert est.component("weights: embedding").bytes == vocab * h // 2 * BF16
-        assert est.in_flight_microbatches == 2  # 1F1B: the first of 2 stages holds 2 microbatches
-    else:
-        assert "weights: output layer" in parts and "weights: embedding" not in parts
-        stage_weights += h * BF16  # the final norm sits on the last stage
-        assert est.in_flight_microbatches == 1
-    assert est.component("weights: transformer layers").bytes == stage_weights
-    total = sum(c.bytes for c in est.components if c.name.startswith("weights")) // BF16
-    assert est.component("gradients (main_grad buffer)").bytes == total * 4  # full fine-tuning
-    assert est.component("optimizer states").bytes == -(-total * 12 // 2)
+    assert vocab % 2 == 0  # Bridge's GPT provider does not pad it (should_pad_vocab=False, gpt_provider.py:183)
+    vocab_part = vocab // 2 * h
+    layers = 2 * layer_params(hf, 2)
+    stages = _each_stage(cfg, (0, 1))
+    first, last = stages[0], stages[1]
+    assert {c.name for c in first.components if c.name.startswith("weights")} == \
+        {"weights: embedding", "weights: transformer layers"}
+    assert {c.name for c in last.components if c.name.startswith("weights")} == \
+        {"weights: output layer", "weights: transformer layers"}
+    assert first.component("weights: embedding").bytes == vocab_part * BF16
+    assert last.component("weights: output layer").bytes == vocab_part * BF16
+    assert first.component("weights: transformer layers").bytes == layers * BF16
+    assert last.component("weights: transformer layers").bytes == (layers + h) * BF16  # + the final norm
+    # 1F1B with 2 microbatches: the first of 2 stages holds both in flight, the last one
+    assert (first.in_flight_microbatches, last.in_flight_microbatches) == (2, 1)
+    for est, params in ((first, vocab_part + layers), (last, vocab_part + layers + h)):
+        assert est.component("gradients (main_grad buffer)").bytes == params * 4
+        assert est.component("optimizer states").bytes == -(-params * 12 // 2)
+    assert estimate(cfg).stage_peaks == {0: first.peak_bytes, 1: last.peak_bytes}
 
 
 def test_identical_layers_save_the_same_and_split_the_layer_categories(qwen_lora):
@@ -215,7 +210,7 @@ def test_tied_embeddings_count_the_shared_weight_once_on_one_stage(tmp_path):
     h, vocab = hf["hidden_size"], hf["vocab_size"]
     assert "weights: output layer" not in {c.name for c in est.components}
     assert est.component("weights: embedding").bytes == vocab * h // 2 * BF16
-    weights = vocab * h // 2 + 2 * _layer_params(hf, 2) + h  # shared matrix, 2 layers, the final norm
+    weights = vocab * h // 2 + 2 * layer_params(hf, 2) + h  # shared matrix, 2 layers, the final norm
     assert sum(c.bytes for c in est.components if c.name.startswith("weights")) == weights * BF16
     assert est.component("gradients (main_grad buffer)").bytes == weights * 4  # full fine-tuning
     assert est.component("logits at the loss").bytes == 512 * (vocab // 2) * BF16

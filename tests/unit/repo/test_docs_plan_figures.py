@@ -1,5 +1,9 @@
 """The docs' estimate figures (docs/tools/plan.md) are the committed output of the commands that printed them.
 
+The ``test_consistency_...`` tests compare the pages with the committed files and run nothing; the
+``test_rerun_...`` tests run the program again (the committed ``mbx plan`` command, the estimate of each
+case ``scripts/estimate_published.py`` wrote) and find the committed figures in what it gives now.
+
 ``benchmarks/<date>-mbx-plan-qwen3-8b-40GB.txt`` is ``mbx plan``'s output (its first line is the
 command), shown verbatim in docs/tools/plan.md; ``benchmarks/<date>-qwen3-8b-lora-estimate.json`` is written
 by ``scripts/estimate_published.py --json`` in the same run as its ``.txt``, and every figure of the
@@ -8,7 +12,9 @@ page's table of the published peaks is re-derived here from that JSON.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -30,7 +36,7 @@ def _page() -> str:
 
 
 @pytest.mark.parametrize("saved", PLANS, ids=[p.stem for p in PLANS])
-def test_the_plan_page_shows_the_committed_plan_output_verbatim(saved):
+def test_consistency_the_plan_page_shows_the_committed_plan_output_verbatim(saved):
     text = saved.read_text().rstrip("\n")
     assert text.startswith("$ mbx plan ")
     assert f"```\n{text}\n```" in _page()
@@ -61,7 +67,7 @@ def _saving_row(records: list[dict]) -> str:
             f"{_gb(saving[2])} | {_diff(saving[2], saving[0])} |")
 
 
-def test_the_published_peak_table_is_derived_from_the_committed_json():
+def test_consistency_the_published_peak_table_is_derived_from_the_committed_json():
     assert len(PUBLISHED) == 1
     records = json.loads(PUBLISHED[0].read_text())
     assert len(records) == 2
@@ -84,7 +90,7 @@ def _or_dash(value, text):
 
 
 @pytest.mark.parametrize("saved", PUBLISHED_MOE, ids=[p.stem for p in PUBLISHED_MOE])
-def test_the_published_moe_peak_tables_are_derived_from_the_committed_json(saved):
+def test_consistency_the_published_moe_peak_tables_are_derived_from_the_committed_json(saved):
     """Each MoE row of the page's tables is re-derived from the JSON written with its .txt; the shard_local row has
     no published figure, and the saving row compares Bridge's LoRA with and without its regather flag."""
     records = json.loads(saved.read_text())
@@ -108,7 +114,7 @@ HYBRID_PAGE = ROOT / "docs" / "tools" / "estimate-precision-hybrid.md"
 HYBRID_PLAN = ROOT / "benchmarks" / "2026-12-01-nemotron-3-nano-peft-plan.txt"
 
 
-def test_the_hybrid_pages_nemotron_figures_are_the_committed_plan_output():
+def test_consistency_the_hybrid_pages_nemotron_figures_are_the_committed_plan_output():
     """The page abridges the Nemotron 3 Nano plan; its command and every figure line it shows are the committed
     output's own lines."""
     text, page = HYBRID_PLAN.read_text().splitlines(), HYBRID_PAGE.read_text()
@@ -117,3 +123,55 @@ def test_the_hybrid_pages_nemotron_figures_are_the_committed_plan_output():
     assert len(shown) == 4
     for line in shown:
         assert line in page.splitlines(), line
+
+
+def _rerun_plan(saved: Path, capsys, monkeypatch) -> dict:
+    """The committed ``mbx plan`` command (its first line) run again from the repository root, as JSON, no plot."""
+    from megatron_bridge_ext import cli
+
+    argv = shlex.split(saved.read_text().splitlines()[0])
+    assert argv[:3] == ["$", "mbx", "plan"]
+    argv = argv[3:]
+    if "--plot" in argv:
+        at = argv.index("--plot")
+        del argv[at:at + 2]
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("saved", [*PLANS, HYBRID_PLAN], ids=[p.stem for p in [*PLANS, HYBRID_PLAN]])
+def test_rerun_the_committed_plans_peak_and_bridges_total_are_what_the_command_gives_now(saved, capsys, monkeypatch):
+    report = _rerun_plan(saved, capsys, monkeypatch)
+    lines = saved.read_text().splitlines()
+    [peak] = [line for line in lines if line.startswith("  peak  ")]
+    estimate = report["estimate"]["peak_bytes"]
+    assert f"{estimate / 2**30:.2f} GiB  ({estimate / 1e9:.3f} GB" in peak, peak
+    [total] = [line for line in lines if line.startswith("  total  ")]
+    assert total.split()[-2:] == [f"{report['bridge_estimate']['total_bytes'] / 2**30:,.2f}", "GiB"], total
+
+
+def _published_script():
+    spec = importlib.util.spec_from_file_location("estimate_published", ROOT / "scripts" / "estimate_published.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("saved", PUBLISHED + PUBLISHED_MOE, ids=[p.stem for p in PUBLISHED + PUBLISHED_MOE])
+def test_rerun_the_committed_published_estimates_are_what_the_estimate_gives_now(saved):
+    """Each case of the committed JSON estimated again with the script's own config: the same bytes, ours and
+    Bridge's."""
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.estimate.bridge import bridge_estimate
+
+    script = _published_script()
+    name = saved.stem.split("-", 3)[3].removesuffix("-lora-estimate")
+    model = script.MODELS[name]
+    path = str(ROOT / "tests" / "data" / name / "config.json")
+    records = json.loads(saved.read_text())
+    assert [r["case"] for r in records] == list(model["published"])
+    for record in records:
+        cfg = script._config(path, model, record["case"])
+        assert estimate(cfg).peak_bytes == record["estimate_bytes"], record["case"]
+        assert bridge_estimate(cfg, data_parallel_size=model["dp"]).total_bytes == record["bridge_estimate_bytes"]

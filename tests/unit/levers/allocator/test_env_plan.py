@@ -124,6 +124,22 @@ def test_a_recipes_variable_carries_the_shells_options():
     assert reads.flag("expandable_segments") is True
 
 
+def test_carrying_the_shells_options_keeps_the_recipes_own_and_adds_ours():
+    """Three sources, each with a key of its own: the recipe's max_split_size_mb, the shell's
+    roundup_power2_divisions, our expandable_segments. On the key both set (garbage_collection_threshold)
+    the shell wins, as it would in the shell variable the recipe's hides."""
+    shell = {ALLOC_VAR: "garbage_collection_threshold:0.7,roundup_power2_divisions:4"}
+    cfg = _cfg({CUDA_VAR: "max_split_size_mb:256,garbage_collection_threshold:0.6"})
+    result = configure_bridge_env(cfg, environ=shell, torch_version=NEW)
+    assert codes(result.findings) == ["max_split_size", "carried"]
+    want = {"max_split_size_mb": "256", "garbage_collection_threshold": "0.7", "roundup_power2_divisions": "4",
+            "expandable_segments": "True"}
+    written = AllocConf.parse(cfg.env_vars[CUDA_VAR])
+    assert {key: written.get(key) for key in written.keys()} == want
+    reads = AllocConf.parse(_torch_reads(_bridge_applies(cfg, shell))["reads"])
+    assert {key: reads.get(key) for key in want} == want
+
+
 def test_an_explicit_false_in_a_variable_torch_ignores_is_still_respected():
     env = {CUDA_VAR: "max_split_size_mb:256", ALLOC_VAR: "expandable_segments:False"}
     child = _child(env)  # init() in a fresh interpreter
