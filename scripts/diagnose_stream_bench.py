@@ -20,9 +20,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from tests.support.oom_logs import GIB, MIB, allocator_oom, bridge_memory_line, bridge_stats, prefixed, traceback  # noqa: E402
+
+def _builders():
+    """tests/support/oom_logs.py, loaded by its path: the lines as upstream prints them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("oom_logs", ROOT / "tests" / "support" / "oom_logs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+L = _builders()
+GIB, MIB = L.GIB, L.MIB
+allocator_oom, bridge_memory_line, bridge_stats, prefixed, traceback = (
+    L.allocator_oom, L.bridge_memory_line, L.bridge_stats, L.prefixed, L.traceback)
 
 GB = 10**9
 STEP = ("iteration {i:8d}/ 1000000 | consumed samples: {s:12d} | elapsed time per iteration (ms): 1234.5 | "
