@@ -442,8 +442,13 @@ def _settings_line(s: dict, *, peft_defaulted: bool = False) -> str:
     vpp = f" VPP={s['vpp']}" if s["vpp"] else ""
     return (f"TP={s['tp']} PP={s['pp']}{vpp}{_experts_sizes(s)} "
             f"DP={s['dp']} SP={'on' if s['sequence_parallel'] else 'off'}, seq {s['seq_length']}, micro-batch "
-            f"{s['micro_batch']}, {s['num_microbatches']} microbatch(es)/step, {s['dtype']}, {peft}, recompute "
+            f"{s['micro_batch']}, {s['num_microbatches']} microbatch(es)/step, {_precision(s)}, {peft}, recompute "
             f"{recompute}, attention {s['attention']}, {s['transformer_impl']}{_hybrid_layers(s)}{_experts_load(s)}")
+
+
+def _precision(s: dict) -> str:
+    """The parameters' dtype, and the FP8 recipe when the linears run in FP8."""
+    return f"{s['dtype']} with {s['fp8']}" if s.get("fp8") else s["dtype"]
 
 
 def _hybrid_layers(s: dict) -> str:

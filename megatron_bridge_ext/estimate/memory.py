@@ -705,7 +705,8 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         "vpp": p.virtual_pipeline_model_parallel_size, "cp": p.context_parallel_size, "dp": prepared.data_parallel,
         "sequence_parallel": bool(p.sequence_parallel) and p.tensor_model_parallel_size > 1,
         "seq_length": prepared.seq, "micro_batch": prepared.micro_batch, "num_microbatches": prepared.num_microbatches,
-        "dtype": str(prepared.dtype).replace("torch.", ""), "stage": stage, "layers_on_stage": layers,
+        "dtype": str(prepared.dtype).replace("torch.", ""), "fp8": _fp8_text(p), "stage": stage,
+        "layers_on_stage": layers,
         "hidden": p.hidden_size, "ffn": p.ffn_hidden_size, "heads": p.num_attention_heads,
         "query_groups": p.num_query_groups or p.num_attention_heads, "kv_channels": p.kv_channels,
         "num_layers": p.num_layers, "gated_linear_unit": bool(p.gated_linear_unit), "vocab_size": p.vocab_size,
@@ -715,6 +716,13 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         **_peft_settings(prepared.peft),
         **_hybrid_settings(p, stage),
     }
+
+
+def _fp8_text(provider) -> Optional[str]:
+    """The model's FP8 settings in words (format, recipe, parameters), or None without FP8: ``dtype`` alone is the
+    16-bit type of the parameters and would hide that the linears run in FP8."""
+    fp8 = precision.fp8_of(provider)
+    return fp8.describe() if fp8 else None
 
 
 def _hybrid_settings(provider, stage: int) -> dict[str, Any]:
