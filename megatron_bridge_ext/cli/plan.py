@@ -103,6 +103,9 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
     p.add_argument("--plot", metavar="FILE",
                    help=f"draw a stacked bar per option to FILE (default: no plot; needs matplotlib: {PLOT_EXTRA})")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the upstream warnings known to be harmless here (default: filtered; "
+                        "docs/tools/plan.md lists them)")
     p.add_argument("--debug", action="store_true",
                    help="let an unexpected error inside the estimate end in its traceback (default: one line)")
     p.add_argument("overrides", nargs="*", metavar="OVERRIDES", help="Hydra-style overrides, e.g. model.seq_length=8192")
@@ -118,12 +121,11 @@ def command(args) -> int:
     from megatron_bridge_ext.findings import Refused
 
     plan_failures.say_importing()
-    logs.configure()
-    # Chatter that says nothing about the plan: torch looking for a CUDA toolkit, Bridge turning
-    # gradient_accumulation_fusion off without TE/Apex (the estimate does that too), transformers on
-    # the spelling of config.json's dtype field, which Bridge reads.
-    for name in ("torch.utils.cpp_extension", "megatron.bridge.utils.fusions"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    logs.configure(verbose=args.verbose)
+    # Chatter that says nothing about the plan: Bridge turning gradient_accumulation_fusion off without
+    # TE/Apex (the estimate does that too), transformers on the spelling of config.json's dtype field, which
+    # Bridge reads.
+    logging.getLogger("megatron.bridge.utils.fusions").setLevel(logging.ERROR)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()

@@ -93,6 +93,9 @@ def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, st
                    help=f"variants to run, in this order (default: {' '.join(variant_names)}); "
                         f"choose from {', '.join(variants.VARIANTS)}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table (default: the table)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the upstream warnings known to be harmless here (default: filtered; "
+                        "docs/tools/demo.md lists them)")
     p.add_argument("--save", type=save_prefix, default=None, metavar="PREFIX",
                    help="also write PREFIX.txt (the table) and PREFIX.json (the figures) of this one run")
     return p
