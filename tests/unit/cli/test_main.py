@@ -3,6 +3,7 @@ environment, help that states each default once, and messages that say what to d
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,13 +17,16 @@ from tests.support.cli import CUDA, ROOT, _one_clean_line, mbx
 pytestmark = pytest.mark.unit
 
 
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
 @pytest.mark.parametrize("argv", [["env"], ["diagnose", "tests/data/memory_stats_capacity.json"]],
                          ids=["env", "diagnose"])
-def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(argv):
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(argv, buffered):
     """As ``mbx ... | head`` does: the read end is closed before the command writes; no traceback, no
-    "Exception ignored" from the flush at exit."""
+    "Exception ignored" from the flush at exit. Buffered: the output is still in Python's buffer when the command
+    returns (a pipe is block-buffered unless PYTHONUNBUFFERED is set)."""
+    env = {k: v for k, v in os.environ.items() if not (buffered and k == "PYTHONUNBUFFERED")}
     child = subprocess.Popen([sys.executable, "-m", "megatron_bridge_ext.cli", *argv], cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     child.stdout.close()
     err = child.stderr.read()
     assert child.wait(timeout=300) == PIPE_CLOSED_STATUS, err
