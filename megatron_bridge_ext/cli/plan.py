@@ -283,9 +283,10 @@ def _hf_problem(args):
         data = read_hf_config(args.hf_config)
     except Refused as refused:
         return refused.findings[0]
-    experts_known = not _overridden(args.overrides, "model.num_moe_experts")
-    shape = (_hf_shape_problem(args, data) or (experts_known and plan_inputs.expert_flag_problem(args, _hf_experts(data)))
-             or _hf_expert_problem(args, data))
+    shape = _hf_shape_problem(args, data)
+    if shape is None and not _overridden(args.overrides, "model.num_moe_experts"):  # config.json's experts stand
+        shape = plan_inputs.expert_flag_problem(args, _hf_experts(data))
+    shape = shape or _hf_expert_problem(args, data)
     if shape:
         return shape
     if args.seq is None and not args.recipe and not _overridden(args.overrides, "model.seq_length"):
