@@ -71,7 +71,7 @@ class Refused(ValueError):
         super().__init__(f"{what} refused:\n" + "\n".join(f"  - {f.text()}" for f in self.findings))
 
     def one_line(self) -> str:
-        """The first error as one line (``setting: message. Fix: fix``), with a count of the others."""
-        first = self.findings[0].text() if self.findings else self.what
-        more = len(self.findings) - 1
-        return first + (f" (and {more} more)" if more > 0 else "")
+        """Every error on one line (``setting: message. Fix: fix; also: ...``), the first one first."""
+        if not self.findings:
+            return self.what
+        return "; also: ".join(f.text() for f in self.findings)

@@ -20,6 +20,16 @@ _IMPORT_NOISE = (
     r".*`torch\.jit\.script` is deprecated.*",
 )
 _UPSTREAM = r"(megatron|torch|modelopt|transformers|apex)(\.|$)"
+KNOWN_HARMLESS = (
+    # Megatron Core's expert layers (tensor_parallel/layers.py) when the experts' TP is 1 under SP: expected
+    r".*`sequence_parallel` is set to `True`, but tensor model parallel size is 1.*",
+    # Megatron Core's TransformerConfig on a recipe's router dtype: advice for training, not for a plan
+    r".*Using a large number of experts \(e\.g\. >=32\) without fp32 routing.*",
+)
+"""Upstream warnings on successful runs that are expected and say nothing about the run; ``--verbose`` shows them."""
+QUIET_LOGGERS = ("torch.utils.cpp_extension",)
+"""Loggers whose warnings are known noise: torch's "No CUDA runtime is found" on a machine without CUDA, once per
+process (each demo rank)."""
 
 
 class _BelowWarning(logging.Filter):
@@ -43,10 +53,16 @@ def level_from_env() -> str:
     return level
 
 
-def configure() -> None:
-    """INFO for ``megatron_bridge_ext`` (what was applied), WARNING for upstream (``MBX_LOG_LEVEL`` overrides).
+def configure(*, verbose: bool = False) -> None:
+    """INFO for ``megatron_bridge_ext`` (what was applied), WARNING for upstream (``MBX_LOG_LEVEL`` overrides);
+    the :data:`KNOWN_HARMLESS` warnings and :data:`QUIET_LOGGERS` filtered unless ``verbose``.
     """
     level = level_from_env()
+    if not verbose:
+        for pattern in KNOWN_HARMLESS:
+            warnings.filterwarnings("ignore", message=pattern)
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     # Ranks other than 0 repeat rank 0's decisions: they log warnings only.
     rank_level = level if os.environ.get("RANK", "0") == "0" else "WARNING"

@@ -13,8 +13,7 @@ import textwrap
 
 from megatron_bridge_ext.cli import diagnose, env, patches, plan
 
-CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
-"""Megatron Core's ``TransformerConfig.cuda_graph_impl`` values (0.17-0.19)."""
+from megatron_bridge_ext.levers.allocator.guards import CUDA_GRAPH_IMPLS
 
 
 PATCHES_EXAMPLES = """
@@ -141,8 +140,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PIPE_CLOSED_STATUS = 141
+"""Exit status when the reader of stdout went away (``mbx ... | head``): 128 + SIGPIPE, what a shell reports
+for a tool the closed pipe stopped."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``mbx``: user errors end in one line on stderr and exit status 2, never a traceback."""
+    """``mbx``: user errors end in one line on stderr and exit status 2, never a traceback; a reader that
+    closes the pipe early (``| head``) ends every command quietly."""
+    try:
+        try:
+            return _main(argv)
+        finally:  # here, not at exit (argparse's --help exits too), so that a closed pipe is caught below
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+        return PIPE_CLOSED_STATUS
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: Python flushes it again at exit, which would report the closed pipe."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _main(argv: list[str] | None) -> int:
     from megatron_bridge_ext.logs import LogLevelError, level_from_env
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -157,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_bridge_ext.demo import train
 
         return train.main(argv[1:])
+    if argv == ["bench"]:
+        print("mbx bench: no benchmark named. Fix: mbx bench memory (the LoRA-A input variants side by side; "
+              "mbx bench memory --help)", file=sys.stderr)
+        return 2
     if argv[:2] == ["bench", "memory"]:
         from megatron_bridge_ext.demo import bench
 

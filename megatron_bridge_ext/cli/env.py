@@ -45,6 +45,10 @@ def _verify_after_setup(args) -> dict:
     return verify_allocator().to_dict()
 
 
+REFUSED_STATUS = 2
+"""Exit status of a report with an error (a malformed variable, a guard that refuses): ``mbx run``'s for the same."""
+
+
 def command(args) -> int:
     report = describe_environment(nccl_ub=args.nccl_ub, cuda_graph_impl=args.cuda_graph_impl, ipc=args.ipc)
     if args.verify and "error" not in report:
@@ -52,13 +56,13 @@ def command(args) -> int:
     errors = "error" in report or any(f["level"] == ERROR for f in report.get("findings", []))
     if args.json:
         print(json.dumps(report, indent=2))
-        return 1 if errors else 0
+        return REFUSED_STATUS if errors else 0
     print("  ".join(f"{k} {v or 'not installed'}" for k, v in report["versions"].items()))
     for name, value in report["variables"].items():
         print(f"{name:24} {'(unset)' if value is None else repr(value)}")
     if "error" in report:
         print(f"error: {report['error']}")
-        return 1
+        return REFUSED_STATUS
     eff = report["effective"]
     print(f"torch reads: {report['reader']}")
     print(f"effective now: {eff['variable'] or 'none set'} -> {eff['value']!r} "
@@ -71,4 +75,4 @@ def command(args) -> int:
         print(f"  [{f['level']}] {Finding(**f).text()}")
     if "verify" in report:
         print(f"verify: {report['verify']['message']}")
-    return 1 if errors else 0
+    return REFUSED_STATUS if errors else 0

@@ -17,13 +17,16 @@ STATUS_WORDS = {
 
 def command(args) -> int:
     from megatron_bridge_ext import logs
-    from megatron_bridge_ext.patches import apply_all, bridge_peft_without_te, status_all
+    from megatron_bridge_ext.patches import apply_all, bridge_peft_without_te, registry, status_all
     from megatron_bridge_ext.table import text_table
 
     logs.configure()
+    # The plan's import hooks are needed while Bridge is not imported yet: judge (or apply) them before this
+    # command imports it, or each would read "not needed" because of the report itself.
+    before = {s.name: s for s in (registry.apply_plan_imports() if args.apply else status_all(registry.PLAN_IMPORTS))}
     # Inspect Bridge's PEFT modules the way megatron_bridge_ext.peft.LoRA imports them.
     bridge_peft_without_te.import_bridge_peft()
-    statuses = apply_all() if args.apply else status_all()
+    statuses = [before.get(s.name, s) for s in (apply_all() if args.apply else status_all())]
     if args.json:
         print(json.dumps([asdict(s) for s in statuses], indent=2))
         return 0

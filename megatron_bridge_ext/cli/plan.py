@@ -10,7 +10,8 @@ import sys
 import textwrap
 import warnings
 
-from megatron_bridge_ext.sizes import GIB, gib, sold_as_note
+from megatron_bridge_ext.cli import plan_inputs
+from megatron_bridge_ext.sizes import gib, sold_as_note
 
 PLOT_EXTRA = 'pip install "megatron-bridge-ext[plot]"'
 
@@ -73,7 +74,8 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--peft", choices=("lora", "dora", "canonical_lora", "none"),
                    help="Bridge's LoRA, DoRA or CanonicalLoRA on the four linear layers, or none: full fine-tuning "
                         "(default: recipe; full fine-tuning with --hf-config)")
-    p.add_argument("--lora-dim", type=int, default=32, help="LoRA rank (default: 32, Bridge's default)")
+    p.add_argument("--lora-dim", type=int, default=None, help=f"LoRA rank, with --peft (default: "
+                                                              f"{plan_inputs.LORA_DIM_DEFAULT}, Bridge's default)")
     p.add_argument("--expandable-segments", choices=("on", "off"), default=None,
                    help="the run's allocator setting (default: from the recipe's env_vars; off with --hf-config)")
     p.add_argument("--margin", type=float, default=None,
@@ -101,6 +103,11 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
     p.add_argument("--plot", metavar="FILE",
                    help=f"draw a stacked bar per option to FILE (default: no plot; needs matplotlib: {PLOT_EXTRA})")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the upstream warnings known to be harmless here (default: filtered; "
+                        "docs/tools/plan.md lists them)")
+    p.add_argument("--debug", action="store_true",
+                   help="let an unexpected error inside the estimate end in its traceback (default: one line)")
     p.add_argument("overrides", nargs="*", metavar="OVERRIDES", help="Hydra-style overrides, e.g. model.seq_length=8192")
     p.set_defaults(func=command)
 
@@ -110,14 +117,15 @@ def command(args) -> int:
     if problem:
         return _fail(problem)
     from megatron_bridge_ext import logs
+    from megatron_bridge_ext.cli import plan_failures
     from megatron_bridge_ext.findings import Refused
 
-    logs.configure()
-    # Chatter that says nothing about the plan: torch looking for a CUDA toolkit, Bridge turning
-    # gradient_accumulation_fusion off without TE/Apex (the estimate does that too), transformers on
-    # the spelling of config.json's dtype field, which Bridge reads.
-    for name in ("torch.utils.cpp_extension", "megatron.bridge.utils.fusions"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    plan_failures.say_importing()
+    logs.configure(verbose=args.verbose)
+    # Chatter that says nothing about the plan: Bridge turning gradient_accumulation_fusion off without
+    # TE/Apex (the estimate does that too), transformers on the spelling of config.json's dtype field, which
+    # Bridge reads.
+    logging.getLogger("megatron.bridge.utils.fusions").setLevel(logging.ERROR)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
@@ -126,25 +134,50 @@ def command(args) -> int:
 
     try:
         # upstream prints while models are built; stdout is the plan's
-        with plan_imports(), contextlib.redirect_stdout(sys.stderr):
+        with plan_imports(), contextlib.redirect_stdout(sys.stderr), plan_failures.unexpected(args.debug):
             result = _plan(args)
     except Refused as refused:
         return _fail(refused.one_line())
-    if args.plot and result.baseline is None:
-        print(f"mbx plan: no plot written to {args.plot}: its bars are our estimate's, which does not model this "
-              "config", file=sys.stderr)
-    elif args.plot:
-        plot(result, args.plot)
-        print(f"mbx plan: plot written to {args.plot}", file=sys.stderr)
+    except plan_failures.Unexpected as failure:
+        print(f"mbx plan: {failure}", file=sys.stderr)
+        return plan_failures.UNEXPECTED_STATUS
+    text = _report(result, args)
+    print(text, flush=True)  # before the plot: a failure there must not lose the plan
+    if args.plot:
+        return _plot(result, args) or (0 if result.baseline is not None else NOT_MODELLED_STATUS)
+    return 0 if result.baseline is not None else NOT_MODELLED_STATUS
+
+
+def _report(result, args) -> str:
+    """The plan as JSON (``--json``) or text."""
     if args.json:
         report = result.as_dict()
         report["gpu"]["defaulted"] = args.gpu is None
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(format_plan(result, command_line=" ".join(["mbx plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"]
-                          else None, peft_defaulted=args.peft is None and bool(args.hf_config) and not args.recipe,
-                          gpu_defaulted=args.gpu is None))
-    return 0 if result.baseline is not None else NOT_MODELLED_STATUS
+        return json.dumps(report, indent=2, default=str)
+    return format_plan(result, command_line=" ".join(["mbx plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"]
+                       else None, peft_defaulted=_peft_defaulted(args), gpu_defaulted=args.gpu is None)
+
+
+def _peft_defaulted(args) -> bool:
+    return args.peft is None and bool(args.hf_config) and not args.recipe
+
+
+def _plot(result, args) -> int:
+    """Write ``--plot`` after the plan is printed; 0, or 2 with one line when it cannot be written."""
+    from megatron_bridge_ext.cli import plan_plot
+
+    if result.baseline is None:
+        print(f"mbx plan: no plot written to {args.plot}: its bars are our estimate's, which does not model this "
+              "config", file=sys.stderr)
+        return 0
+    try:
+        plan_plot.plot(result, args.plot, _settings_line(result.baseline.settings,
+                                                         peft_defaulted=_peft_defaulted(args)))
+    except (OSError, ValueError) as error:  # matplotlib: an unknown file extension is a ValueError
+        return _fail(f"--plot: {args.plot} was not written ({error}). Fix: give a writable .png, .pdf or .svg path "
+                     "(the plan above stands)")
+    print(f"mbx plan: plot written to {args.plot}", file=sys.stderr)
+    return 0
 
 
 def _fail(line: str) -> int:
@@ -167,11 +200,11 @@ def check_args(args) -> str | None:
         args.gpu_memory = parse_size(args.gpu_memory, "--gpu-memory")
     except SizeError as error:
         return str(error)
-    problem = _number_problem(args) or _gpu_problem(args) or _global_batch_problem(
-        args.global_batch, args.micro_batch or (1 if args.hf_config else None),
-        args.dp or (1 if args.hf_config else None), setting="--global-batch")
-    if problem is None:
-        problem = _expert_flags_problem(args)
+    problem = (plan_inputs.override_problem(args.overrides) or plan_inputs.conflict_problem(args)
+               or plan_inputs.recipe_module_problem(args.recipe) or plan_inputs.plot_problem(args.plot)
+               or _number_problem(args) or plan_inputs.lora_dim_problem(args) or _gpu_problem(args)
+               or _global_batch_problem(args.global_batch, args.micro_batch or (1 if args.hf_config else None),
+                                        args.dp or (1 if args.hf_config else None), setting="--global-batch"))
     if problem is None and args.hf_config:
         problem = _hf_problem(args)
     return problem.text() if problem else None
@@ -250,7 +283,10 @@ def _hf_problem(args):
         data = read_hf_config(args.hf_config)
     except Refused as refused:
         return refused.findings[0]
-    shape = _hf_shape_problem(args, data) or _hf_expert_problem(args, data)
+    shape = _hf_shape_problem(args, data)
+    if shape is None and not _overridden(args.overrides, "model.num_moe_experts"):  # config.json's experts stand
+        shape = plan_inputs.expert_flag_problem(args, _hf_experts(data))
+    shape = shape or _hf_expert_problem(args, data)
     if shape:
         return shape
     if args.seq is None and not args.recipe and not _overridden(args.overrides, "model.seq_length"):
@@ -297,15 +333,6 @@ def _expert_sizes(args) -> dict:
     return sizes
 
 
-def _expert_flags_problem(args):
-    """An EP or ETP override below 1 (the flags are checked with the other whole numbers)."""
-    for name, value in _expert_sizes(args).items():
-        if name in ("ep", "etp") and value is not None and value < 1:
-            return _bad(EXPERT_FIELDS[name], f"{value} is not a whole number of 1 or more",
-                        f"give e.g. {EXPERT_FIELDS[name]}={POSITIVE_INTS[name]}")
-    return None
-
-
 def _hf_experts(data: dict):
     return next((data[key] for key in HF_EXPERT_KEYS if data.get(key)), None)
 
@@ -346,14 +373,19 @@ def _have_matplotlib() -> bool:
 def _plan(args):
     from megatron_bridge_ext import planner
     from megatron_bridge_ext.estimate import configs
+    from megatron_bridge_ext.findings import Refused
 
+    rank = args.lora_dim or plan_inputs.LORA_DIM_DEFAULT
     layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, seq=args.seq,
                             micro_batch=args.micro_batch, global_batch=args.global_batch, sequence_parallel=args.sp,
-                            peft=args.peft, lora_dim=args.lora_dim, lora_alpha=args.lora_dim)
+                            peft=args.peft, lora_dim=rank, lora_alpha=rank)
     built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
     expandable = None if args.recipe else False
     _check_global_batch(built.cfg)
     _check_experts(built.cfg, names={"ep": _written(args, "ep"), "etp": _written(args, "etp"), "dp": "--dp"})
+    problem = plan_inputs.built_problem(built.cfg, args)
+    if problem:
+        raise Refused("mbx plan input", [problem])
     if args.expandable_segments is not None:
         expandable = args.expandable_segments == "on"
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl),
@@ -361,7 +393,7 @@ def _plan(args):
     result = planner.plan(built.cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable,
                           estimate_options=options, peft_overrides=built.peft_overrides, gpu=args.device,
                           **({"margin": args.margin} if args.margin is not None else {}))
-    result.notes = built.notes
+    result.notes = built.notes + [n for n in [plan_inputs.seq_note(built.cfg.model.seq_length, args.hf_config)] if n]
     return result
 
 
@@ -413,8 +445,13 @@ def _settings_line(s: dict, *, peft_defaulted: bool = False) -> str:
     vpp = f" VPP={s['vpp']}" if s["vpp"] else ""
     return (f"TP={s['tp']} PP={s['pp']}{vpp}{_experts_sizes(s)} "
             f"DP={s['dp']} SP={'on' if s['sequence_parallel'] else 'off'}, seq {s['seq_length']}, micro-batch "
-            f"{s['micro_batch']}, {s['num_microbatches']} microbatch(es)/step, {s['dtype']}, {peft}, recompute "
+            f"{s['micro_batch']}, {s['num_microbatches']} microbatch(es)/step, {_precision(s)}, {peft}, recompute "
             f"{recompute}, attention {s['attention']}, {s['transformer_impl']}{_hybrid_layers(s)}{_experts_load(s)}")
+
+
+def _precision(s: dict) -> str:
+    """The parameters' dtype, and the FP8 recipe when the linears run in FP8."""
+    return f"{s['dtype']} with {s['fp8']}" if s.get("fp8") else s["dtype"]
 
 
 def _hybrid_layers(s: dict) -> str:
@@ -608,41 +645,3 @@ def _wrap(text: str, indent: str = "  - ") -> str:
 
 def _indent(text: str) -> str:
     return textwrap.indent(text, "  ")
-
-
-def plot(result, path: str) -> None:
-    """A stacked bar per option (the config as is, then each evaluated lever): where the memory goes,
-    with the device size and each option's usable share (after its margin)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from megatron_bridge_ext.planner import breakdown
-
-    bars = [("as is", breakdown(result.baseline), result.usable_now)]
-    bars += [(f"{o.step}: {o.label}", o.breakdown, o.usable_bytes) for o in result.options if o.applicable and o.breakdown]
-    keys = list(dict.fromkeys(k for _, parts, _ in bars for k in parts))
-    colours = plt.get_cmap("tab20").colors
-    fig, ax = plt.subplots(figsize=(3 + 1.5 * len(bars), 5))
-    bottoms = [0.0] * len(bars)
-    for index, key in enumerate(keys):
-        values = [parts.get(key, 0) / GIB for _, parts, _ in bars]
-        ax.bar(range(len(bars)), values, bottom=bottoms, label=key, color=colours[index % len(colours)])
-        bottoms = [b + v for b, v in zip(bottoms, values)]
-    ax.axhline(result.gpu_memory / GIB, color="black", linewidth=1, label="device memory")
-    for x, (_, _, usable) in enumerate(bars):
-        ax.hlines(usable / GIB, x - 0.45, x + 0.45, colors="black", linestyles="--", linewidth=1,
-                  label="usable after the margin" if x == 0 else None)
-    ax.set_ylim(0, 1.05 * max(max(bottoms), result.gpu_memory / GIB))
-    ax.set_xticks(range(len(bars)), [tick_label(label) for label, _, _ in bars], fontsize=7)
-    ax.set_ylabel("GiB per GPU at the peak (2^30 bytes)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def tick_label(label: str, width: int = 18) -> str:
-    """An option's name under its bar, wrapped between words only (a long word keeps its own line)."""
-    return textwrap.fill(label, width, break_long_words=False, break_on_hyphens=False)

@@ -127,7 +127,7 @@ def format_table(result: dict) -> str:
 def worker(args: argparse.Namespace) -> None:
     from megatron_bridge_ext import logs
 
-    logs.configure()
+    logs.configure(verbose=args.verbose)
     shape = options.shape_from_args(args)
     distributed.init_from_env(tensor_parallel=shape.tp)
     result = run(shape, args.variants, args.steps)

@@ -38,7 +38,17 @@ mbx bench memory --peft canonical_lora --steps 10 --save bench
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in each option's help; the examples kept as written."""
+    """Defaults in each option's help, once; the examples kept as written.
+
+    A help text that states its default itself, or an option without a value to show (an on/off flag, a
+    default of None), gets no second "(default: ...)".
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False) or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
 
 
 class OptionError(ValueError):
@@ -82,7 +92,10 @@ def parser(prog: str, description: str, defaults: tiny_model.TinyGPTShape, *, st
     p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                    help=f"variants to run, in this order (default: {' '.join(variant_names)}); "
                         f"choose from {', '.join(variants.VARIANTS)}")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table (default: the table)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the upstream warnings known to be harmless here (default: filtered; "
+                        "docs/tools/demo.md lists them)")
     p.add_argument("--save", type=save_prefix, default=None, metavar="PREFIX",
                    help="also write PREFIX.txt (the table) and PREFIX.json (the figures) of this one run")
     return p

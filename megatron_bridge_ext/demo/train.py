@@ -131,7 +131,7 @@ def format_report(rows: list[dict]) -> str:
 def worker(args: argparse.Namespace) -> None:
     from megatron_bridge_ext import logs
 
-    logs.configure()
+    logs.configure(verbose=args.verbose)
     shape = options.shape_from_args(args)
     chosen = variants.select(args.variants, shape.peft)
     distributed.init_from_env(tensor_parallel=shape.tp)

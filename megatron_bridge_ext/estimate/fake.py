@@ -106,9 +106,15 @@ def _isolated_c10d() -> Iterator[None]:
 
     The registry lives in module globals of ``torch.distributed.distributed_c10d`` and in the
     default group of its ``_world``; the fake groups' names are removed from the C++ registry on exit.
+    ``init_process_group`` also wraps ``sys.excepthook`` to prefix tracebacks with ``[rankN]:``
+    (``torch/distributed/distributed_c10d.py``, torch 2.14): it is put back, or every world would nest one more
+    prefix.
     """
+    import sys
+
     from torch.distributed import distributed_c10d as c10d
 
+    saved_hook = sys.excepthook
     saved = {name: getattr(c10d, name) for name in _C10D_GLOBALS}
     saved_default, saved_coalesce = c10d._world._default_pg, c10d._world._pg_coalesce_state
     for name in _C10D_GLOBALS[:6]:
@@ -124,6 +130,7 @@ def _isolated_c10d() -> Iterator[None]:
         for name, value in saved.items():
             setattr(c10d, name, value)
         c10d._world._default_pg, c10d._world._pg_coalesce_state = saved_default, saved_coalesce
+        sys.excepthook = saved_hook
 
 
 @contextlib.contextmanager

@@ -386,9 +386,11 @@ class ReducedStage:
 
 
 def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
-    """How an MoE or hybrid model's ``stage`` can be traced with a few layers; None: every layer is traced.
+    """How a stage can be traced with a few layers (an MoE, hybrid or :func:`_uniform_dense` model's); None: every
+    layer is traced.
 
-    An MoE layer traces each of its local experts (dozens), so a whole stage takes minutes. Every layer after the
+    An MoE layer traces each of its local experts (dozens), so a whole stage takes minutes; a dense stage of 36
+    layers takes seconds, once per option of the plan. Every layer after the
     first saves what a later layer of the same kind (dense, MoE, or a hybrid model's Mamba, attention, MLP, MoE:
     the same spec) saves: its input is the previous layer's fresh output whatever that layer's kind. So the stage
     is traced as its first layer, then one layer of each kind that follows, in the order they first follow (at
@@ -404,13 +406,28 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
                           or getattr(provider, "account_for_loss_in_pipeline_split", False)
                           or provider.num_layers % pp)
     layers = stage_layer_kinds(provider, stage) if even else []
-    if (not (getattr(provider, "num_moe_experts", None) or hybrid) or len(layers) <= TRACED_LAYERS or not even
+    if (not (getattr(provider, "num_moe_experts", None) or hybrid or _uniform_dense(provider))
+            or len(layers) <= TRACED_LAYERS or not even
             or (provider.virtual_pipeline_model_parallel_size or 1) > 1 or provider.recompute_granularity == "full"):
         return None
     pattern = [layers[0]] + list(dict.fromkeys(layers[1:]))
     pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
     last = {kind: index for index, kind in enumerate(pattern)}
     return ReducedStage(pattern, [0] + [last[kind] for kind in layers[1:]])
+
+
+LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading", "fine_grained_activation_offloading",
+                       "fp8")
+"""Fields under which a dense model's layers differ by their number (Megatron Core's ``TransformerConfig``: a
+sliding window or RoPE skipped every few layers, layers offloaded to the CPU, FP8 with the first and last layers
+in bf16 and the FP8 weights counted per global layer): such a stage is traced whole."""
+
+
+def _uniform_dense(provider) -> bool:
+    """A dense model whose layers are one spec built alike, so its later layers save what its second saves (traced
+    with :data:`TRACED_LAYERS` layers, as an MoE stage is, instead of every layer: the plan traces a config once
+    per option)."""
+    return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS)
 
 
 MOE_KINDS = (1, unmodelled.MOE)
@@ -705,7 +722,8 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         "vpp": p.virtual_pipeline_model_parallel_size, "cp": p.context_parallel_size, "dp": prepared.data_parallel,
         "sequence_parallel": bool(p.sequence_parallel) and p.tensor_model_parallel_size > 1,
         "seq_length": prepared.seq, "micro_batch": prepared.micro_batch, "num_microbatches": prepared.num_microbatches,
-        "dtype": str(prepared.dtype).replace("torch.", ""), "stage": stage, "layers_on_stage": layers,
+        "dtype": str(prepared.dtype).replace("torch.", ""), "fp8": _fp8_text(p), "stage": stage,
+        "layers_on_stage": layers,
         "hidden": p.hidden_size, "ffn": p.ffn_hidden_size, "heads": p.num_attention_heads,
         "query_groups": p.num_query_groups or p.num_attention_heads, "kv_channels": p.kv_channels,
         "num_layers": p.num_layers, "gated_linear_unit": bool(p.gated_linear_unit), "vocab_size": p.vocab_size,
@@ -715,6 +733,13 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         **_peft_settings(prepared.peft),
         **_hybrid_settings(p, stage),
     }
+
+
+def _fp8_text(provider) -> Optional[str]:
+    """The model's FP8 settings in words (format, recipe, parameters), or None without FP8: ``dtype`` alone is the
+    16-bit type of the parameters and would hide that the linears run in FP8."""
+    fp8 = precision.fp8_of(provider)
+    return fp8.describe() if fp8 else None
 
 
 def _hybrid_settings(provider, stage: int) -> dict[str, Any]:

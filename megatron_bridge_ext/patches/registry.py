@@ -72,6 +72,12 @@ def apply_all() -> list[PatchStatus]:
     return [_report(patch, patch.apply()) for patch in PATCHES]
 
 
+def apply_plan_imports() -> list[PatchStatus]:
+    """Apply :data:`PLAN_IMPORTS` for the rest of the process and report each one (``mbx patches --apply``, before
+    it imports Bridge: the hooks act only on an import still to come)."""
+    return [_report(patch, patch.apply()) for patch in PLAN_IMPORTS]
+
+
 def apply_training_entry() -> list[PatchStatus]:
     """Apply :data:`TRAINING_ENTRY` (idempotent), before or after the script imports Bridge; report each one."""
     return [_report(patch, patch.apply(quiet=True)) for patch in TRAINING_ENTRY]
@@ -110,6 +116,6 @@ def revert_all() -> None:
         patch.revert()
 
 
-def status_all() -> list[PatchStatus]:
-    """Each patch's status, changing nothing."""
-    return [_report(patch, patch.status()) for patch in PATCHES]
+def status_all(patches: tuple[Patch, ...] = PATCHES) -> list[PatchStatus]:
+    """Each patch's status (of ``patches``, default all), changing nothing."""
+    return [_report(patch, patch.status()) for patch in patches]

@@ -24,7 +24,7 @@ def main() -> None:
         raise SystemExit(USAGE)
     target = args[0]
     sys.argv = [target] + args[1:]
-    logs.configure()
+    logs.configure(verbose="--verbose" in args[1:])  # the rank's own options, before torch is imported
     cpu_emulation.install()
     if not bridge:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

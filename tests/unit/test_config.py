@@ -13,6 +13,7 @@ import pytest
 from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.findings import NO_EFFECT, WARNING, Refused
 from megatron_bridge_ext.peft import kinds
+from megatron_bridge_ext.levers.recompute.config import RECOMPUTE_MODULES
 
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER", "MBX_ALLOCATOR_IPC")
 
@@ -86,7 +87,6 @@ def test_apply_fills_env_vars_and_keeps_other_user_options(cfg):
 @pytest.mark.parametrize(
     "flags, model_fields, expected",
     [
-        (MemoryConfig(recompute_modules=["core_atn"]), {}, "unknown module(s) ['core_atn']"),
         (MemoryConfig(recompute_modules=["moe_act"]), {}, "'moe_act' needs grouped GEMM"),
         (MemoryConfig(recompute_modules=["mla_up_proj"]), {}, "'mla_up_proj' needs multi-latent attention"),
         (MemoryConfig(recompute_modules=["core_attn"]), {"cpu_offloading": True}, "CPU offloading cannot be combined"),
@@ -94,7 +94,7 @@ def test_apply_fills_env_vars_and_keeps_other_user_options(cfg):
         (MemoryConfig(), {"recompute_granularity": "full", "cuda_graph_impl": "local"}, "full recompute with per-layer CUDA graphs"),
         (MemoryConfig(), {"distribute_saved_activations": True}, "distribute_saved_activations"),
     ],
-    ids=["unknown-module", "moe_act", "mla_up_proj", "offload+recompute", "offload+pp", "full+graphs", "distribute+sp"],
+    ids=["moe_act", "mla_up_proj", "offload+recompute", "offload+pp", "full+graphs", "distribute+sp"],
 )
 def test_each_invalid_combination_is_refused_with_its_fix(cfg, flags, model_fields, expected):
     for name, value in model_fields.items():
@@ -553,3 +553,13 @@ def test_the_former_and_the_new_flag_name_with_two_values_are_refused():
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="two values. Fix: write only "
                                                                            "sequence_parallel_input_strategy"):
         MemoryConfig(lora_sp_input="regather", sequence_parallel_input_strategy="shard_local")
+
+
+@pytest.mark.parametrize("modules, hint", [(["core_atn"], "did you mean 'core_attn'? "), (["mlp", "xyz"], "")])
+def test_an_unknown_recompute_module_is_refused_at_construction(modules, hint):
+    """As a misspelt strategy is: the flag is wrong before any config is seen."""
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    with pytest.raises(ValueError) as refused:
+        MemoryConfig(recompute_modules=modules)
+    assert str(refused.value) == (f"MemoryConfig.recompute_modules names unknown module(s) {unknown}. Fix: {hint}"
+                                  f"choose from {list(RECOMPUTE_MODULES)}")

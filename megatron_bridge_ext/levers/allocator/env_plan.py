@@ -61,7 +61,9 @@ def ipc_flag(environ: Mapping[str, str]) -> bool:
 
 def plan_allocator(environ: Mapping[str, str], *, torch_version: str, nccl_ub: bool = False,
                    cuda_graph_impl: Optional[str] = None, ipc: bool = False) -> AllocatorPlan:
-    """Decide what to write, run every guard; raises AllocatorConfigError on malformed options."""
+    """Decide what to write, run every guard; raises AllocatorConfigError on malformed options, ValueError on
+    an unknown ``cuda_graph_impl``."""
+    guards.check_cuda_graph_impl(cuda_graph_impl)
     tv = parse_version(torch_version)
     precedence = precedence_for(tv)
     plan = AllocatorPlan(torch_version, precedence.note)

@@ -16,6 +16,15 @@ from megatron_bridge_ext.findings import ACTION, ERROR, WARNING, Finding
 
 NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
 IPC_ENV = "MBX_ALLOCATOR_IPC"
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+"""Megatron Core's ``TransformerConfig.cuda_graph_impl`` values (0.17-0.19)."""
+
+
+def check_cuda_graph_impl(value: Optional[str]) -> None:
+    """Refuse a ``cuda_graph_impl`` Megatron Core does not know: a misspelling would skip the CUDA-graph guard."""
+    if value is not None and value not in CUDA_GRAPH_IMPLS:
+        raise ValueError(f"cuda_graph_impl={value!r} is not one of Megatron Core's {', '.join(CUDA_GRAPH_IMPLS)}. "
+                         "Fix: give one of them (the training config's model.cuda_graph_impl), or None")
 
 
 def user_disabled(variable: str) -> Finding:

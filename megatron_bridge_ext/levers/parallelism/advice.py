@@ -108,8 +108,10 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
 def _label(r: Resize, s: dict, moe: Optional[dict], after: Optional[dict]) -> str:
     """The option in a few words: the size doubled, and what else changes (DP, or the expert TP and expert DP)."""
     label = f"{r.name} {r.old} -> {2 * r.old}"
+    if r.halves_dp and s["dp"] % 2:  # refused by doubling_findings: the label says what it would take
+        return f"{label}, needs 2x the GPUs (DP {s['dp']} cannot be halved)"
     if r.halves_dp:
-        return f"{label}, DP {s['dp']} -> {max(s['dp'] // 2, 1)}"
+        return f"{label}, DP {s['dp']} -> {s['dp'] // 2}"
     edp = [parallelism_cost.expert_dp_size(s, ep=m["ep"], etp=m["etp"]) for m in (moe, after)]
     return f"{label}, expert DP {edp[0]} -> {edp[1] or 'none'}"
 

@@ -8,6 +8,7 @@ gives it to :mod:`megatron_bridge_ext.levers.parallelism`.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,10 +36,6 @@ class RecomputeConfig:
         """The refusals and notes on the modules themselves, against the model they will recompute in."""
         out: list[Finding] = []
         modules = self.recompute_modules or []
-        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
-        if unknown:
-            out.append(Finding("unknown_recompute_module", ERROR, "recompute_modules", f"unknown module(s) {unknown}",
-                               f"choose from {list(RECOMPUTE_MODULES)}"))
         if "moe_act" in modules and not getattr(model, "moe_grouped_gemm", False):
             out.append(Finding("moe_act_grouped_gemm", ERROR, "recompute_modules", "'moe_act' needs grouped GEMM",
                                "set model.moe_grouped_gemm=True or drop 'moe_act'"))
@@ -154,6 +151,12 @@ def module_list(value, setting: str) -> list[str]:
         raise ValueError(f"{setting}=[] asks for no module, and Megatron Core would recompute its default "
                          "['core_attn'] instead. Fix: name the modules, or leave recompute_modules=None to keep "
                          "the model's recompute settings")
+    unknown = [m for m in value if m not in RECOMPUTE_MODULES]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], RECOMPUTE_MODULES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{setting} names unknown module(s) {unknown}. Fix: {hint}choose from "
+                         f"{list(RECOMPUTE_MODULES)}")
     duplicates = sorted({m for m in value if list(value).count(m) > 1})
     if duplicates:
         raise ValueError(f"{setting} names {duplicates} more than once. Fix: list each module once")

@@ -14,6 +14,7 @@ import pytest
 
 from megatron_bridge_ext import cli, planner
 from megatron_bridge_ext.cli import plan as plan_cli
+from megatron_bridge_ext.cli import plan_plot
 from tests.support.estimate import adapter_params, layer_params
 
 pytestmark = [pytest.mark.unit]
@@ -169,7 +170,7 @@ def test_why_an_option_does_not_apply_goes_below_a_narrow_table():
 @pytest.mark.parametrize("label", ["recompute_modules=['core_attn', 'mlp']", "offload 35 of 36 layers (no recompute)",
                                    "sequence_parallel_input_strategy=shard_local"])
 def test_plot_labels_wrap_between_words_only(label):
-    assert plan_cli.tick_label(label).split() == label.split()
+    assert plan_plot.tick_label(label).split() == label.split()
 
 
 def test_config_json_missing_fields_is_one_line(capsys, tmp_path):
@@ -482,8 +483,8 @@ EXPERT_REFUSALS = [
      "--dp 4, or choose a smaller EP or ETP"),
     # ETP 1: 2 x 1 x 1 = 2 GPUs, 1 x 4 = 4: DP a multiple of 4 / gcd(2, 4) = 2
     (QWEN3_30B_A3B, ["--tp", "2", "--ep", "4", "--etp", "1"], "Fix: make DP a multiple of 2, e.g. --dp 2"),
-    # the override wins over the flag, and CP counts: 2 x 2 x 2 = 8 is not a multiple of 2 x 8 = 16
-    (QWEN3_30B_A3B, ["--tp", "2", "--dp", "2", "--ep", "2", "--etp", "2", "model.expert_model_parallel_size=8",
+    # an override's EP counts, and CP: 2 x 2 x 2 = 8 is not a multiple of 2 x 8 = 16
+    (QWEN3_30B_A3B, ["--tp", "2", "--dp", "2", "--etp", "2", "model.expert_model_parallel_size=8",
                      "model.context_parallel_size=2"], "= 2 x 2 x 2 = 8 is not a multiple of ETP x EP = 2 x 8 = 16"),
 ]
 

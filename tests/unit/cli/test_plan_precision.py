@@ -45,6 +45,24 @@ def test_the_text_plan_names_blockwise_fp8_activations_once_as_not_modelled(caps
     assert status == 0
     named = [line for line in out.splitlines() if "activations under FP8 are not modelled" in line]
     assert len(named) == 1 and named[0].startswith("not modelled: activations under FP8")
+    [config] = [line for line in out.splitlines() if line.startswith("config: ")]
+    # Bridge's bf16_with_fp8_subchannel_scaling_mixed (training/mixed_precision.py L382-383): fp8="hybrid", fp8_recipe="blockwise" (not the dtype alone)
+    assert ", bfloat16 with FP8 hybrid, recipe blockwise, " in config
+
+
+def test_the_fp8_words_of_the_config_line_come_from_the_models_fields():
+    from types import SimpleNamespace
+
+    from megatron_bridge_ext.estimate.memory import _fp8_text
+
+    model = SimpleNamespace(fp8="hybrid", fp8_recipe="mxfp8", fp8_param=True, first_last_layers_bf16=True,
+                            num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=2, num_layers=8)
+    assert _fp8_text(model) == ("FP8 hybrid, recipe mxfp8, FP8 parameters (fp8_param_gather); the first 1 and last "
+                                "2 layer(s) in bf16")
+    assert _fp8_text(SimpleNamespace(fp8=None)) is None
+    settings = {"dtype": "bfloat16", "fp8": "FP8 hybrid, recipe mxfp8"}
+    assert plan_cli._precision(settings) == "bfloat16 with FP8 hybrid, recipe mxfp8"
+    assert plan_cli._precision({"dtype": "bfloat16", "fp8": None}) == "bfloat16"
 
 
 def test_an_fp4_recipe_is_a_named_refusal_beside_bridges_failure(capsys):

@@ -166,3 +166,13 @@ def test_offloading_moves_every_activation_saved_inside_the_layers_of_an_moe_mod
     moved = [k for k, v in option.breakdown.items() if v < before[k]]
     assert {"activations: experts", "activations: moe dispatch"} <= set(moved)
     assert sum(before[k] for k in moved) >= sum(est.activations_per_layer.values())
+
+
+@pytest.mark.parametrize("dp, expected", [(1, "PP 1 -> 2, needs 2x the GPUs (DP 1 cannot be halved)"),
+                                          (3, "PP 1 -> 2, needs 2x the GPUs (DP 3 cannot be halved)"),
+                                          (4, "PP 1 -> 2, DP 4 -> 2")])
+def test_a_doubling_on_an_odd_dp_says_it_needs_twice_the_gpus(dp, expected):
+    """TP and PP double on the same GPUs by halving DP; an odd DP cannot be halved, and the label says what the
+    option would take instead of a DP that does not change."""
+    resize = advice.Resize("PP", "pipeline_model_parallel_size", 1, True, figure=None)
+    assert advice._label(resize, {"dp": dp}, None, None) == expected

@@ -1,0 +1,52 @@
+"""A dense stage traced with two layers instead of all of them (each later layer saves what the second does): the
+estimate is the same as the whole trace's, and a model whose layers differ by their number is traced whole."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_bridge_ext.estimate import memory
+
+pytestmark = [pytest.mark.unit]
+
+
+def _dense(layers: int, **fields):
+    from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=layers, hidden=64, ffn=256, heads=8, kv_heads=4, seq=256, micro_batch=2, vocab=128,
+                         tp=2, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=8, alpha=8))
+    for name, value in fields.items():
+        setattr(cfg.model, name, value)
+    cfg.data_parallel_size, cfg.train.global_batch_size = 1, 4
+    return cfg
+
+
+@pytest.mark.parametrize("fields", [{}, {"pipeline_model_parallel_size": 2},
+                                    {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}],
+                         ids=["one-stage", "pp2", "selective-recompute"])
+def test_the_reduced_trace_of_a_dense_stage_equals_the_whole_trace(monkeypatch, fields):
+    cfg = _dense(6, **fields)
+    stages = cfg.model.pipeline_model_parallel_size
+    for stage in range(stages):
+        reduced = memory.traced_layers(cfg.model, stage)
+        assert reduced.pattern == [0, 0] and reduced.sources == [0] + [1] * (6 // stages - 1)
+    fast = memory.estimate(cfg)
+    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
+    whole = memory.estimate(cfg)
+    assert fast.stage_peaks == whole.stage_peaks
+    assert fast.activations_per_microbatch == whole.activations_per_microbatch
+    assert fast.activations_per_layer == whole.activations_per_layer
+    assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]
+
+
+@pytest.mark.parametrize("field, value", [("fp8", "e4m3"), ("window_attn_skip_freq", 2), ("no_rope_freq", 4),
+                                          ("cpu_offloading", True), ("fine_grained_activation_offloading", True)])
+def test_a_dense_model_whose_layers_differ_by_number_is_traced_whole(field, value):
+    provider = SimpleNamespace(**{name: None for name in memory.LAYER_NUMBER_FIELDS})
+    assert memory._uniform_dense(provider)
+    setattr(provider, field, value)
+    assert not memory._uniform_dense(provider)

@@ -1,0 +1,56 @@
+"""The upstream warnings ``logs.configure`` filters as known and harmless: filtered by default, shown with
+``verbose``, and each pattern matching the text upstream really emits."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge_ext import logs
+
+pytestmark = [pytest.mark.unit]
+
+SP_WITH_TP_1 = "`sequence_parallel` is set to `True`, but tensor model parallel size is 1. Disabling sequence parallel."
+"""Megatron Core 0.19 ``tensor_parallel/layers.py`` (ColumnParallelLinear.__init__), as the MoE example printed it."""
+
+
+def _core_source(relative: str) -> str:
+    import megatron.core
+
+    return (Path(megatron.core.__file__).parent / relative).read_text()
+
+
+@pytest.mark.parametrize("verbose, shown", [(False, []), (True, [SP_WITH_TP_1])])
+def test_a_known_harmless_warning_is_filtered_unless_verbose(verbose, shown):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logs.configure(verbose=verbose)
+        warnings.warn(SP_WITH_TP_1, UserWarning)
+        warnings.warn("a warning nobody listed", UserWarning)
+    assert [str(w.message) for w in caught] == [*shown, "a warning nobody listed"]
+
+
+def test_the_patterns_match_what_megatron_core_emits():
+    """The filtered texts are upstream's own: each pattern matches the message of the Core file that warns it
+    (its adjacent string literals joined, as Python joins them; ``{world_size}`` is 1 on the expert layers)."""
+    sources = {"tensor_parallel/layers.py": logs.KNOWN_HARMLESS[0],
+               "transformer/transformer_config.py": logs.KNOWN_HARMLESS[1]}
+    for relative, pattern in sources.items():
+        joined = re.sub(r"\"\s*\n\s*f?\"", "", _core_source(relative)).replace("{world_size}", "1")
+        assert any(re.match(pattern, line.strip().lstrip("f").strip("\"")) for line in joined.splitlines()), relative
+
+
+@pytest.mark.parametrize("verbose, enabled", [(False, False), (True, True)])
+def test_torchs_no_cuda_runtime_logger_is_quiet_unless_verbose(verbose, enabled):
+    logger = logging.getLogger(logs.QUIET_LOGGERS[0])
+    saved = logger.level
+    try:
+        logger.setLevel(logging.NOTSET)
+        logs.configure(verbose=verbose)
+        assert logger.isEnabledFor(logging.WARNING) is enabled
+    finally:
+        logger.setLevel(saved)
