@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import configs, mamba, precision, routing, static, te, te_fp8, unmodelled
+from megatron_bridge_ext.estimate import configs, mamba, phases, precision, routing, static, te, te_fp8, unmodelled
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
                                                 set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
@@ -86,6 +86,9 @@ class Prepared:
     data_parallel: int
     num_microbatches: int
     notes: list[str]
+    reports: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What :func:`.phases.predicted_reports` reads of the run: ``log_interval``, ``train_iters`` and the iteration
+    CUDA-graph pools appear in (``cuda_graph_first_iteration``, None without graphs)."""
 
 
 def _training_dtype(model) -> torch.dtype:
@@ -240,7 +243,10 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     not_modelled = _unsupported(provider) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
-    notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider)
+    reports = _report_settings(cfg, provider)
+    notes += _set_wgrad_deferral_apart(provider, reports)
+    graphs = phases.cuda_graph_note(provider)
+    notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider) + ([graphs] if graphs else [])
     notes += precision.notes(precision.fp8_of(provider))
     try:
         provider.finalize()
@@ -256,7 +262,29 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         global_batch = cfg.train.global_batch_size or micro_batch * dp
         num_microbatches = max(1, global_batch // (micro_batch * dp))
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
-                     dp, num_microbatches, notes)
+                     dp, num_microbatches, notes, reports)
+
+
+def _set_wgrad_deferral_apart(provider, reports: dict) -> list[str]:
+    """Keep ``defer_embedding_wgrad_compute`` for its formula (:func:`.phases.wgrad_deferral_component`) and turn
+    it off on the traced copy: Core requires gradient-accumulation fusion with it (model_parallel_config.py
+    L550-553), whose kernel (TE or Apex) Bridge turns off where neither is installed, as here."""
+    defer = bool(getattr(provider, "defer_embedding_wgrad_compute", False))
+    reports["wgrad_deferral_limit"] = (getattr(provider, "wgrad_deferral_limit", 0) or 0) if defer else None
+    if not defer:
+        return []
+    provider.defer_embedding_wgrad_compute = False
+    return ["defer_embedding_wgrad_compute: the output layer's deferred inputs and output gradients on the last stage "
+            "are a formula (estimate.phases); the layer itself is traced without the deferral"]
+
+
+def _report_settings(cfg, provider) -> dict[str, Any]:
+    """The settings that decide when Bridge prints memory, and when CUDA-graph pools appear."""
+    logger, train = getattr(cfg, "logger", None), getattr(cfg, "train", None)
+    impl = getattr(provider, "cuda_graph_impl", None) or "none"
+    return {"log_interval": getattr(logger, "log_interval", 1) or 1, "train_iters": getattr(train, "train_iters", None),
+            "cuda_graph_first_iteration": (getattr(provider, "cuda_graph_warmup_steps", 0) or 0) + 1
+            if impl != "none" else None}
 
 
 # Kernel choices of Transformer Engine or Apex that the local layer spec refuses, and what tracing
@@ -339,6 +367,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
                                imbalance=float(moe_imbalance)) for stage in stages]
     best = max(results, key=lambda r: r.peak_bytes)
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
+    best.stage_phase_peaks = {r.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in r.phases} for r in results}
     best.seconds = time.perf_counter() - start
     return best
 
@@ -463,7 +492,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                        group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     element = static.dtype_bytes(prepared.dtype)
     global_layers = global_layer_numbers(provider, stage, model)
-    components = _static(prepared, counts, precision.fp8_weights(model, fp8, global_layers) if fp8 else None, fp8)
+    components, step = _static(prepared, counts, precision.fp8_weights(model, fp8, global_layers) if fp8 else None, fp8)
     in_fp8 = _fp8_layers(global_layers, fp8)
     modelled = fp8 is not None and not te_fp8.refused(fp8)  # TE's quantised shard replaces the bf16 one
     contract = te.TeContract(0, 0, 0, 0)
@@ -491,10 +520,15 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                               recomputed_layer=recomputed_layer, routed=routed,
                               dense_layers=unmodelled.MLP in kinds if hybrid else layers > moe_layers,
                               mamba_layers=hybrid and unmodelled.MAMBA in kinds)
+    deferred = phases.wgrad_deferral_component(provider, limit=prepared.reports.get("wgrad_deferral_limit"),
+                                               seq=prepared.seq, micro_batch=prepared.micro_batch,
+                                               vocab_local=vocab_local, element=element,
+                                               num_microbatches=prepared.num_microbatches)
+    components += [deferred] if deferred else []
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
     if getattr(provider, "num_moe_experts", None):
         settings.update(_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
-    return MemoryEstimate(stage=stage, components=components, settings=settings,
+    return MemoryEstimate(stage=stage, components=components, settings=settings, step=step,
                           assumptions=_assumptions(prepared, attention, impl, device, contract)
                           + te_fp8.assumptions(fp8_acts)
                           + _moe_assumptions(provider, imbalance, routed),
@@ -511,7 +545,8 @@ def _output_weight(model) -> torch.Tensor:
 
 
 def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Optional[precision.Fp8Weights] = None,
-            fp8: Optional[precision.Fp8] = None) -> list[Component]:
+            fp8: Optional[precision.Fp8] = None) -> tuple[list[Component], phases.StepState]:
+    """The static components of the rank and what its optimizer's step holds and allocates."""
     grad_bytes = 4 if getattr(prepared.ddp, "grad_reduce_in_fp32", False) else counts.element_size
     rule = static.optimizer_rule(prepared.optimizer, param_bytes=counts.element_size,
                                  data_parallel=prepared.data_parallel,
@@ -521,11 +556,13 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
                                             tensor_parallel=prepared.provider.tensor_model_parallel_size,
                                             context_parallel=prepared.provider.context_parallel_size,
                                             expert_parallel=ep, expert_tensor_parallel=etp)
+    shard = static.optimizer_shard(counts, rule, expert_shards=expert_dp)
+    step = phases.step_state(prepared.optimizer, shard, rule, grad_bytes=grad_bytes, ddp=prepared.ddp)
     if fp8_weights is None:
-        return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp)
+        return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp), step
     out = static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp,
                                    stored_apart=precision.stored_apart(fp8_weights, fp8))
-    return out + [c for c in [precision.component(fp8_weights, fp8)] if c]
+    return out + [c for c in [precision.component(fp8_weights, fp8)] if c], step
 
 
 def global_layer_numbers(provider, stage: int, model) -> list[int]:
@@ -714,6 +751,7 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         "distributed_optimizer": bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
         **_peft_settings(prepared.peft),
         **_hybrid_settings(p, stage),
+        **prepared.reports,
     }
 
 
@@ -743,7 +781,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
             if contract.shared_copies else "")
          if impl == TE else "Transformer Engine: not used (local spec)"),
         "jit-fused regions (torch.compile) traced eagerly",
-        "optimizer states as after the first step (Megatron allocates them then)",
+        "optimizer moments: created in the first step() (torch's Adam and TE's FusedAdam alike); iteration 1's "
+        "phase holds the main copies without them (estimate.phases)",
         "transients: the largest of the listed formulas; not alive together",
         f"not modelled: {NOT_MODELLED}",
     ]
