@@ -273,6 +273,12 @@ def _set_wgrad_deferral_apart(provider, reports: dict) -> list[str]:
     reports["wgrad_deferral_limit"] = (getattr(provider, "wgrad_deferral_limit", 0) or 0) if defer else None
     if not defer:
         return []
+    if provider.pipeline_model_parallel_size == 1 or reports["wgrad_deferral_limit"] < 0:
+        raise _refuse("model_config", "model.defer_embedding_wgrad_compute",
+                      f"is on with PP={provider.pipeline_model_parallel_size} and wgrad_deferral_limit="
+                      f"{reports['wgrad_deferral_limit']}: Megatron Core refuses it without pipeline parallelism or "
+                      "with a negative limit (model_parallel_config.py L545-558)",
+                      "use PP > 1 and a limit of 0 (every microbatch) or more, or model.defer_embedding_wgrad_compute=false")
     provider.defer_embedding_wgrad_compute = False
     return ["defer_embedding_wgrad_compute: the output layer's deferred inputs and output gradients on the last stage "
             "are a formula (estimate.phases); the layer itself is traced without the deferral"]
