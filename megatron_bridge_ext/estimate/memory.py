@@ -198,6 +198,22 @@ def _unsupported(model) -> list[Finding]:
     return out
 
 
+UNHONOURED = (
+    ("optimizer", "optimizer_cpu_offload", "optimizer states offloaded to the CPU are not modelled (the estimate keeps "
+                                           "them on the GPU)"),
+    ("optimizer", "use_layer_wise_optimizer", "the layer-wise optimizer's state layout is not modelled"),
+    ("ddp", "use_megatron_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
+    ("ddp", "use_custom_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
+)
+"""Optimizer and DDP settings the estimate cannot honour: each is refused by name rather than estimated without it."""
+
+
+def _unhonoured(optimizer, ddp) -> list[Finding]:
+    sections = {"optimizer": optimizer, "ddp": ddp}
+    return [Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
+            for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
+
+
 MOE_DISPATCHERS = ("allgather", "alltoall")
 """The token dispatchers the estimate traces (Core's ``flex`` needs DeepEP or HybridEP kernels)."""
 
@@ -235,12 +251,13 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
             raise NotModelled(WHAT, [_fp4("mixed_precision")])
         mixed.finalize()
         mixed.setup(provider, optimizer, ddp)
+    _apply_comm_overlap(cfg, provider, optimizer, ddp)
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
     if problems:
         raise Refused(WHAT, problems)
-    not_modelled = _unsupported(provider) if modelled_only else []
+    not_modelled = (_unsupported(provider) + _unhonoured(optimizer, ddp)) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
@@ -263,6 +280,24 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         num_microbatches = max(1, global_batch // (micro_batch * dp))
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
                      dp, num_microbatches, notes, reports)
+
+
+def _apply_comm_overlap(cfg, provider, optimizer, ddp) -> None:
+    """``cfg.comm_overlap`` written into the copies as Bridge writes it at start-up (training/config.py L1884-1885:
+    ``finalize()`` then ``setup(model, optimizer, ddp)``): ``defer_embedding_wgrad_compute``,
+    ``wgrad_deferral_limit``, ``overlap_param_gather_with_optimizer_step`` and the rest reach the model and DDP
+    configs only so."""
+    overlap = getattr(cfg, "comm_overlap", None)
+    if overlap is None:
+        return
+    overlap = copy.deepcopy(overlap)
+    try:
+        overlap.finalize()
+        overlap.setup(provider, optimizer, ddp)
+    except (AssertionError, ValueError, TypeError, ImportError) as error:
+        raise _refuse("model_config", "comm_overlap", f"Bridge's CommOverlapConfig.setup refuses it: "
+                      f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}",
+                      "fix the comm_overlap fields it names") from None
 
 
 def _set_wgrad_deferral_apart(provider, reports: dict) -> list[str]:

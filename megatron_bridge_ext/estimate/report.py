@@ -123,5 +123,9 @@ class MemoryEstimate:
         out["steady_peak_bytes"] = self.steady_peak_bytes
         out["peak_phase"] = self.peak_phase.name
         out["phases"] = [p.as_dict() for p in self.phases]
+        from megatron_bridge_ext.estimate.phases import predicted_reports
+
+        out["predicted_reports"] = [dict(vars(r), max_allocated_gigabytes=r.max_allocated_gigabytes,
+                                         allocated_gigabytes=r.allocated_gigabytes) for r in predicted_reports(self)]
         out["totals"] = {kind: self.total(kind) for kind in KINDS}
         return out
