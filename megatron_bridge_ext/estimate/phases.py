@@ -102,7 +102,7 @@ def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None) -> StepStat
             f"formula: {shard.elements:,} elements x 4 B x {len(low)} ({', '.join(low)} in 16 bits): Transformer "
             "Engine's FusedAdam.step unscales each such state to fp32 (get_unscaled_state: state.float()) and keeps "
             "the copies of a parameter group for its kernel"))
-    notes = _step_notes(ddp)
+    notes = _step_notes(optimizer, ddp)
     return StepState(shard.masters, shard.moments, fused_adam_masters, tuple(transients), tuple(kept), notes)
 
 
@@ -126,12 +126,12 @@ def _state_sizes(optimizer, rule, with_masters: bool) -> list[tuple[str, int]]:
     return out
 
 
-def _step_notes(ddp) -> tuple[str, ...]:
-    if ddp is None:
-        return ()
+def _step_notes(optimizer, ddp) -> tuple[str, ...]:
+    """``ddp.overlap_param_gather`` and ``optimizer.overlap_param_gather_with_optimizer_step`` (Core's
+    optimizer/__init__.py L1049-1054 overlaps the first chunk's gather with the step), read and stated."""
     out = []
-    for name in ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"):
-        if getattr(ddp, name, False):
+    for config, name in ((ddp, "overlap_param_gather"), (optimizer, "overlap_param_gather_with_optimizer_step")):
+        if getattr(config, name, False):
             out.append(f"{name}: the parameter all-gather writes into the parameter buffer in place "
                        "(param_and_grad_buffer.py L500-519), no extra bytes")
     return tuple(out)
