@@ -105,8 +105,8 @@ class MemoryEstimate:
                 mark = " (largest)" if c is largest else ""
                 rows.append([kind, c.name + mark, gib(c.bytes)] + ([c.basis] if basis else []))
         rows.append(["peak", "static + activations + buffers + largest transient", gib(self.steady_peak_bytes)]
-                    + ([f"({self.steady_peak_bytes / GB:.3f} GB, the unit of Bridge's published peaks), the steady "
-                        "state"] if basis else []))
+                    + ([f"({self.steady_peak_bytes / GB:.3f} GB, the unit of Bridge's published peaks)"]
+                       if basis else []))
         columns = ["kind", "component", "bytes"] + (["basis"] if basis else [])
         return text_table(columns, rows)
 
