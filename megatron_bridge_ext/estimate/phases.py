@@ -34,7 +34,7 @@ transients come one after another; their sum for the step, whose copies are aliv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, TRANSIENT, Component
@@ -270,18 +270,6 @@ def report_iterations(log_interval: int, train_iters: Optional[int] = None, star
     return out
 
 
-@dataclass(frozen=True)
-class StagePhases:
-    """One estimated stage's phases as a report needs them: name -> (peak bytes, bytes after the phase)."""
-
-    stage: int
-    peaks: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-
-def stage_phases(est) -> StagePhases:
-    return StagePhases(est.stage, {p.name: (p.peak_bytes, p.after_bytes) for p in phases(est)})
-
-
 def predicted_reports(estimate_result) -> list[PredictedReport]:
     """For each memory report line the installed Bridge prints, the estimate's prediction (see
     :class:`PredictedReport`), for every estimated pipeline stage (first and last; every stage of a hybrid model).
@@ -291,7 +279,8 @@ def predicted_reports(estimate_result) -> list[PredictedReport]:
     """
     s = estimate_result.settings
     log_interval = s.get("log_interval") or 1
-    per_stage = estimate_result.stage_phase_peaks or {estimate_result.stage: stage_phases(estimate_result).peaks}
+    per_stage = estimate_result.stage_phase_peaks or \
+        {estimate_result.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in phases(estimate_result)}}
     graphs = s.get("cuda_graph_first_iteration")
     out = []
     for iteration in report_iterations(log_interval, s.get("train_iters")):
@@ -299,7 +288,7 @@ def predicted_reports(estimate_result) -> list[PredictedReport]:
             reached = [name for name in (ITERATION_1, FIRST_STEP, STEADY) if name in peaks
                        and (iteration >= 2 or name != STEADY)]
             phase = max(reached, key=lambda name: peaks[name][0])
-            last = STEADY if iteration >= 2 and STEADY in peaks else (FIRST_STEP if FIRST_STEP in peaks else STEADY)
+            last = FIRST_STEP if FIRST_STEP in peaks else STEADY  # every report follows a step
             out.append(PredictedReport(
                 iteration, phase, stage, _ranks(s, stage), peaks[phase][0], peaks[last][1],
                 unmodelled=f"{CUDA_GRAPHS} pools from iteration {graphs} (not modelled)"

@@ -108,6 +108,8 @@ def test_predicted_reports_compare_iteration_one_with_its_own_phases():
     assert first.max_allocated_bytes == max(by_name[phases.ITERATION_1].peak_bytes, by_name[phases.FIRST_STEP].peak_bytes)
     assert second.phase == phases.STEADY and second.max_allocated_bytes == by_name[phases.STEADY].peak_bytes
     assert first.ranks == (0, 1)  # DP rank 0 of the stage's two TP ranks
+    # allocated when Bridge reports: after a step, with the fp32 gradient copies alive until the next zero_grad
+    assert first.allocated_bytes == second.allocated_bytes == by_name[phases.FIRST_STEP].after_bytes
 
 
 @pytest.mark.parametrize("nbytes", [58_812_345_678, 1_234_567, 999_999_999_999, 0])
