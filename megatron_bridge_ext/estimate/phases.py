@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, TRANSIENT, Component
+from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
 
 ITERATION_1 = "iteration 1 forward/backward"
 FIRST_STEP = "first optimizer step"

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.unit]
 
 RECIPE = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
 HIDDEN, VOCAB, SEQ = 64, 256, 64
-TINY = [f"model.num_layers=2", f"model.hidden_size={HIDDEN}", "model.num_attention_heads=4",
+TINY = ["model.num_layers=2", f"model.hidden_size={HIDDEN}", "model.num_attention_heads=4",
         f"model.ffn_hidden_size={4 * HIDDEN}", f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=128",
         "model.share_embeddings_and_output_weights=false"]
 
