@@ -338,6 +338,14 @@ def _peft_keys(overrides) -> set[str]:
             if o.key_or_group.startswith("peft.")}
 
 
+def _appended_peft_keys(overrides) -> set[str]:
+    """The peft keys the user adds with ``+`` (Hydra's append, which needs the key absent): ours leave them out."""
+    from megatron_bridge_ext import overrides as checks
+
+    return {o.key_or_group.partition(".")[2] for o in checks.parse(overrides)
+            if o.key_or_group.startswith("peft.") and o.is_add()} if overrides else set()
+
+
 def _touches_peft(overrides) -> bool:
     return bool(overrides) and bool(_peft_keys(overrides))
 
@@ -345,7 +353,7 @@ def _touches_peft(overrides) -> bool:
 def _layout_peft_overrides(layout: Layout, overrides, *, fields_first: bool = False) -> list[str]:
     """``--peft``'s PEFT as overrides (``++``: they set or add), less the keys the user's overrides set; with
     ``fields_first`` every field (the user's overrides follow and change them), less ``_target_`` when theirs
-    names a class.
+    names a class and less the keys theirs add with ``+`` (an append needs the key absent).
 
     The user naming one of our fields (``sequence_parallel_input_strategy``) asks for our class.
     """
@@ -358,7 +366,7 @@ def _layout_peft_overrides(layout: Layout, overrides, *, fields_first: bool = Fa
     values = {"_target_": kinds.public_target(layout.peft) if ours else f"{cls.__module__}.{cls.__name__}",
               "target_modules": kinds.target_names(layout.peft, layout.lora_targets),
               "dim": layout.lora_dim, "alpha": layout.lora_alpha}
-    dropped = ({"_target_"} & theirs) if fields_first else theirs
+    dropped = ({"_target_"} & theirs) | _appended_peft_keys(overrides) if fields_first else theirs
     return [f"++peft.{k}={checks.hydra_value(v)}" for k, v in values.items() if k not in dropped]
 
 
