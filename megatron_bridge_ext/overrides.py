@@ -193,3 +193,32 @@ def _build_error(target: str, cls, kwargs: dict, error: Exception) -> Finding:
     first = str(error).strip().splitlines()
     return Finding("peft_not_built", ERROR, "peft", f"{target} refused the overrides: "
                    f"{first[0] if first else type(error).__name__}", "correct the peft.* overrides")
+
+
+def working_form(cfg, key: str) -> str:
+    """The form of an override that works for ``key`` on ``cfg``, as a "Fix:" line says it.
+
+    A field under a None parent needs the parent built first (``--peft`` or ``++peft._target_=`` for ``peft``, a
+    recipe name for ``mixed_precision``; ``++`` creates any other); a new key of a dict field needs ``+``;
+    a field that exists takes ``key=value``.
+    """
+    obj, walked = cfg, []
+    for name in key.split(".")[:-1]:
+        walked.append(name)
+        parent = ".".join(walked)
+        value = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+        if value is None:
+            return _none_parent_form(parent, key)
+        if isinstance(value, Mapping):
+            return f"write +{key}=VALUE to add a key to the dict {parent} (++{key}=VALUE sets or adds it)"
+        obj = value
+    return f"write {key}=VALUE (the field exists: no + or ++)"
+
+
+def _none_parent_form(parent: str, key: str) -> str:
+    if parent == "peft":
+        return (f"give mbx plan --peft lora (or dora, canonical_lora) and then {key}=VALUE, or build it with "
+                f"++peft._target_=megatron.bridge.peft.lora.LoRA ++{key}=VALUE")
+    if parent == "mixed_precision":
+        return f"name the recipe first: mixed_precision=bf16_mixed {key}=VALUE"
+    return f"{parent} is None here: write ++{key}=VALUE (++ creates it), or set {parent}._target_=CLASS first"

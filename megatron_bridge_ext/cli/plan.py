@@ -488,19 +488,54 @@ def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool
               + "".join(f"; {n}" for n in result.notes),
               f"per-rank estimate, pipeline stage {est.stage} (the most loaded), TP rank 0 ({est.seconds:.1f} s):",
               _indent(est.table())]
+    lines += _phase_lines(result)
     lines += _bridge_lines(result)
     lines += _strategy_lines(result)
     lines += _not_modelled_lines(result)
     lines += _device_lines(result)
     lines += _step_time_lines(result, gpu_defaulted)
     verdict = "fits as is" if result.fits_as_is else "does not fit as is"
-    lines.append(f"{verdict}: peak {gib(est.peak_bytes)} of {gib(result.usable_now)} usable")
+    lines.append(f"{verdict}: peak {gib(est.peak_bytes)} ({est.peak_phase.name}) of {gib(result.usable_now)} usable")
+    lines += _out_of_memory_later(result)
     if result.options:
         lines += _levers(result.options)
     lines += _answer(result)
     lines.append("assumptions:")
     lines += [_wrap(a) for a in est.assumptions if a not in result.not_modelled]  # those are printed above
     return "\n".join(lines)
+
+
+def _phase_lines(result) -> list[str]:
+    """Every phase's peak, then what each memory report of Bridge's log will print (the unit Bridge prints)."""
+    from megatron_bridge_ext.estimate.phases import predicted_reports
+
+    est = result.baseline
+    lines = ["by phase (the verdict takes the largest):", _indent(est.phase_table())]
+    reports = predicted_reports(est)
+    if reports:
+        lines.append("Bridge's log will print (\"(after N iterations) memory (GB)\", GB = 10^9 bytes, on DP rank 0 of "
+                     "each TP rank of each stage):")
+    for r in reports:
+        extra = f"; {r.unmodelled}" if r.unmodelled else ""
+        lines.append(f"  after {r.iteration} iteration(s), stage {r.stage} (ranks {', '.join(map(str, r.ranks))}): "
+                     f"mem-max-allocated-gigabytes {r.max_allocated_gigabytes} ({r.phase}), "
+                     f"mem-allocated-gigabytes {r.allocated_gigabytes}{extra}")
+    return lines
+
+
+def _out_of_memory_later(result) -> list[str]:
+    """One line when iteration 1's forward and backward fit and a later phase does not."""
+    from megatron_bridge_ext.estimate import phases
+
+    est, usable = result.baseline, result.usable_now
+    by_name = {p.name: p for p in est.phases}
+    first = by_name.get(phases.ITERATION_1)
+    if first is None or first.peak_bytes > usable or est.peak_bytes <= usable:
+        return []
+    where = ("iteration 1 at the first optimizer step" if est.peak_phase.name == phases.FIRST_STEP
+             else "iteration 2 at the steady state")
+    return [f"  fits iteration 1 ({gib(first.peak_bytes)} in its forward and backward), runs out of memory in {where} "
+            f"({gib(est.peak_bytes)} of {gib(usable)} usable)"]
 
 
 def _bridge_lines(result) -> list[str]:

@@ -121,7 +121,7 @@ def estimate_of(variant_name: str, layers: int, dry_run: bool) -> dict:
     peft, config = variant.apply(shape, normalization="RMSNorm")
     cfg = tiny_model.tiny_config(shape, peft, normalization="RMSNorm", **config)
     est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu" if dry_run else "cuda")
-    return {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.peak_bytes,
+    return {"saved_activation_bytes": saved_per_microbatch(est), "peak_bytes": est.steady_peak_bytes,
             "components": {c.name: c.bytes for c in est.components}}
 
 

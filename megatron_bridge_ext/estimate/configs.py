@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -153,21 +154,69 @@ def build(layout: Layout, overrides: list[str] = (), *, recipe: Optional[str] = 
         cfg = _hf_config_container(hf_config)
     recipe_peft = cfg.peft is not None
     sp_by_default = _set_layout(cfg, layout, default_dp=None if recipe is not None else 1)
-    layout_peft: list[str] = []
-    if layout.peft not in (None, "none"):
-        layout_peft = _layout_peft_overrides(layout, overrides)
-        if _touches_peft(overrides):
-            cfg.peft = None  # --peft and the user's peft overrides build one PEFT together (theirs win)
-            cfg = _with_overrides(cfg, layout_peft + list(overrides))
-        else:
-            cfg.peft = _layout_peft_object(layout)
-            cfg = _with_overrides(cfg, overrides)
-    else:
-        cfg = _with_overrides(cfg, overrides)
+    layout_peft = _layout_peft_overrides(layout, overrides) if layout.peft not in (None, "none") else []
+    cfg, resolved = resolve_named_fields(cfg, layout, overrides)
+    cfg = _with_overrides(cfg, resolved)
     reachable = cfg.peft is not None and not recipe_peft  # built by --peft or by overrides, on a recipe without one
     notes = ["SP on: the default with TP > 1 (--no-sp turns it off)"] if sp_by_default and cfg.model.sequence_parallel \
         else []
+    from megatron_bridge_ext.estimate import precision
+
+    notes += precision.replaced_by_mixed_precision(cfg, overrides)
     return Built(cfg, layout_peft if reachable else None, notes)
+
+
+NAMED_FIELDS = ("mixed_precision", "peft")
+"""Fields a recipe name stands for (``mixed_precision=bf16_mixed``, ``--peft lora``) whose own fields overrides set
+(``mixed_precision.grad_reduce_in_fp32=false``, ``peft.dim=8``)."""
+
+
+def resolve_named_fields(cfg, layout: Layout, overrides) -> tuple[Any, list[str]]:
+    """The config and the overrides to apply, each named field resolved to its config before its dotted overrides.
+
+    Bridge's performance scripts do the same for mixed precision: their recipes set ``cfg.mixed_precision`` to the
+    recipe's object (``scripts/performance/utils/precision.py``: ``get_precision_config``) before the Hydra
+    overrides run (``utils/overrides.py``: ``set_cli_overrides``), so ``mixed_precision.<field>=`` changes that
+    object. A mixed-precision name (the config's, or the last ``mixed_precision=NAME`` override) becomes Bridge's
+    ``MixedPrecisionConfig`` of it when an override sets one of its fields; ``--peft KIND`` becomes its fields as
+    ``++peft.<field>=`` overrides (Bridge's parser leaves a PEFT object out of the override tree, so the object
+    cannot take them) placed before the user's, which change them (``peft.dim=8`` after ``++peft.dim=32``).
+    """
+    overrides = list(overrides)
+    if overrides and _dotted(overrides, "mixed_precision"):
+        cfg, overrides = _resolve_mixed_precision(cfg, overrides)
+    if layout.peft in (None, "none"):
+        return cfg, overrides
+    if _touches_peft(overrides):
+        cfg.peft = None  # --peft and the user's peft overrides build one PEFT together (theirs win)
+        return cfg, _layout_peft_overrides(layout, overrides, fields_first=True) + overrides
+    cfg.peft = _layout_peft_object(layout)
+    return cfg, overrides
+
+
+def _dotted(overrides, name: str) -> list:
+    from megatron_bridge_ext import overrides as checks
+
+    return [o for o in checks.parse(overrides) if o.key_or_group.startswith(name + ".")]
+
+
+def _resolve_mixed_precision(cfg, overrides: list[str]) -> tuple[Any, list[str]]:
+    """``cfg.mixed_precision`` as Bridge's config object when it is a recipe name; the ``mixed_precision=NAME``
+    overrides are applied by that (the last one wins, as Hydra would apply it)."""
+    from megatron_bridge_ext import overrides as checks
+    from megatron_bridge_ext.estimate import precision
+
+    parsed = checks.parse(overrides)
+    named = [o for o in parsed if o.key_or_group == "mixed_precision" and not o.is_delete()]
+    name = named[-1].value() if named else cfg.mixed_precision
+    if name is None:
+        raise _refuse("overrides", f"{_dotted(overrides, 'mixed_precision')[0].input_line} sets a field of "
+                      "mixed_precision, which this config leaves unset (None)",
+                      "name the recipe first, e.g. mixed_precision=bf16_mixed mixed_precision.grad_reduce_in_fp32=false")
+    if isinstance(name, str):
+        cfg.mixed_precision = precision.mixed_precision_named(name)
+    return cfg, [o.input_line for o in parsed if all(o is not n for n in named)]
+
 
 
 def _hf_config_container(path: str):
@@ -289,12 +338,22 @@ def _peft_keys(overrides) -> set[str]:
             if o.key_or_group.startswith("peft.")}
 
 
+def _appended_peft_keys(overrides) -> set[str]:
+    """The peft keys the user adds with ``+`` (Hydra's append, which needs the key absent): ours leave them out."""
+    from megatron_bridge_ext import overrides as checks
+
+    return {o.key_or_group.partition(".")[2] for o in checks.parse(overrides)
+            if o.key_or_group.startswith("peft.") and o.is_add()} if overrides else set()
+
+
 def _touches_peft(overrides) -> bool:
     return bool(overrides) and bool(_peft_keys(overrides))
 
 
-def _layout_peft_overrides(layout: Layout, overrides) -> list[str]:
-    """``--peft``'s PEFT as overrides (``++``: they set or add), less the keys the user's overrides set.
+def _layout_peft_overrides(layout: Layout, overrides, *, fields_first: bool = False) -> list[str]:
+    """``--peft``'s PEFT as overrides (``++``: they set or add), less the keys the user's overrides set; with
+    ``fields_first`` every field (the user's overrides follow and change them), less ``_target_`` when theirs
+    names a class and less the keys theirs add with ``+`` (an append needs the key absent).
 
     The user naming one of our fields (``sequence_parallel_input_strategy``) asks for our class.
     """
@@ -307,7 +366,8 @@ def _layout_peft_overrides(layout: Layout, overrides) -> list[str]:
     values = {"_target_": kinds.public_target(layout.peft) if ours else f"{cls.__module__}.{cls.__name__}",
               "target_modules": kinds.target_names(layout.peft, layout.lora_targets),
               "dim": layout.lora_dim, "alpha": layout.lora_alpha}
-    return [f"++peft.{k}={checks.hydra_value(v)}" for k, v in values.items() if k not in theirs]
+    dropped = ({"_target_"} & theirs) | _appended_peft_keys(overrides) if fields_first else theirs
+    return [f"++peft.{k}={checks.hydra_value(v)}" for k, v in values.items() if k not in dropped]
 
 
 def _with_overrides(cfg, overrides):
@@ -327,13 +387,26 @@ def _with_overrides(cfg, overrides):
             cfg = process_config_with_overrides(cfg, cli_overrides=list(overrides))
         except Exception as error:  # Hydra and OmegaConf raise many kinds for a bad override
             raise _refuse("overrides", f"{' '.join(overrides)}: {type(error).__name__}: {_first_line(error)}",
-                          "write overrides as key=value (model.seq_length=8192), +key=value to add a key to a "
-                          "dict field") from None
+                          _override_fix(cfg, error)) from None
     checks.check_built(cfg)
     if warned:
         raise _refuse("overrides", f"Bridge's override parser did not apply everything: {_first_line(warned[0])}",
                       "correct that override")
     return cfg
+
+
+_FAILED_KEY = re.compile(r"override '([^']+)'")
+
+
+def _override_fix(cfg, error) -> str:
+    """The working form of the override Hydra names in ``error`` (:func:`..overrides.working_form`), or the general
+    rule where it names none."""
+    from megatron_bridge_ext import overrides as checks
+
+    match = _FAILED_KEY.search(str(error))
+    if match is None:
+        return "write overrides as key=value (model.seq_length=8192), +key=value to add a key to a dict field"
+    return checks.working_form(cfg, match.group(1).lstrip("+"))
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import configs, mamba, precision, routing, static, te, te_fp8, unmodelled
+from megatron_bridge_ext.estimate import configs, mamba, phases, precision, routing, static, te, te_fp8, unmodelled
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
                                                 set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
@@ -86,6 +86,9 @@ class Prepared:
     data_parallel: int
     num_microbatches: int
     notes: list[str]
+    reports: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What :func:`.phases.predicted_reports` reads of the run: ``log_interval``, ``train_iters`` and the iteration
+    CUDA-graph pools appear in (``cuda_graph_first_iteration``, None without graphs)."""
 
 
 def _training_dtype(model) -> torch.dtype:
@@ -195,6 +198,22 @@ def _unsupported(model) -> list[Finding]:
     return out
 
 
+UNHONOURED = (
+    ("optimizer", "optimizer_cpu_offload", "optimizer states offloaded to the CPU are not modelled (the estimate keeps "
+                                           "them on the GPU)"),
+    ("optimizer", "use_layer_wise_optimizer", "the layer-wise optimizer's state layout is not modelled"),
+    ("ddp", "use_megatron_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
+    ("ddp", "use_custom_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
+)
+"""Optimizer and DDP settings the estimate cannot honour: each is refused by name rather than estimated without it."""
+
+
+def _unhonoured(optimizer, ddp) -> list[Finding]:
+    sections = {"optimizer": optimizer, "ddp": ddp}
+    return [Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
+            for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
+
+
 MOE_DISPATCHERS = ("allgather", "alltoall")
 """The token dispatchers the estimate traces (Core's ``flex`` needs DeepEP or HybridEP kernels)."""
 
@@ -232,15 +251,19 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
             raise NotModelled(WHAT, [_fp4("mixed_precision")])
         mixed.finalize()
         mixed.setup(provider, optimizer, ddp)
+    _apply_comm_overlap(cfg, provider, optimizer, ddp)
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
     if problems:
         raise Refused(WHAT, problems)
-    not_modelled = _unsupported(provider) if modelled_only else []
+    not_modelled = (_unsupported(provider) + _unhonoured(optimizer, ddp)) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
-    notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider)
+    reports = _report_settings(cfg, provider)
+    notes += _set_wgrad_deferral_apart(provider, reports)
+    graphs = phases.cuda_graph_note(provider)
+    notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider) + ([graphs] if graphs else [])
     notes += precision.notes(precision.fp8_of(provider))
     try:
         provider.finalize()
@@ -256,7 +279,53 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         global_batch = cfg.train.global_batch_size or micro_batch * dp
         num_microbatches = max(1, global_batch // (micro_batch * dp))
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
-                     dp, num_microbatches, notes)
+                     dp, num_microbatches, notes, reports)
+
+
+def _apply_comm_overlap(cfg, provider, optimizer, ddp) -> None:
+    """``cfg.comm_overlap`` written into the copies as Bridge writes it at start-up (training/config.py L1884-1885:
+    ``finalize()`` then ``setup(model, optimizer, ddp)``): ``defer_embedding_wgrad_compute``,
+    ``wgrad_deferral_limit``, ``overlap_param_gather_with_optimizer_step`` and the rest reach the model and DDP
+    configs only so."""
+    overlap = getattr(cfg, "comm_overlap", None)
+    if overlap is None:
+        return
+    overlap = copy.deepcopy(overlap)
+    try:
+        overlap.finalize()
+        overlap.setup(provider, optimizer, ddp)
+    except (AssertionError, ValueError, TypeError, ImportError) as error:
+        raise _refuse("model_config", "comm_overlap", f"Bridge's CommOverlapConfig.setup refuses it: "
+                      f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}",
+                      "fix the comm_overlap fields it names") from None
+
+
+def _set_wgrad_deferral_apart(provider, reports: dict) -> list[str]:
+    """Keep ``defer_embedding_wgrad_compute`` for its formula (:func:`.phases.wgrad_deferral_component`) and turn
+    it off on the traced copy: Core requires gradient-accumulation fusion with it (model_parallel_config.py
+    L550-553), whose kernel (TE or Apex) Bridge turns off where neither is installed, as here."""
+    defer = bool(getattr(provider, "defer_embedding_wgrad_compute", False))
+    reports["wgrad_deferral_limit"] = (getattr(provider, "wgrad_deferral_limit", 0) or 0) if defer else None
+    if not defer:
+        return []
+    if provider.pipeline_model_parallel_size == 1 or reports["wgrad_deferral_limit"] < 0:
+        raise _refuse("model_config", "model.defer_embedding_wgrad_compute",
+                      f"is on with PP={provider.pipeline_model_parallel_size} and wgrad_deferral_limit="
+                      f"{reports['wgrad_deferral_limit']}: Megatron Core refuses it without pipeline parallelism or "
+                      "with a negative limit (model_parallel_config.py L545-558)",
+                      "use PP > 1 and a limit of 0 (every microbatch) or more, or model.defer_embedding_wgrad_compute=false")
+    provider.defer_embedding_wgrad_compute = False
+    return ["defer_embedding_wgrad_compute: the output layer's deferred inputs and output gradients on the last stage "
+            "are a formula (estimate.phases); the layer itself is traced without the deferral"]
+
+
+def _report_settings(cfg, provider) -> dict[str, Any]:
+    """The settings that decide when Bridge prints memory, and when CUDA-graph pools appear."""
+    logger, train = getattr(cfg, "logger", None), getattr(cfg, "train", None)
+    impl = getattr(provider, "cuda_graph_impl", None) or "none"
+    return {"log_interval": getattr(logger, "log_interval", 1) or 1, "train_iters": getattr(train, "train_iters", None),
+            "cuda_graph_first_iteration": (getattr(provider, "cuda_graph_warmup_steps", 0) or 0) + 1
+            if impl != "none" else None}
 
 
 # Kernel choices of Transformer Engine or Apex that the local layer spec refuses, and what tracing
@@ -339,6 +408,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
                                imbalance=float(moe_imbalance)) for stage in stages]
     best = max(results, key=lambda r: r.peak_bytes)
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
+    best.stage_phase_peaks = {r.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in r.phases} for r in results}
     best.seconds = time.perf_counter() - start
     return best
 
@@ -480,7 +550,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                        group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     element = static.dtype_bytes(prepared.dtype)
     global_layers = global_layer_numbers(provider, stage, model)
-    components = _static(prepared, counts, precision.fp8_weights(model, fp8, global_layers) if fp8 else None, fp8)
+    components, step = _static(prepared, counts, precision.fp8_weights(model, fp8, global_layers) if fp8 else None, fp8)
     in_fp8 = _fp8_layers(global_layers, fp8)
     modelled = fp8 is not None and not te_fp8.refused(fp8)  # TE's quantised shard replaces the bf16 one
     contract = te.TeContract(0, 0, 0, 0)
@@ -508,10 +578,15 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                               recomputed_layer=recomputed_layer, routed=routed,
                               dense_layers=unmodelled.MLP in kinds if hybrid else layers > moe_layers,
                               mamba_layers=hybrid and unmodelled.MAMBA in kinds)
+    deferred = phases.wgrad_deferral_component(provider, limit=prepared.reports.get("wgrad_deferral_limit"),
+                                               seq=prepared.seq, micro_batch=prepared.micro_batch,
+                                               vocab_local=vocab_local, element=element,
+                                               num_microbatches=prepared.num_microbatches)
+    components += [deferred] if deferred else []
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
     if getattr(provider, "num_moe_experts", None):
         settings.update(_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
-    return MemoryEstimate(stage=stage, components=components, settings=settings,
+    return MemoryEstimate(stage=stage, components=components, settings=settings, step=step,
                           assumptions=_assumptions(prepared, attention, impl, device, contract)
                           + te_fp8.assumptions(fp8_acts)
                           + _moe_assumptions(provider, imbalance, routed),
@@ -528,7 +603,8 @@ def _output_weight(model) -> torch.Tensor:
 
 
 def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Optional[precision.Fp8Weights] = None,
-            fp8: Optional[precision.Fp8] = None) -> list[Component]:
+            fp8: Optional[precision.Fp8] = None) -> tuple[list[Component], phases.StepState]:
+    """The static components of the rank and what its optimizer's step holds and allocates."""
     grad_bytes = 4 if getattr(prepared.ddp, "grad_reduce_in_fp32", False) else counts.element_size
     rule = static.optimizer_rule(prepared.optimizer, param_bytes=counts.element_size,
                                  data_parallel=prepared.data_parallel,
@@ -538,11 +614,13 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
                                             tensor_parallel=prepared.provider.tensor_model_parallel_size,
                                             context_parallel=prepared.provider.context_parallel_size,
                                             expert_parallel=ep, expert_tensor_parallel=etp)
+    shard = static.optimizer_shard(counts, rule, expert_shards=expert_dp)
+    step = phases.step_state(prepared.optimizer, shard, rule, grad_bytes=grad_bytes, ddp=prepared.ddp)
     if fp8_weights is None:
-        return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp)
+        return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp), step
     out = static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp,
                                    stored_apart=precision.stored_apart(fp8_weights, fp8))
-    return out + [c for c in [precision.component(fp8_weights, fp8)] if c]
+    return out + [c for c in [precision.component(fp8_weights, fp8)] if c], step
 
 
 def global_layer_numbers(provider, stage: int, model) -> list[int]:
@@ -732,6 +810,7 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         "distributed_optimizer": bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
         **_peft_settings(prepared.peft),
         **_hybrid_settings(p, stage),
+        **prepared.reports,
     }
 
 
@@ -768,7 +847,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
             if contract.shared_copies else "")
          if impl == TE else "Transformer Engine: not used (local spec)"),
         "jit-fused regions (torch.compile) traced eagerly",
-        "optimizer states as after the first step (Megatron allocates them then)",
+        "optimizer moments: created in the first step() (torch's Adam and TE's FusedAdam alike); iteration 1's "
+        "phase holds the main copies without them (estimate.phases)",
         "transients: the largest of the listed formulas; not alive together",
         f"not modelled: {NOT_MODELLED}",
     ]

@@ -40,6 +40,7 @@ in :mod:`.te_fp8`, applied to the bf16 trace; what it leaves as traced is named 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -99,15 +100,59 @@ def fp8_of(model) -> Optional[Fp8]:
 def mixed_precision_of(cfg):
     """A copy of the config's ``MixedPrecisionConfig`` (a recipe name resolved by Bridge), or a one-line refusal
     for a name Bridge does not know."""
+    return mixed_precision_named(cfg.mixed_precision)
+
+
+def mixed_precision_named(value):
+    """A copy of Bridge's ``MixedPrecisionConfig`` for a recipe name (or of the object given), or a one-line
+    refusal naming ``mixed_precision`` for a name Bridge does not know."""
     from megatron.bridge.training.mixed_precision import MIXED_PRECISION_RECIPES, get_mixed_precision_config
 
     try:
-        return copy.deepcopy(get_mixed_precision_config(cfg.mixed_precision))
+        return copy.deepcopy(get_mixed_precision_config(value))
     except ValueError:
         names = ", ".join(sorted(n for n in MIXED_PRECISION_RECIPES if "-" not in n))
         raise Refused("memory estimate", [Finding(
-            "bad_input", ERROR, "mixed_precision", f"{cfg.mixed_precision!r} is not a mixed-precision recipe of "
+            "bad_input", ERROR, "mixed_precision", f"{value!r} is not a mixed-precision recipe of "
             "Bridge's", f"use one of {names}")]) from None
+
+
+SECTIONS = ("model", "optimizer", "ddp")
+"""The configs Bridge's ``MixedPrecisionConfig.setup`` writes its fields into (mixed_precision.py L113-135)."""
+
+
+def replaced_by_mixed_precision(cfg, overrides=()) -> list[str]:
+    """One line per override of ``model``, ``optimizer`` or ``ddp`` that the mixed-precision config will replace.
+
+    Bridge's ``update_config_with_precision_overrides`` (mixed_precision.py L148-156) copies every field of the
+    ``MixedPrecisionConfig`` that the target config has, over whatever the recipe or an override set there; the
+    line says which value trains, where it comes from, and the override that changes it.
+    """
+    yours = _override_keys(overrides)
+    if cfg.mixed_precision is None or not yours:
+        return []
+    mixed = mixed_precision_of(cfg)
+    named = cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else "its fields as resolved and overridden"
+    out = []
+    for f in dataclasses.fields(mixed):
+        new = getattr(mixed, f.name)
+        for section in SECTIONS:
+            target = getattr(cfg, section, None)
+            if target is None or not hasattr(target, f.name) or getattr(target, f.name) == new:
+                continue
+            key = f"{section}.{f.name}"
+            if key not in yours:
+                continue
+            out.append(f"{key}={yours[key]} is replaced by mixed_precision ({named}): {f.name}={new!r} trains (Bridge's "
+                       f"MixedPrecisionConfig.setup copies its fields into model, optimizer and ddp); to train with "
+                       f"another value write mixed_precision.{f.name}=VALUE")
+    return out
+
+
+def _override_keys(overrides) -> dict[str, str]:
+    from megatron_bridge_ext import overrides as checks
+
+    return {o.key_or_group: o.input_line.partition("=")[2] for o in checks.parse(overrides)} if overrides else {}
 
 
 def fp8_of_config(cfg) -> Optional[Fp8]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from megatron_bridge_ext.sizes import GB, GIB, gib  # noqa: F401  (the units of the report, defined once)
 from megatron_bridge_ext.table import text_table
@@ -34,11 +34,14 @@ class Component:
 
 @dataclass
 class MemoryEstimate:
-    """Per-rank memory of one pipeline stage's TP rank 0 at its backward peak.
+    """Per-rank memory of one pipeline stage's TP rank 0, in the steady state and by phase.
 
-    The peak is every static, activation and buffer component plus the largest transient: the
-    transients are alive at different moments of the step (the loss, one layer's backward), not
-    together.
+    ``components`` are the steady state's: every static, activation and buffer component plus the
+    largest transient (the transients are alive at different moments of the step, the loss, one
+    layer's backward, not together). ``step`` says what the optimizer's step holds and allocates, from
+    which :mod:`.phases` derives iteration 1 (no moments yet) and the first step; ``peak_bytes`` is the
+    largest phase's peak (``peak_phase`` names it). ``stage_phase_peaks``: every estimated stage's
+    phases, name -> (peak bytes, bytes alive after the phase).
     """
 
     stage: int
@@ -50,6 +53,8 @@ class MemoryEstimate:
     activations_per_layer: dict[int, int] = field(default_factory=dict)
     stage_peaks: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    step: Optional[Any] = None
+    stage_phase_peaks: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     def total(self, kind: str) -> int:
         return sum(c.bytes for c in self.components if c.kind == kind)
@@ -60,9 +65,26 @@ class MemoryEstimate:
         return max(transients, key=lambda c: c.bytes) if transients else None
 
     @property
-    def peak_bytes(self) -> int:
+    def steady_peak_bytes(self) -> int:
+        """Static + activations + buffers + the largest transient: the steady state's peak."""
         transient = self.largest_transient
         return self.total(STATIC) + self.total(ACTIVATIONS) + self.total(BUFFERS) + (transient.bytes if transient else 0)
+
+    @property
+    def phases(self) -> list:
+        from megatron_bridge_ext.estimate import phases
+
+        return phases.phases(self)
+
+    @property
+    def peak_phase(self):
+        """The phase with the largest peak (the steady state on a tie: the later phase holds it as long)."""
+        return max(reversed(self.phases), key=lambda p: p.peak_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest phase's peak: what the device must hold at some point of the run."""
+        return self.peak_phase.peak_bytes
 
     def element_size(self) -> int:
         """Bytes per element of the activations (the ``dtype`` setting): the unit of the plan's traffic costs."""
@@ -82,13 +104,28 @@ class MemoryEstimate:
             for c in (c for c in self.components if c.kind == kind):
                 mark = " (largest)" if c is largest else ""
                 rows.append([kind, c.name + mark, gib(c.bytes)] + ([c.basis] if basis else []))
-        rows.append(["peak", "static + activations + buffers + largest transient", gib(self.peak_bytes)]
-                    + ([f"({self.peak_bytes / GB:.3f} GB, the unit of Bridge's published peaks)"] if basis else []))
+        rows.append(["peak", "static + activations + buffers + largest transient", gib(self.steady_peak_bytes)]
+                    + ([f"({self.steady_peak_bytes / GB:.3f} GB, the unit of Bridge's published peaks)"]
+                       if basis else []))
         columns = ["kind", "component", "bytes"] + (["basis"] if basis else [])
         return text_table(columns, rows)
+
+    def phase_table(self) -> str:
+        """Every phase's peak (GiB and GB) and what it holds, the largest marked."""
+        largest = self.peak_phase
+        rows = [[p.name + (" (largest)" if p is largest else ""), gib(p.peak_bytes), f"{p.peak_bytes / GB:.3f} GB",
+                 p.basis] for p in self.phases]
+        return text_table(["phase", "peak", "peak (GB)", "holds"], rows)
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["peak_bytes"] = self.peak_bytes
+        out["steady_peak_bytes"] = self.steady_peak_bytes
+        out["peak_phase"] = self.peak_phase.name
+        out["phases"] = [p.as_dict() for p in self.phases]
+        from megatron_bridge_ext.estimate.phases import predicted_reports
+
+        out["predicted_reports"] = [dict(vars(r), max_allocated_gigabytes=r.max_allocated_gigabytes,
+                                         allocated_gigabytes=r.allocated_gigabytes) for r in predicted_reports(self)]
         out["totals"] = {kind: self.total(kind) for kind in KINDS}
         return out

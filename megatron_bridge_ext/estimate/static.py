@@ -118,6 +118,11 @@ class OptimizerRule:
     shards: int
     description: str
     distributed: bool = False
+    main_bytes: int = 0
+    moment_bytes: tuple[int, ...] = ()
+    precision_aware: bool = False
+    """``main_bytes`` + ``moment_bytes`` = ``bytes_per_parameter``: the main copy and each moment apart, which the
+    phases of a run hold at different times (:mod:`.phases`)."""
 
 
 def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, context_parallel: int) -> OptimizerRule:
@@ -140,7 +145,8 @@ def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, co
     terms = " + ".join(str(b) for b in ([main] if main else []) + moment_bytes)
     description = (f"{name}: {terms} = {per} B ({source})"
                    + (f", distributed over DP x CP = {shards}" if distributed else ", not distributed"))
-    return OptimizerRule(per, shards, description, distributed)
+    return OptimizerRule(per, shards, description, distributed, main, tuple(moment_bytes),
+                         bool(getattr(optimizer_config, "use_precision_aware_optimizer", False)))
 
 
 def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: OptimizerRule,
@@ -180,6 +186,31 @@ def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: Optimiz
                          + (f", distributed over expert DP = DP x TP x CP / (EP x ETP) = {shards}"
                             if rule.distributed else ", not distributed")))
     return out
+
+
+@dataclass(frozen=True)
+class OptimizerShard:
+    """The rank's share of the optimizer: its elements and the bytes of the main copies and of the moments.
+
+    Rounded as :func:`static_components` rounds the whole (each part's bytes up), so that ``masters + moments``
+    is the ``optimizer states`` line exactly; ``elements``: trainable parameters of the rank's shard.
+    """
+
+    elements: int
+    masters: int
+    moments: int
+
+
+def optimizer_shard(counts: ParameterCounts, rule: OptimizerRule, *, expert_shards: int = 1) -> OptimizerShard:
+    """The rank's optimizer shard, split into main copies and moments (``expert_shards`` as in
+    :func:`static_components`)."""
+    experts = counts.trainable_experts
+    dense = counts.trainable_total - experts
+    split = ((dense, rule.shards), (experts, expert_shards if rule.distributed else 1))
+    total = sum(-(-n * rule.bytes_per_parameter // shards) for n, shards in split)
+    masters = sum(-(-n * rule.main_bytes // shards) for n, shards in split)
+    elements = sum(-(-n // shards) for n, shards in split)
+    return OptimizerShard(elements, masters, total - masters)
 
 
 def expert_data_parallel(*, data_parallel: int, tensor_parallel: int, context_parallel: int, expert_parallel: int,

@@ -87,7 +87,8 @@ class Option:
 
 def breakdown(est: MemoryEstimate) -> dict[str, int]:
     """Where the peak goes, for tables and plots: weights, gradients and optimizer, each activation
-    category, buffers and the largest transient. The values sum to ``est.peak_bytes``."""
+    category, buffers and the largest transient. The values sum to ``est.steady_peak_bytes`` (the steady state:
+    ``est.peak_bytes`` is the largest phase, :mod:`..estimate.phases`)."""
     static = [c for c in est.components if c.kind == STATIC]
     parts = {"weights": sum(c.bytes for c in static if c.name.startswith("weights")),
              "gradients and optimizer": sum(c.bytes for c in static if not c.name.startswith("weights"))}

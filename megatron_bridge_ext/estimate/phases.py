@@ -1,0 +1,304 @@
+"""A run's memory by phase: iteration 1 before the optimizer's moments exist, the first step, the steady state.
+
+The steady-state estimate (:mod:`.memory`) holds every component at once. A Megatron run reaches it in steps,
+and the figures users compare come from different ones:
+
+* **iteration 1, forward and backward**: weights, the gradient buffer, the fp32 main copies (Megatron Core's
+  optimizers make them at construction: ``distrib_optimizer.py`` L445 ``shard_main_param =
+  shard_model_param.clone().float()``), activations in flight, no moments: torch's Adam creates ``exp_avg`` and
+  ``exp_avg_sq`` in its first ``step()`` (torch 2.14 ``optim/adam.py`` L162-185, ``_init_group``: ``if len(state)
+  == 0``), and so does Transformer Engine's FusedAdam (``optimizers/fused_adam.py``, ``FusedAdam.step``: "State
+  initialization", ``if len(state) == 0: self.initialize_state(p, ...)``), which with the precision-aware
+  optimizer also creates its master weights there (``initialize_state``: ``master_param`` when
+  ``master_weights``, Core passes ``master_weights=True``, ``optimizer/__init__.py`` L574-580);
+* **the first optimizer step**: the moments exist, activations are freed, and the step allocates its own
+  transients, alive together: without the precision-aware optimizer, a bf16 gradient buffer's shard is copied
+  to fp32 for the main parameters (``distrib_optimizer.py`` L2782 ``shard_main_param.grad =
+  shard_model_grad.float()``; ``optimizer.py`` L1097 for the non-distributed optimizer; a fp32 buffer's
+  ``.float()`` returns the same tensor), kept until the next ``zero_grad``; with it and 16-bit states, FusedAdam
+  unscales every state of a parameter group to fp32 before its kernel runs (``FusedAdam.step``, "Unscaling":
+  ``get_unscaled_state`` returns ``state.float()`` for a bf16 or fp16 state and keeps it in ``unscaled_lists``
+  for the group). The parameter all-gather of the distributed optimizer writes into the parameter buffer in
+  place, with or without ``overlap_param_gather`` (``distributed/param_and_grad_buffer.py`` L500-519,
+  ``all_gather_into_tensor(bucket.param_data, local_data_view)``), and the gradient norm and clipping work on
+  the main gradients in place (``optimizer/clip_grads.py`` L55-140: a few fp32 scalars), so neither adds a line;
+* **the steady state** (iteration 2 on): moments and a step's activations together (:mod:`.memory`'s peak);
+* **CUDA-graph capture**: Bridge captures TE's graphs once ``cuda_graph_warmup_steps`` iterations are done
+  (``training/train.py`` L431-446), so their pools appear in the iteration after; not modelled, named with that
+  iteration.
+
+Each phase's peak is its live components plus its transients (the largest one for forward/backward, whose
+transients come one after another; their sum for the step, whose copies are alive together).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
+
+ITERATION_1 = "iteration 1 forward/backward"
+FIRST_STEP = "first optimizer step"
+STEADY = "steady state"
+CUDA_GRAPHS = "CUDA-graph capture"
+OPTIMIZER_STATES = "optimizer states"
+FP32_GRAD_COPIES = "fp32 gradient-shard copies (optimizer step)"
+UNSCALED_STATES = "fp32 unscaled optimizer states (FusedAdam step)"
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What the rank's optimizer holds and allocates around its step.
+
+    ``masters``/``moments``: bytes of the main copies and of the moments (their sum is the ``optimizer states``
+    line); ``masters_in_step``: the main copies are created in the first step too (the precision-aware
+    optimizer's, held by FusedAdam); ``transients``: the step's own allocations, alive together;
+    ``kept``: those of them still alive when Bridge reports memory after the step (the fp32 gradient copies,
+    freed at the next ``zero_grad``); ``notes``: the step's settings that add nothing, with where it is read.
+    """
+
+    masters: int
+    moments: int
+    masters_in_step: bool
+    transients: tuple[Component, ...] = ()
+    kept: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a run: its live components, its peak, and the components alive when it ends."""
+
+    name: str
+    components: tuple[Component, ...]
+    peak_bytes: int
+    after_bytes: int
+    basis: str
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "peak_bytes": self.peak_bytes, "after_bytes": self.after_bytes,
+                "basis": self.basis, "components": [vars(c) for c in self.components]}
+
+
+def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None) -> StepState:
+    """The step of Megatron Core's optimizer for one rank's shard (``static.OptimizerShard``) under ``rule``."""
+    transients = []
+    kept = []
+    fused_adam_masters = rule.precision_aware and _te_holds_masters(optimizer)
+    if not rule.precision_aware and 0 < grad_bytes < 4 and rule.main_bytes:
+        transients.append(Component(
+            TRANSIENT, FP32_GRAD_COPIES, shard.elements * 4,
+            f"formula: {shard.elements:,} elements of the rank's gradient shard x 4 B: the {grad_bytes}-byte gradient "
+            "buffer's shard cast to fp32 for the main parameters (Megatron Core distrib_optimizer.py L2782 "
+            "shard_main_param.grad = shard_model_grad.float(); optimizer.py L1097 without the distributed "
+            "optimizer); kept until the next zero_grad"))
+        kept.append(FP32_GRAD_COPIES)
+    low = [name for name, size in _state_sizes(optimizer, rule, fused_adam_masters) if size < 4]
+    if rule.precision_aware and low:
+        transients.append(Component(
+            TRANSIENT, UNSCALED_STATES, shard.elements * 4 * len(low),
+            f"formula: {shard.elements:,} elements x 4 B x {len(low)} ({', '.join(low)} in 16 bits): Transformer "
+            "Engine's FusedAdam.step unscales each such state to fp32 (get_unscaled_state: state.float()) and keeps "
+            "the copies of a parameter group for its kernel"))
+    notes = _step_notes(optimizer, ddp)
+    return StepState(shard.masters, shard.moments, fused_adam_masters, tuple(transients), tuple(kept), notes)
+
+
+def _te_holds_masters(optimizer) -> bool:
+    """Core's ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` (optimizer_config.py L404-411): FusedAdam keeps
+    the master weights (``master_weights=True``) unless FP8 parameters of a non-delayed recipe keep them in Core."""
+    if not getattr(optimizer, "use_precision_aware_optimizer", False):
+        return False
+    import torch
+
+    recipe = getattr(optimizer, "fp8_recipe", None)
+    return (getattr(optimizer, "main_params_dtype", torch.float32) != torch.float32 or recipe in (None, "delayed")
+            or bool(getattr(optimizer, "optimizer_cpu_offload", False)))
+
+
+def _state_sizes(optimizer, rule, with_masters: bool) -> list[tuple[str, int]]:
+    names = ["exp_avg", "exp_avg_sq"] if len(rule.moment_bytes) == 2 else ["momentum"]
+    out = list(zip(names, rule.moment_bytes))
+    if with_masters and rule.main_bytes:
+        out.append(("master_param", rule.main_bytes))
+    return out
+
+
+def _step_notes(optimizer, ddp) -> tuple[str, ...]:
+    """``ddp.overlap_param_gather`` and ``optimizer.overlap_param_gather_with_optimizer_step`` (Core's
+    optimizer/__init__.py L1049-1054 overlaps the first chunk's gather with the step), read and stated."""
+    out = []
+    for config, name in ((ddp, "overlap_param_gather"), (optimizer, "overlap_param_gather_with_optimizer_step")):
+        if getattr(config, name, False):
+            out.append(f"{name}: the parameter all-gather writes into the parameter buffer in place "
+                       "(param_and_grad_buffer.py L500-519), no extra bytes")
+    return tuple(out)
+
+
+def phases(est) -> list[Phase]:
+    """The phases of ``est`` (a :class:`~.report.MemoryEstimate` with its ``step``), in the order a run meets them;
+    without ``step`` (an estimate made before phases existed), the steady state alone."""
+    steady = _phase(STEADY, est.components, est.step, transients_together=False,
+                    basis="static + activations + buffers + largest transient (moments and activations together)")
+    if est.step is None:
+        return [steady]
+    first = [_without_moments(c, est.step) if c.name == OPTIMIZER_STATES else c for c in est.components]
+    iteration_1 = _phase(ITERATION_1, first, est.step, transients_together=False,
+                         basis="static without the moments (created in the first step) + activations + buffers "
+                               "+ largest transient")
+    live = [c for c in est.components if c.kind in (STATIC, BUFFERS) and not _wgrad_deferral(c)]
+    step = _phase(FIRST_STEP, live + list(est.step.transients), est.step, transients_together=True,
+                  basis="static with the moments + buffers + the step's transients (alive together); activations "
+                        "freed" + "".join(f"; {n}" for n in est.step.notes))
+    return [iteration_1, step, steady]
+
+
+def _phase(name: str, components, step: Optional[StepState], *, transients_together: bool, basis: str) -> Phase:
+    components = tuple(components)
+    transients = [c.bytes for c in components if c.kind == TRANSIENT]
+    held = sum(c.bytes for c in components if c.kind != TRANSIENT)
+    peak = held + (sum(transients) if transients_together else max(transients, default=0))
+    kept = set(step.kept) if step else set()
+    after = sum(c.bytes for c in components if c.kind in (STATIC, BUFFERS) and not _wgrad_deferral(c)) + \
+        sum(c.bytes for c in components if c.name in kept)
+    return Phase(name, components, peak, after, basis)
+
+
+def _without_moments(component: Component, step: StepState) -> Component:
+    masters = 0 if step.masters_in_step else step.masters
+    why = ("the precision-aware optimizer's master weights and the moments are created in the first step "
+           "(FusedAdam.initialize_state)" if step.masters_in_step else
+           f"the fp32 main copies only ({step.masters:,} B, made with the optimizer); the {step.moments:,} B of "
+           "moments are created in the first step()")
+    return Component(STATIC, component.name, masters, f"{why}; all of: {component.basis}")
+
+
+DEFERRED_WGRAD = "deferred output-layer wgrad inputs"
+
+
+def _wgrad_deferral(component: Component) -> bool:
+    """The buffers of ``defer_embedding_wgrad_compute``: drained before the step (schedules.py L886-899)."""
+    return component.name == DEFERRED_WGRAD
+
+
+def wgrad_deferral_component(provider, *, limit: Optional[int], seq: int, micro_batch: int, vocab_local: int,
+                             element: int, num_microbatches: int) -> Optional[Component]:
+    """What ``defer_embedding_wgrad_compute`` keeps on the last stage beyond the microbatch in backward.
+
+    Megatron Core's output layer appends its input to ``embedding_activation_buffer`` in forward
+    (``tensor_parallel/layers.py`` L1149-1154) and its output gradient to ``grad_output_buffer`` in backward
+    instead of computing the weight gradient (L604-607), for the first ``wgrad_deferral_limit`` microbatches (0:
+    all of them), until the pipeline flush drains them (``pipeline_parallel/schedules.py`` L886-899). At the last
+    microbatch's backward the earlier ones' pairs are held: ``min(limit, M - 1)`` of them (``M - 1`` for limit 0);
+    the last one's are its own activations and logits gradient, counted there. ``limit``: the config's
+    ``wgrad_deferral_limit`` with the deferral on, None with it off.
+    """
+    if limit is None or not vocab_local:
+        return None
+    held = min(limit, num_microbatches - 1) if limit else num_microbatches - 1
+    tp = provider.tensor_model_parallel_size
+    sp = bool(provider.sequence_parallel) and tp > 1
+    local_seq = seq // tp if sp else seq
+    per = (local_seq * micro_batch * provider.hidden_size + seq * micro_batch * vocab_local) * element
+    return Component(BUFFERS, DEFERRED_WGRAD, held * per,
+                     f"formula: defer_embedding_wgrad_compute, wgrad_deferral_limit={limit}: {held} earlier "
+                     f"microbatch(es) of {num_microbatches} x ([{local_seq}, {micro_batch}, {provider.hidden_size}] "
+                     f"input + [{seq}, {micro_batch}, {vocab_local}] output gradient) x {element} B, held until the "
+                     "pipeline flush (Megatron Core tensor_parallel/layers.py L604-607, L1149-1154; "
+                     "schedules.py L886-899)")
+
+
+def cuda_graph_note(provider) -> Optional[str]:
+    """When a config's CUDA-graph pools appear, as one line (their bytes are not modelled), else None."""
+    impl = getattr(provider, "cuda_graph_impl", None) or "none"
+    if impl == "none":
+        return None
+    warmup = getattr(provider, "cuda_graph_warmup_steps", 0) or 0
+    return (f"{CUDA_GRAPHS}: cuda_graph_impl={impl!r} captures once cuda_graph_warmup_steps={warmup} iteration(s) "
+            f"are done (Bridge training/train.py L431-446), so its pools appear in iteration {warmup + 1}; their "
+            "bytes are not modelled")
+
+
+@dataclass(frozen=True)
+class PredictedReport:
+    """One memory report line Bridge's ``training_log`` prints, as the estimate predicts it.
+
+    ``iteration``: the report is taken after it (``(after N iterations) memory (GB)``); ``phase``: the largest
+    phase up to then, whose peak ``mem-max-allocated-gigabytes`` shows (torch's peak is not reset between);
+    ``stage``: the pipeline stage whose ranks print it (``ranks``: DP rank 0 of each of its TP x CP ranks);
+    bytes and Bridge's rounded GB (10^9 bytes, 5 significant digits) of max allocated and allocated.
+    """
+
+    iteration: int
+    phase: str
+    stage: int
+    ranks: tuple[int, ...]
+    max_allocated_bytes: int
+    allocated_bytes: int
+    unmodelled: Optional[str] = None
+
+    @property
+    def max_allocated_gigabytes(self) -> float:
+        return bridge_gigabytes(self.max_allocated_bytes)
+
+    @property
+    def allocated_gigabytes(self) -> float:
+        return bridge_gigabytes(self.allocated_bytes)
+
+
+def bridge_gigabytes(nbytes: int) -> float:
+    """Bytes as Bridge's ``report_memory`` prints them (train_utils.py L1286-1292): / 1e9, 5 significant digits."""
+    value = nbytes / 1.0e9
+    if value == 0:
+        return value
+    return round(value, -int(math.floor(math.log10(abs(value)))) + 4)
+
+
+def report_iterations(log_interval: int, train_iters: Optional[int] = None, start: int = 0) -> list[int]:
+    """The iterations after which Bridge 0.5.1 and 0.6.2 print memory (train_utils.py ``training_log``
+    L1103/L1226-1239): every ``log_interval``-th while ``report_memory_flag`` holds, which clears after the
+    first report past iteration ``start + 1`` ("Make sure the memory after the second iteration is reported")."""
+    out = []
+    iteration = (start // log_interval + 1) * log_interval
+    while train_iters is None or iteration <= train_iters:
+        out.append(iteration)
+        if iteration > start + 1:
+            break
+        iteration += log_interval
+    return out
+
+
+def predicted_reports(estimate_result) -> list[PredictedReport]:
+    """For each memory report line the installed Bridge prints, the estimate's prediction (see
+    :class:`PredictedReport`), for every estimated pipeline stage (first and last; every stage of a hybrid model).
+
+    A fresh run is assumed (a resumed run has its moments from the checkpoint before iteration 1:
+    Core's ``init_state_fn``, optimizer/__init__.py L588-596).
+    """
+    s = estimate_result.settings
+    log_interval = s.get("log_interval") or 1
+    per_stage = estimate_result.stage_phase_peaks or \
+        {estimate_result.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in phases(estimate_result)}}
+    graphs = s.get("cuda_graph_first_iteration")
+    out = []
+    for iteration in report_iterations(log_interval, s.get("train_iters")):
+        for stage, peaks in sorted(per_stage.items()):
+            reached = [name for name in (ITERATION_1, FIRST_STEP, STEADY) if name in peaks
+                       and (iteration >= 2 or name != STEADY)]
+            phase = max(reached, key=lambda name: peaks[name][0])
+            last = FIRST_STEP if FIRST_STEP in peaks else STEADY  # every report follows a step
+            out.append(PredictedReport(
+                iteration, phase, stage, _ranks(s, stage), peaks[phase][0], peaks[last][1],
+                unmodelled=f"{CUDA_GRAPHS} pools from iteration {graphs} (not modelled)"
+                if graphs is not None and iteration >= graphs else None))
+    return out
+
+
+def _ranks(s: dict, stage: int) -> tuple[int, ...]:
+    """DP rank 0 of the stage's TP x CP ranks in Megatron Core's default rank order ``tp-cp-ep-dp-pp``
+    (parallel_state.initialize_model_parallel, ``order``): stage p starts at p x TP x CP x DP."""
+    tp, cp, dp = s.get("tp", 1), s.get("cp", 1) or 1, s.get("dp", 1)
+    first = stage * tp * cp * dp
+    return tuple(range(first, first + tp * cp))

@@ -1,0 +1,37 @@
+"""``mbx plan``'s phase lines: the one line for a config that fits iteration 1 and runs out of memory later."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from megatron_bridge_ext.cli.plan import _out_of_memory_later
+from megatron_bridge_ext.estimate import phases
+from megatron_bridge_ext.estimate.report import ACTIVATIONS, STATIC, TRANSIENT, Component, MemoryEstimate
+from megatron_bridge_ext.sizes import gib
+
+pytestmark = [pytest.mark.unit]
+
+MASTERS, MOMENTS = 1000, 2000
+
+
+def _estimate(activations: int) -> MemoryEstimate:
+    step = phases.StepState(MASTERS, MOMENTS, masters_in_step=False)
+    components = [Component(STATIC, "weights: transformer layers", 4000, "w"),
+                  Component(STATIC, phases.OPTIMIZER_STATES, MASTERS + MOMENTS, "o"),
+                  Component(ACTIVATIONS, "mlp", activations, "a"),
+                  Component(TRANSIENT, "layer backward", 100, "t")]
+    return MemoryEstimate(stage=0, components=components, settings={}, assumptions=[],
+                          activations_per_microbatch={}, in_flight_microbatches=1.0, step=step)
+
+
+def test_fits_iteration_1_and_runs_out_of_memory_in_iteration_2_is_one_line():
+    est = _estimate(activations=3000)
+    first = 4000 + MASTERS + 3000 + 100  # no moments yet
+    usable = first + MOMENTS // 2  # holds iteration 1, not the moments with the activations
+    [line] = _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=usable))
+    assert line.strip() == (f"fits iteration 1 ({gib(first)} in its forward and backward), runs out of memory in "
+                            f"iteration 2 at the steady state ({gib(first + MOMENTS)} of {gib(usable)} usable)")
+    assert _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first + MOMENTS)) == []
+    assert _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first - 1)) == []
