@@ -43,6 +43,10 @@ def add_parser(sub, make_parser) -> None:
                    help="draw per-rank max allocated and max reserved against the device total, grouped by "
                         "pipeline stage (a snapshot alone: its segment map) (default: no picture)")
     p.add_argument("--json", action="store_true", help="print everything as JSON (default: text)")
+    p.add_argument("--plan", nargs=argparse.REMAINDER, metavar="PLAN-ARGS", default=None,
+                   help="last: the run's config as mbx plan takes it (--hf-config or --recipe, --tp, ..., key=value "
+                        "overrides); each memory report is set beside the estimate of its phase and stage, and the "
+                        "layout is the config's (default: no estimate)")
     p.set_defaults(func=command)
 
 
@@ -83,17 +87,96 @@ def command(args: argparse.Namespace) -> int:
             return _fail(f"--{name} {value}: a parallel size is a whole number >= 1")
     if args.plot and (problem := _check_plot(args.plot)):
         return _fail(problem)
+    plan_args = None
+    if args.plan is not None:
+        plan_args, problem = _plan_args(args.plan)
+        if problem:
+            return _fail(problem)
     from megatron_bridge_ext.diagnose.collect import InputError, LayoutError, diagnose_inputs
 
     expandable = {"on": True, "off": False, None: None}[args.expandable_segments]
-    try:
+    try:  # the inputs before the estimate: a bad file is refused before Bridge is imported
         result = diagnose_inputs(args.inputs, sizes=sizes, total_memory=total, expandable=expandable)
     except (InputError, LayoutError) as error:
         return _fail(str(error))
+    if plan_args is not None:
+        failed = _beside_the_estimate(result, plan_args, sizes)
+        if failed is not None:
+            return failed
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.format(), flush=True)
     if args.plot:
         return _plot(result, args.plot, total)
     return 0
+
+
+def _plan_args(words: list[str]):
+    """``--plan``'s words parsed and checked as ``mbx plan`` parses and checks them (``--gpu-memory`` is not needed
+    here: a placeholder is given when absent), or the one-line problem."""
+    from megatron_bridge_ext.cli import build_parser, plan
+
+    if not any(w in ("--hf-config", "--recipe") or w.startswith(("--hf-config=", "--recipe=")) for w in words):
+        return None, "--plan needs the run's config: --plan --hf-config config.json ... or --plan --recipe MODULE:FUNCTION"
+    if not any(w == "--gpu-memory" or w.startswith("--gpu-memory=") for w in words):
+        words = [*words, "--gpu-memory", "80GiB"]
+    try:
+        parsed = build_parser().parse_args(["plan", *words])
+    except SystemExit:  # argparse has printed mbx plan's usage and the bad option
+        return None, "--plan: the options above are not mbx plan's (mbx plan --help lists them)"
+    problem = plan.check_args(parsed)
+    return (None, f"--plan: {problem}") if problem else (parsed, None)
+
+
+def _beside_the_estimate(result, plan_args, sizes):
+    """Build and estimate the config, place the run in the config's layout, and compare; None, or the exit status."""
+    from megatron_bridge_ext.diagnose.collect import LayoutError, place
+    from megatron_bridge_ext.diagnose.compare import compare
+    from megatron_bridge_ext.diagnose.report import RunDiagnosis
+    from megatron_bridge_ext.findings import Refused
+
+    if not isinstance(result, RunDiagnosis) or not result.reports:
+        return _fail("--plan: the inputs hold no memory report line to set beside the estimate; give the training log")
+    try:
+        predictions, config_sizes = _estimate(plan_args)
+    except Refused as refused:
+        return _fail(f"--plan: {refused.one_line()}")
+    stated = {k: v for k, v in sizes.items() if v is not None}
+    for name, value in stated.items():
+        if config_sizes.get(name) not in (None, value):
+            return _fail(f"--{name} {value} contradicts the config of --plan ({name} {config_sizes[name]}). Fix: give "
+                         "one of them")
+    try:
+        place(result, {**config_sizes, **stated}, {name: "--plan's config" for name in config_sizes if name not in stated})
+    except LayoutError as error:
+        return _fail(f"{error} (the layout of --plan's config)")
+    result.comparison = compare(result, predictions)
+    return None
+
+
+def _estimate(plan_args):
+    """The predicted report lines of the config and its parallel sizes (the estimate's phases)."""
+    import contextlib
+    import logging
+
+    from megatron_bridge_ext import logs
+    from megatron_bridge_ext.cli import plan, plan_failures
+    from megatron_bridge_ext.estimate.memory import estimate
+    from megatron_bridge_ext.estimate.phases import predicted_reports
+    from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
+    from megatron_bridge_ext.patches.registry import plan_imports
+
+    plan_failures.say_importing()
+    logs.configure(verbose=plan_args.verbose)
+    logging.getLogger("megatron.bridge.utils.fusions").setLevel(logging.ERROR)
+    with plan_imports(), contextlib.redirect_stdout(sys.stderr):
+        built, options = plan.build_config(plan_args)
+        est = estimate(built.cfg, **options)
+    model = built.cfg.model
+    ep, etp = expert_sizes(model)
+    sizes = {"tp": model.tensor_model_parallel_size, "pp": model.pipeline_model_parallel_size,
+             "cp": model.context_parallel_size or 1, "dp": est.settings["dp"], "ep": ep}
+    if ep > 1:
+        sizes["etp"] = etp
+    return predicted_reports(est), sizes
 
 
 def _plot(result, path: str, total) -> int:

@@ -370,8 +370,9 @@ def _have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def _plan(args):
-    from megatron_bridge_ext import planner
+def build_config(args):
+    """The config ``mbx plan``'s options and overrides describe, checked as built, and the estimate's options
+    (``mbx diagnose --plan`` builds the same)."""
     from megatron_bridge_ext.estimate import configs
     from megatron_bridge_ext.findings import Refused
 
@@ -380,16 +381,23 @@ def _plan(args):
                             micro_batch=args.micro_batch, global_batch=args.global_batch, sequence_parallel=args.sp,
                             peft=args.peft, lora_dim=rank, lora_alpha=rank)
     built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
-    expandable = None if args.recipe else False
     _check_global_batch(built.cfg)
     _check_experts(built.cfg, names={"ep": _written(args, "ep"), "etp": _written(args, "etp"), "dp": "--dp"})
     problem = plan_inputs.built_problem(built.cfg, args)
     if problem:
         raise Refused("mbx plan input", [problem])
-    if args.expandable_segments is not None:
-        expandable = args.expandable_segments == "on"
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl),
                                  ("moe_imbalance", args.moe_imbalance)) if v}
+    return built, options
+
+
+def _plan(args):
+    from megatron_bridge_ext import planner
+
+    built, options = build_config(args)
+    expandable = None if args.recipe else False
+    if args.expandable_segments is not None:
+        expandable = args.expandable_segments == "on"
     result = planner.plan(built.cfg, gpu_memory=args.gpu_memory, expandable_segments=expandable,
                           estimate_options=options, peft_overrides=built.peft_overrides, gpu=args.device,
                           **({"margin": args.margin} if args.margin is not None else {}))

@@ -82,27 +82,32 @@ def _run(facts, json_items, snapshots, sizes, total_memory, expandable) -> RunDi
             reports.setdefault(located.rank, []).append(located.record)
     for rank in reports:
         reports[rank] = _unique_iterations(reports[rank])
-    failures, notes = _failures(facts, expandable), []
+    failures, notes = _failures(facts, expandable), []  # notes: the readers'; place() adds the layout's
     for name, data in json_items:
         diagnosis = _stats_diagnosis(name, data, total_memory, expandable)
         rank = data.get("rank") if isinstance(data.get("rank"), int) else logs.rank_from_name(name)
         failures.append(Failure(rank, events.Verdict(diagnosis.kind, diagnosis.headline.split(": ", 1)[1],
                                                      dict(diagnosis.next_step), diagnosis.metrics,
                                                      tuple(diagnosis.notes)), name))
-    ranks = set(reports) | {f.rank for f in failures if f.rank is not None}
-    ranks |= {s.rank for s in snapshots if getattr(s, "rank", None) is not None}
-    layout, layout_notes = resolve_layout(sizes, facts, max(ranks) if ranks else None)
-    notes += layout_notes
+    theoretical = next((f.theoretical for f in facts if f.theoretical is not None), None)
+    return place(RunDiagnosis(None, failures, reports, notes, theoretical, {}, snapshots, facts=facts), sizes)
+
+
+def place(run: RunDiagnosis, sizes: dict, labels: Optional[dict] = None) -> RunDiagnosis:
+    """The run's layout from its logs and ``sizes`` (the command line's, or a config's), every rank placed.
+    LayoutError when they contradict each other or a rank lies outside the world."""
+    facts = run.facts
+    ranks = set(run.reports) | {f.rank for f in run.failures if f.rank is not None}
+    ranks |= {s.rank for s in run.snapshots if getattr(s, "rank", None) is not None}
+    layout, notes = resolve_layout(sizes, facts, max(ranks) if ranks else None, labels)
     if any("local" in f.prefix_kinds for f in facts):
         notes.append("[<role>N]: prefixes (torchrun --tee) give the local rank: read as the global rank, as on one node")
-    coordinates = {}
-    if layout is not None:
-        coordinates = {r: layout.coordinates(r) for r in range(layout.world)}
-        for failure in failures:
-            if failure.rank is not None:
-                failure.coordinates = coordinates[failure.rank].text()
-    theoretical = next((f.theoretical for f in facts if f.theoretical is not None), None)
-    return RunDiagnosis(layout, failures, reports, notes, theoretical, coordinates, snapshots)
+    run.layout, run.layout_notes = layout, notes
+    run.coordinates = {r: layout.coordinates(r) for r in range(layout.world)} if layout is not None else {}
+    for failure in run.failures:
+        if failure.rank is not None and layout is not None:
+            failure.coordinates = run.coordinates[failure.rank].text()
+    return run
 
 
 def _unique_iterations(reports: list) -> list:

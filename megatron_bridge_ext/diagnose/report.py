@@ -53,6 +53,9 @@ class RunDiagnosis:
     theoretical: Optional[object] = None
     coordinates: dict = field(default_factory=dict)  # rank -> Coordinates
     snapshots: list = field(default_factory=list)  # the snapshot reader's summaries
+    facts: list = field(default_factory=list, repr=False)  # the logs' records, for placing the run again
+    layout_notes: list = field(default_factory=list)  # what placing the ranks assumed
+    comparison: list = field(default_factory=list)  # rows of :func:`.compare.compare`, with an estimate
 
     # ---- derived views -------------------------------------------------------------------------------
     def last_reports(self) -> dict:
@@ -109,7 +112,11 @@ class RunDiagnosis:
         if self.layout is not None:
             lines.append(f"layout: {self.layout.text()}; from {_sources(self.layout)}")
         lines += self._table()
-        lines += [f"note: {n}" for n in self.notes]
+        if self.comparison:
+            from megatron_bridge_ext.diagnose.compare import lines as comparison_lines
+
+            lines += comparison_lines(self.comparison)
+        lines += [f"note: {n}" for n in self.notes + self.layout_notes]
         for summary in self.snapshots:
             lines.append("")
             lines += summary.lines()
@@ -179,7 +186,8 @@ class RunDiagnosis:
             "stage_spread": self.stage_spread(),
             "rises": self.rises(),
             "theoretical": None if self.theoretical is None else self.theoretical.to_dict(),
-            "notes": list(self.notes),
+            "notes": list(self.notes + self.layout_notes),
+            "estimate_beside_log": list(self.comparison),
             "snapshots": [s.to_dict() for s in self.snapshots],
         }
 
@@ -192,7 +200,8 @@ def _sources(layout: Layout) -> str:
     return ", ".join(f"{k} {v}" for k, v in layout.sources.items()) or "defaults"
 
 
-def resolve_layout(stated: dict, facts: list, max_rank: Optional[int]) -> tuple[Optional[Layout], list[str]]:
+def resolve_layout(stated: dict, facts: list, max_rank: Optional[int],
+                   labels: Optional[dict] = None) -> tuple[Optional[Layout], list[str]]:
     """The layout from the logs' lines and the command line's sizes (they must agree), the world from the log,
     from TP x PP x CP x DP, else from the highest rank seen. LayoutError on a contradiction."""
     values: dict[str, int] = {}
@@ -210,10 +219,12 @@ def resolve_layout(stated: dict, facts: list, max_rank: Optional[int]) -> tuple[
     for size, value in stated.items():
         if value is None:
             continue
+        label = (labels or {}).get(size, f"--{size}")
+        said = f"{label} {value}" if label == f"--{size}" else f"{label}'s {size} {value}"
         if size in values and values[size] != value:
-            raise LayoutError(f"--{size} {value} contradicts the log ({sources[size]} says {values[size]}). Fix: drop "
-                              f"--{size} or give the value the run used")
-        values[size], sources[size] = value, f"--{size}"
+            raise LayoutError(f"{said} contradicts the log ({sources[size]} says {values[size]}). Fix: "
+                              "give the value the run used")
+        values[size], sources[size] = value, label
     notes = []
     if "world" not in values:
         model = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)

@@ -108,3 +108,53 @@ def test_the_large_input_benchmark_runs_on_small_inputs(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[1].startswith("16 rank logs") and lines[1].endswith("exit 0")
     assert lines[2].startswith("one merged log of 0.00 GB") and lines[2].endswith("exit 0")
+
+
+PLAN = ["--hf-config", str(ROOT / "tests" / "data" / "llama-3-8b" / "config.json"), "--tp", "2", "--dp", "2",
+        "--seq", "4096", "--peft", "lora", "model.num_layers=2", "logger.log_interval=1"]
+
+
+def _reports_log(tmp_path):
+    """Bridge's reports after iterations 1 and 2 on the DP-rank-0 ranks 0 and 1 of TP 2 x DP 2."""
+    from tests.support.oom_logs import bridge_memory_line, bridge_stats, prefixed
+
+    gb = 10**9
+    lines = [prefixed(r, bridge_memory_line(r, it, bridge_stats(3 * gb, (4 + it) * gb + r * 10**8, 6 * gb, 7 * gb)))
+             for it in (1, 2) for r in (0, 1)]
+    return _write(tmp_path / "train.log", lines)
+
+
+def test_plan_sets_each_report_beside_the_estimate_of_its_phase(tmp_path, capsys):
+    from megatron_bridge_ext.cli import build_parser, plan
+    from megatron_bridge_ext.estimate.memory import estimate
+    from megatron_bridge_ext.estimate.phases import predicted_reports
+
+    assert main(["diagnose", _reports_log(tmp_path), "--json", "--plan", *PLAN]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["world"] == 4 and data["layout"]["sources"]["tp"] == "--plan's config"
+    built, options = plan.build_config(build_parser().parse_args(["plan", *PLAN, "--gpu-memory", "80GiB"]))
+    predicted = {(p.iteration, p.stage): p for p in predicted_reports(estimate(built.cfg, **options))}
+    rows = data["estimate_beside_log"]
+    assert [(r["rank"], r["iteration"]) for r in rows] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for row in rows:
+        p = predicted[(row["iteration"], 0)]
+        measured = (4 + row["iteration"]) * 10**9 + row["rank"] * 10**8  # the log's figure, exact in 5 digits
+        assert row["phase"] == p.phase and row["predicted_max_allocated_bytes"] == p.max_allocated_bytes
+        assert row["gap_bytes"] == measured - p.max_allocated_bytes
+        assert row["reserved_minus_allocated_bytes"] == 7 * 10**9 - measured
+    assert rows[0]["phase"] != rows[1]["phase"]  # iteration 1's report is not the steady state's
+
+
+@pytest.mark.parametrize("extra, plan_words, fragment", [
+    ([], ["--tp", "2"], "--plan needs the run's config"),
+    (["--tp", "4"], PLAN, "--tp 4 contradicts the config of --plan (tp 2)"),
+    ([], [*PLAN, "--tp", "0"], "--plan: "),
+])
+def test_plan_refusals_are_one_line(tmp_path, extra, plan_words, fragment):
+    _one_clean_line(mbx("diagnose", _reports_log(tmp_path), *extra, "--plan", *plan_words), fragment)
+
+
+def test_plan_with_a_log_without_reports_is_refused_before_the_estimate(tmp_path):
+    line = _one_clean_line(mbx("diagnose", _write(tmp_path / "t.log", _run_lines()[-4:]), "--plan", *PLAN),
+                           "no memory report line")
+    assert "importing Megatron Bridge" not in line
