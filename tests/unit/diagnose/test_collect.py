@@ -156,3 +156,15 @@ def test_the_shipped_snapshot_is_the_workloads_geometry():
 
     shipped = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "oom_rank0.snapshot.pickle"
     assert shipped.read_bytes() == pickle.dumps(snapshot_at_the_oom(), protocol=4)
+
+
+def test_the_shipped_two_rank_report_log_is_the_builders_output():
+    """tests/data/diagnose/llama-3-8b-2-layers-tp2-dp2.log (the docs' --plan example), line by line."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "llama-3-8b-2-layers-tp2-dp2.log"
+    from tests.support.oom_logs import prefixed
+
+    want = [prefixed(r, bridge_memory_line(r, it, bridge_stats(3 * GB, (4 + it) * GB + r * 10**8, 6 * GB, 7 * GB)))
+            for it in (1, 2) for r in (0, 1)]
+    assert shipped.read_text().splitlines() == want
