@@ -18,8 +18,12 @@ L915-939), so the wrapper counts once after each iteration's backward and once a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from typing import Iterator
+
+import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -111,11 +115,36 @@ class PhaseCounter:
         self._take("after iteration", context.optimizer, context.model)
 
 
+@contextlib.contextmanager
+def cpu_tensors_typed_as_cuda() -> Iterator[None]:
+    """``Tensor.type()`` without arguments names a CPU tensor as its CUDA type while held.
+
+    Megatron Core's distributed optimizer sorts parameters by that name (distrib_optimizer.py L466
+    ``model_param.type() == 'torch.cuda.FloatTensor'``, and the ``torch.cuda.HalfTensor``/``BFloat16Tensor``
+    branch above it) and refuses any other with a TypeError, so on CPU ranks it refuses every parameter; the
+    name is what a GPU rank's tensor of the same dtype reports. A call with a dtype (a cast) is torch's own.
+    """
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or name.startswith("torch.cuda."):  # a cast, or named already (torch-function modes re-enter)
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
 def counted_pretrain(cfg) -> list[Count]:
     """Bridge's ``pretrain`` on ``cfg`` with ``gpt_step.forward_step``, counted by a :class:`PhaseCounter`."""
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
     counter = PhaseCounter()
-    pretrain(cfg, forward_step, callbacks=counter.callbacks())
+    with cpu_tensors_typed_as_cuda():
+        pretrain(cfg, forward_step, callbacks=counter.callbacks())
     return counter.counts
