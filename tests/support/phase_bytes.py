@@ -13,7 +13,8 @@ L915-939), so the wrapper counts once after each iteration's backward and once a
   views of the model's own parameters, no extra bytes);
 * gradients: each parameter's ``main_grad`` (its view into DDP's ``grad_data``), and apart from them the
   padding of the buffers (``grad_data`` elements beyond their parameters' views: the distributed optimizer pads
-  each parameter's start and each bucket's end, param_and_grad_buffer.py L1449-1461).
+  each parameter's start and each bucket's end: optimizer/param_layout.py L24-36, ``pad_param_start`` and
+  ``pad_bucket_end``), which the estimate does not model.
 """
 
 from __future__ import annotations
