@@ -10,9 +10,9 @@ iteration 2. The expected bytes come twice: from the estimate's phases (``phases
 by hand from the recipe's shapes, so the estimate is not checked against itself.
 
 Not run here: the precision-aware optimizer (bf16 ``exp_avg``/``exp_avg_sq``). Megatron Core passes
-``exp_avg_dtype``/``exp_avg_sq_dtype`` to the Adam class it imported (optimizer/__init__.py L562-568), which
-without Transformer Engine or Apex is torch's ``AdamW`` (L28-35), whose constructor takes no such argument; TE's
-FusedAdam, the one class that does, needs CUDA.
+``exp_avg_dtype``/``exp_avg_sq_dtype`` to its Adam class (optimizer/__init__.py L562-568), which without
+Transformer Engine or Apex is torch's ``Adam``/``AdamW`` (L28-35, chosen at L556-557), whose constructor takes no
+such argument; TE's FusedAdam, the one class that does, needs CUDA.
 """
 
 from __future__ import annotations
