@@ -60,11 +60,12 @@ def test_the_handler_prints_the_headline_mbx_diagnose_prints_for_the_same_messag
 
     stream = io.StringIO()
     with pytest.raises(torch.OutOfMemoryError):
-        with OOMHandler(str(tmp_path), rank=3, stats_fn=fragmentation_stats, stream=stream):
+        with OOMHandler(str(tmp_path), rank=3, stats_fn=fragmentation_stats, stream=stream) as handler:
             _step()
     log = tmp_path / "train.log"
     log.write_text(f"[rank3]: torch.OutOfMemoryError: {OOM_MESSAGE}\n")
-    from_log = diagnose_inputs([str(log)], expandable=False).failures[0].headline()
+    expandable = handler.report["allocator"]["expandable_segments"]  # as the process had it: mbx diagnose is told
+    from_log = diagnose_inputs([str(log)], expandable=expandable).failures[0].headline()
     assert stream.getvalue().splitlines()[1] == from_log
     assert from_log.startswith("rank 3: fragmentation: ")
 

@@ -30,9 +30,9 @@ def _imports_cpu_emulation(path: Path) -> bool:
 
 def test_only_the_cpu_runner_and_the_gpu_check_dry_run_import_the_emulation():
     importers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _imports_cpu_emulation(p))
-    # mbx demo / bench start CPU ranks through the runner; the GPU check's peak-memory part installs it for its
-    # --dry-run on a CPU (the CPU rehearsal); no feature imports it
-    assert importers == ["device_check/peak_memory.py", "testing/cpu_run.py"]
+    # mbx demo / bench start CPU ranks through the runner; the GPU check's peak-memory and one-GPU parts install it
+    # for their --dry-run on a CPU (the CPU rehearsal); no feature imports it
+    assert importers == ["device_check/one_gpu.py", "device_check/peak_memory.py", "testing/cpu_run.py"]
 
 
 def test_every_way_upstream_names_a_cuda_device_lands_on_the_cpu():
