@@ -251,7 +251,8 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
             raise NotModelled(WHAT, [_fp4("mixed_precision")])
         mixed.finalize()
         mixed.setup(provider, optimizer, ddp)
-    _apply_comm_overlap(cfg, provider, optimizer, ddp)
+    _apply_comm_overlap(cfg, provider, optimizer, ddp,
+                        data_parallel=data_parallel_size or getattr(cfg, "data_parallel_size", None) or 1)
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
@@ -282,7 +283,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
                      dp, num_microbatches, notes, reports)
 
 
-def _apply_comm_overlap(cfg, provider, optimizer, ddp) -> None:
+def _apply_comm_overlap(cfg, provider, optimizer, ddp, *, data_parallel: int) -> None:
     """``cfg.comm_overlap`` written into the copies as Bridge writes it at start-up (training/config.py L1884-1885:
     ``finalize()`` then ``setup(model, optimizer, ddp)``): ``defer_embedding_wgrad_compute``,
     ``wgrad_deferral_limit``, ``overlap_param_gather_with_optimizer_step`` and the rest reach the model and DDP
@@ -291,6 +292,7 @@ def _apply_comm_overlap(cfg, provider, optimizer, ddp) -> None:
     if overlap is None:
         return
     overlap = copy.deepcopy(overlap)
+    overlap.data_parallel_size = data_parallel  # as ConfigContainer.validate sets it first (training/config.py L1041)
     try:
         overlap.finalize()
         overlap.setup(provider, optimizer, ddp)
