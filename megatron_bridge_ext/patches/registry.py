@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_bridge_ext.patches import (
     bridge_lora_te_norm_grad,
@@ -116,6 +117,6 @@ def revert_all() -> None:
         patch.revert()
 
 
-def status_all(patches: tuple[Patch, ...] = PATCHES) -> list[PatchStatus]:
-    """Each patch's status (of ``patches``, default all), changing nothing."""
-    return [_report(patch, patch.status()) for patch in patches]
+def status_all(patches: Optional[tuple[Patch, ...]] = None) -> list[PatchStatus]:
+    """Each patch's status (of ``patches``, default all: :data:`PATCHES` as it is at the call), changing nothing."""
+    return [_report(patch, patch.status()) for patch in (PATCHES if patches is None else patches)]
