@@ -28,7 +28,14 @@ from tests.support.bridge_session import bridge_session, shared_directory, timeo
 from tests.support.dist_checks import assert_no_problems, max_over_ranks
 from tests.support.phase_bytes import counted_pretrain
 
-pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning")]
+from importlib.metadata import version as _version
+
+CHECKED_BRIDGE = "0.6.2"
+"""The Bridge release whose loop the counting points were read from (training/train.py L915-939); on another
+release the hooks' placement has not been read, so the test says so instead of counting at the wrong point."""
+pytestmark = [pytest.mark.functional, pytest.mark.filterwarnings("ignore:.*torch\\.distributed.*:FutureWarning"),
+              pytest.mark.skipif(_version("megatron-bridge") != CHECKED_BRIDGE,
+                                 reason=f"counting points read in Bridge {CHECKED_BRIDGE}'s train loop only")]
 
 ITERATIONS = 2
 POINTS = [(1, "after backward"), (1, "after step"), (2, "after iteration")]
