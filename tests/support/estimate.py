@@ -30,3 +30,16 @@ def adapter_params(hf: dict, tp: int, rank: int) -> int:
     d = hf.get("head_dim", h // n)
     in_out = (h + (n + 2 * g) * d) + (n * d + h) + (h + 2 * ffn) + (ffn + h)
     return rank * in_out // tp
+
+
+def assert_reduced_equals_whole(cfg, monkeypatch) -> None:
+    """The estimate traced with a reduced set of layers equals the one that traces every layer, figure for figure."""
+    from megatron_bridge_ext.estimate import memory
+
+    fast = memory.estimate(cfg)
+    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
+    whole = memory.estimate(cfg)
+    assert fast.stage_peaks == whole.stage_peaks
+    assert fast.activations_per_microbatch == whole.activations_per_microbatch
+    assert fast.activations_per_layer == whole.activations_per_layer
+    assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_bridge_ext.estimate import memory
+from tests.support.estimate import assert_reduced_equals_whole
 
 pytestmark = [pytest.mark.unit]
 
@@ -34,13 +35,7 @@ def test_the_reduced_trace_of_a_dense_stage_equals_the_whole_trace(monkeypatch, 
     for stage in range(stages):
         reduced = memory.traced_layers(cfg.model, stage)
         assert reduced.pattern == [0, 0] and reduced.sources == [0] + [1] * (6 // stages - 1)
-    fast = memory.estimate(cfg)
-    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
-    whole = memory.estimate(cfg)
-    assert fast.stage_peaks == whole.stage_peaks
-    assert fast.activations_per_microbatch == whole.activations_per_microbatch
-    assert fast.activations_per_layer == whole.activations_per_layer
-    assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]
+    assert_reduced_equals_whole(cfg, monkeypatch)
 
 
 @pytest.mark.parametrize("field, value", [("fp8", "e4m3"), ("window_attn_skip_freq", 2), ("no_rope_freq", 4),

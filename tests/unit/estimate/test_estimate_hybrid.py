@@ -16,6 +16,7 @@ import pytest
 from megatron_bridge_ext.estimate import configs, mamba, memory
 from megatron_bridge_ext.estimate.trace import CATEGORIES, MAMBA, category_of
 from tests.support.estimate import DATA
+from tests.support.estimate import assert_reduced_equals_whole
 
 pytestmark = [pytest.mark.unit]
 
@@ -73,13 +74,7 @@ def test_the_reduced_trace_of_a_hybrid_stage_equals_the_whole_trace(monkeypatch)
 def _assert_reduced_equals_whole(cfg, monkeypatch):
     """The estimate with each stage traced by kind equals the one with every layer traced: per stage peak, per
     category and layer, per component."""
-    fast = memory.estimate(cfg)
-    monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
-    whole = memory.estimate(cfg)
-    assert fast.stage_peaks == whole.stage_peaks
-    assert fast.activations_per_microbatch == whole.activations_per_microbatch
-    assert fast.activations_per_layer == whole.activations_per_layer
-    assert [(c.name, c.bytes) for c in fast.components] == [(c.name, c.bytes) for c in whole.components]
+    assert_reduced_equals_whole(cfg, monkeypatch)
 
 
 def test_lora_on_the_mamba_projections_leaves_their_inputs_to_the_adapters():
