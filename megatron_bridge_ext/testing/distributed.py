@@ -35,7 +35,7 @@ def init_from_env(tensor_parallel: int, seed: int = 1234, expert_parallel: int =
     if parallel_state.model_parallel_is_initialized():
         if _current_layout() == layout:
             return
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     world = dist.get_world_size()
     if world % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the world size {world}")
@@ -43,6 +43,31 @@ def init_from_env(tensor_parallel: int, seed: int = 1234, expert_parallel: int =
                                              expert_model_parallel_size=expert_parallel,
                                              expert_tensor_parallel_size=expert_tensor_parallel)
     model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    """Megatron Core's ``destroy_model_parallel``, then every process group but the default one destroyed.
+
+    Core's destroy drops its references to its groups but destroys only its gloo-specific ones
+    (``parallel_state.destroy_model_parallel``, Core 0.19); the rest stay registered with torch.distributed. Under
+    gloo each keeps its transport threads (``gloo_tcp_loop``), which poll: every new layout and every Bridge run
+    in one process left hundreds behind, and on a 2-core machine they took the CPU from the tests. Groups held
+    outside Core's parallel state are destroyed too, so callers take their groups from the parallel state after
+    this, never from before."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    destroy_groups()
+
+
+def destroy_groups() -> None:
+    """Every process group registered with torch.distributed except the default (world) one, destroyed."""
+    if not dist.is_initialized():
+        return
+    world = dist.distributed_c10d._get_default_group()
+    for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
+        dist.destroy_process_group(group)
 
 
 def _current_layout() -> tuple[int, int, int]:

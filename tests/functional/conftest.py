@@ -56,9 +56,10 @@ def pytest_sessionfinish(session, exitstatus):
               file=sys.stderr)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def tp2():
-    """torch.distributed and Megatron Core parallel state with TP=2 over the 2 ranks."""
+    """torch.distributed and Megatron Core parallel state with TP=2 over the 2 ranks; the tensor-parallel group
+    as it is now (a test that builds another layout destroys the groups of the one before)."""
     from megatron.core import parallel_state
 
     from megatron_bridge_ext.testing import distributed

@@ -40,3 +40,31 @@ def test_groups_built_inside_a_bridge_session_time_out_as_the_tests_process_grou
         timeout = parallel_state.get_tensor_model_parallel_group()._get_backend(device).options._timeout
         parallel_state.destroy_model_parallel()
     assert timeout == datetime.timedelta(minutes=timeout_minutes())
+
+
+def _registered_groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_a_new_layout_and_a_bridge_session_leave_no_process_group_behind(tp2):
+    """Megatron Core's destroy leaves most of its groups registered (under gloo each keeps polling transport
+    threads): a change of layout and a Bridge session's run destroy the groups of the layout before, so the count
+    of registered groups after returning to TP=2 is the count TP=2 alone registers."""
+    from megatron.core import parallel_state
+
+    from megatron_bridge_ext.testing import distributed
+    from tests.support.bridge_session import bridge_session
+
+    distributed.destroy_model_parallel()
+    assert _registered_groups() == 1  # the default group alone
+    distributed.init_from_env(tensor_parallel=2)
+    tp2_alone = _registered_groups()
+    distributed.init_from_env(tensor_parallel=1)
+    distributed.init_from_env(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1)
+    distributed.init_from_env(tensor_parallel=2)
+    after_layouts = _registered_groups()
+    with bridge_session() as session:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)  # as a Bridge run does
+        parallel_state.destroy_model_parallel()  # as Bridge's destroy_global_state does
+        session.next_run()
+    assert (after_layouts, _registered_groups()) == (tp2_alone, tp2_alone)

@@ -86,6 +86,9 @@ class Session:
         """Call before each run: the environment as the session found it, Bridge's checkpoint caches empty."""
         from megatron.bridge.training.utils import checkpoint_utils
 
+        from megatron_bridge_ext.testing import distributed
+
+        distributed.destroy_model_parallel()  # what the last run left registered (Bridge destroys Core's state only)
         os.environ.clear()
         os.environ.update(self._environ)
         checkpoint_utils.read_train_state.cache_clear()
@@ -104,7 +107,7 @@ def bridge_session() -> Iterator[Session]:
     tensor_parallel = None
     if parallel_state.model_parallel_is_initialized():
         tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
-        parallel_state.destroy_model_parallel()
+    distributed.destroy_model_parallel()
     environ = dict(os.environ)
     logging_state = _logging_state()
     rng = (torch.get_rng_state(), random.getstate(), numpy.random.get_state())
@@ -125,8 +128,7 @@ def bridge_session() -> Iterator[Session]:
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
         numpy.random.set_state(rng[2])
-        if parallel_state.model_parallel_is_initialized():  # a run that failed half-way
-            parallel_state.destroy_model_parallel()
+        distributed.destroy_model_parallel()  # a run that failed half-way, and the groups of the last run
         if tensor_parallel is not None:
             distributed.init_from_env(tensor_parallel=tensor_parallel)
 
