@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_bridge_ext.levers.lora_input import cost as lora_input_cost
+from tests.support.settings import gpt_stage, lora
 
 pytestmark = [pytest.mark.unit]
 
@@ -26,10 +27,9 @@ def test_lora_input_collective_elements_per_adapter():
 def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
     from megatron_bridge_ext.estimate.report import MemoryEstimate
 
-    settings = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "lora_dim": 8, "layers_on_stage": 3,
-                "num_microbatches": 2, "dtype": "bfloat16", "sequence_parallel_input_strategy": "off",
-                "lora_targets": ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
-                                 "linear_fc2"]}
+    targets = ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2"]
+    settings = gpt_stage(seq_length=1024, micro_batch=2, hidden=64, layers_on_stage=3, num_microbatches=2,
+                         dtype="bfloat16", peft=lora(8, targets, strategy="off", kind="canonical_lora"))
     est = MemoryEstimate(stage=0, components=[], settings=settings, assumptions=[], activations_per_microbatch={},
                          in_flight_microbatches=1)
     change, _ = lora_input_cost.collective_change(est, "shard_local")
