@@ -177,4 +177,4 @@ def test_a_doubling_on_an_odd_dp_says_it_needs_twice_the_gpus(dp, expected):
     """TP and PP double on the same GPUs by halving DP; an odd DP cannot be halved, and the label says what the
     option would take instead of a DP that does not change."""
     resize = advice.Resize("PP", "pipeline_model_parallel_size", 1, True, figure=None)
-    assert advice._label(resize, {"dp": dp}, None, None) == expected
+    assert advice._label(resize, gpt_stage(dp=dp), None, None) == expected
