@@ -17,6 +17,8 @@ from megatron_bridge_ext.cli import plan_hf_inputs, plan_inputs
 from megatron_bridge_ext.plan_config import LORA_DIM_DEFAULT, build_config, global_batch_problem
 from megatron_bridge_ext.render.plan import NOT_MODELLED_STATUS, format_plan, plan_json, settings_line
 
+PLOT_EXTRA = 'pip install "megatron-bridge-ext[plot]"'
+
 PLAN_EXAMPLES = """
 mbx plan --hf-config tests/data/qwen3-8b/config.json --tp 2 --seq 8192 --peft lora --dp 4 --gpu-memory 40GiB
 mbx plan --recipe megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config --gpu-memory 80GiB --dp 8 \\
@@ -90,7 +92,7 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
     p.add_argument("--plot", metavar="FILE",
                    help="draw a stacked bar per option to FILE (default: no plot; needs matplotlib: "
-                        f"{plan_inputs.PLOT_EXTRA})")
+                        f"{PLOT_EXTRA})")
     p.add_argument("--verbose", action="store_true",
                    help="also show the upstream warnings known to be harmless here (default: filtered; "
                         "docs/tools/plan.md lists them)")
@@ -188,8 +190,8 @@ def check_args(args) -> str | None:
         return str(error)
     problem = (plan_inputs.override_problem(args.overrides) or plan_inputs.conflict_problem(args)
                or plan_inputs.recipe_module_problem(args.recipe) or plan_inputs.plot_problem(args.plot)
-               or plan_inputs.number_problem(args) or plan_inputs.lora_dim_problem(args)
-               or plan_inputs.gpu_problem(args)
+               or plan_inputs.number_problem(args) or _matplotlib_problem(args.plot)
+               or plan_inputs.lora_dim_problem(args) or plan_inputs.gpu_problem(args)
                or global_batch_problem(args.global_batch, args.micro_batch or (1 if args.hf_config else None),
                                        args.dp or (1 if args.hf_config else None), setting="--global-batch"))
     if problem is None and args.hf_config:
@@ -201,6 +203,19 @@ def _bad(setting: str, message: str, fix: str):
     from megatron_bridge_ext.findings import ERROR, Finding
 
     return Finding("bad_input", ERROR, setting, message, fix)
+
+
+def _matplotlib_problem(plot):
+    """--plot without matplotlib."""
+    if plot and not _have_matplotlib():
+        return _bad("--plot", "needs matplotlib", PLOT_EXTRA)
+    return None
+
+
+def _have_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _plan(args):

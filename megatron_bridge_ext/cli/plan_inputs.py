@@ -29,7 +29,6 @@ SIZE_FIELDS = {"model.tensor_model_parallel_size": (2, False), "model.pipeline_m
 """The whole-number fields an override may set, each to 1 or more, with an example; True: null (unset) is
 allowed too."""
 PEFT_KINDS = ("lora", "dora", "canonical_lora")
-PLOT_EXTRA = 'pip install "megatron-bridge-ext[plot]"'
 POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "ep": 4, "etp": 1, "seq": 4096, "micro_batch": 1, "global_batch": 128,
                  "lora_dim": 32}
 """The whole-number options, each 1 or more (checked before anything is imported), with an example value."""
@@ -105,7 +104,7 @@ def lora_dim_problem(args) -> Optional[Finding]:
 
 
 def number_problem(args):
-    """A whole-number option below 1, a margin outside [0, 1), or --plot without matplotlib."""
+    """A whole-number option below 1, a load below 1, or a margin outside [0, 1)."""
     for name, example in POSITIVE_INTS.items():
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -119,8 +118,6 @@ def number_problem(args):
             return problem
     if args.margin is not None and not 0 <= args.margin < 1:
         return _bad("--margin", f"{args.margin} is not a share between 0 and 1", "give e.g. 0.10")
-    if args.plot and not _have_matplotlib():
-        return _bad("--plot", "needs matplotlib", PLOT_EXTRA)
     return None
 
 
@@ -140,12 +137,6 @@ def gpu_problem(args):
     except steptime.UnknownGpu as error:
         return _bad("--gpu", str(error), f"give one of them, e.g. --gpu {steptime.DEFAULT_GPU}")
     return None
-
-
-def _have_matplotlib() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("matplotlib") is not None
 
 
 
