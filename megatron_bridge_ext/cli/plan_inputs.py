@@ -139,7 +139,6 @@ def gpu_problem(args):
     return None
 
 
-
 def plot_problem(path: Optional[str]) -> Optional[Finding]:
     """A ``--plot`` file that could not be written: its folder missing or read-only, or the path a folder."""
     if path is None:

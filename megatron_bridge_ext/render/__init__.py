@@ -1,6 +1,7 @@
-"""What the commands print from their results, outside the command line so that every command that shows a
-result shows it one way: ``mbx plan``'s text and JSON (:mod:`.plan`) and its figure (:mod:`.plan_plot`).
+"""What ``mbx plan`` prints, outside the command line that parses its options: the plan's text and JSON
+(:mod:`.plan`) and its figure (:mod:`.plan_plot`).
 
-Importing it imports neither torch nor Bridge (matplotlib only when a figure is drawn). The units of every
-figure are :mod:`megatron_bridge_ext.sizes`'s, the tables :mod:`megatron_bridge_ext.table`'s.
+Importing it imports neither torch nor Bridge (matplotlib only when a figure is drawn). Its figures are in
+:mod:`megatron_bridge_ext.sizes`'s units and its tables :mod:`megatron_bridge_ext.table`'s, as ``mbx diagnose``'s
+(:mod:`megatron_bridge_ext.diagnose.report`, :mod:`megatron_bridge_ext.diagnose.compare`) are.
 """
