@@ -11,6 +11,7 @@ by a rounded binary figure: one sold as "80GB" holds about 80 GiB (an H100 80GB 
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
 KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
@@ -50,9 +51,18 @@ def parse_size(text: str, option: str) -> int:
     return size
 
 
+def gib_figure(nbytes: Optional[float], *, grouped: bool = False, signed: bool = False) -> str:
+    """Bytes as a number of GiB with two decimals and no unit, as a column headed in GiB shows it (``5.59``;
+    ``-`` when unknown); ``grouped`` separates the thousands (``1,024.00``), ``signed`` prints the sign
+    (``+1.12``). ``mbx plan``'s and ``mbx diagnose``'s GiB figures are this function's, :func:`gib`'s included."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / GIB:{'+' if signed else ''}{',' if grouped else ''}.2f}"
+
+
 def gib(nbytes: float) -> str:
     """Bytes in GiB, the one unit of ``mbx`` output (``33.53 GiB``)."""
-    return f"{nbytes / GIB:,.2f} GiB"
+    return f"{gib_figure(nbytes, grouped=True)} GiB"
 
 
 def whole_gb(nbytes: int) -> int | None:

@@ -158,17 +158,18 @@ def _estimate(plan_args):
     import logging
 
     from megatron_bridge_ext import logs
-    from megatron_bridge_ext.cli import plan, plan_failures
+    from megatron_bridge_ext.cli import plan_failures
     from megatron_bridge_ext.estimate.memory import estimate
     from megatron_bridge_ext.estimate.phases import predicted_reports
     from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
     from megatron_bridge_ext.patches.registry import plan_imports
+    from megatron_bridge_ext.plan_config import build_config
 
     plan_failures.say_importing()
     logs.configure(verbose=plan_args.verbose)
     logging.getLogger("megatron.bridge.utils.fusions").setLevel(logging.ERROR)
     with plan_imports(), contextlib.redirect_stdout(sys.stderr):
-        built, options = plan.build_config(plan_args)
+        built, options = build_config(plan_args)
         est = estimate(built.cfg, **options)
     model = built.cfg.model
     ep, etp = expert_sizes(model)

@@ -1,9 +1,11 @@
 """``mbx plan``'s checks of what the user asked for that need no Bridge: the overrides' syntax and values,
-a flag and an override that set one field, a flag that cannot act, the plot's folder, the recipe's module.
+a flag and an override that set one field, a flag that cannot act, whole numbers and shares, the device and
+its overrides, the plot's folder, the recipe's module.
 
 Each returns one :class:`~megatron_bridge_ext.findings.Finding` (the first problem) or None, and runs before
-torch or Bridge is imported, so a typo is answered in about a second instead of after the imports. The
-checks that need the built config (:func:`built_problem`, :func:`seq_note`) take it once it is built.
+torch or Bridge is imported, so a typo is answered in about a second instead of after the imports.
+``--hf-config``'s checks against config.json are :mod:`.plan_hf_inputs`; the checks of the built config
+are :mod:`megatron_bridge_ext.plan_config`'s (:func:`seq_note`, a note rather than a refusal, is here).
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ SIZE_FIELDS = {"model.tensor_model_parallel_size": (2, False), "model.pipeline_m
 """The whole-number fields an override may set, each to 1 or more, with an example; True: null (unset) is
 allowed too."""
 PEFT_KINDS = ("lora", "dora", "canonical_lora")
-LORA_DIM_DEFAULT = 32
-"""``--lora-dim`` when not given (Bridge's LoRA default)."""
-EXPERT_ONLY_FLAGS = {"etp": "--etp", "moe_imbalance": "--moe-imbalance"}
-"""Flags that act on a mixture-of-experts model only (``--ep`` has the expert layout's own rule)."""
+POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "ep": 4, "etp": 1, "seq": 4096, "micro_batch": 1, "global_batch": 128,
+                 "lora_dim": 32}
+"""The whole-number options, each 1 or more (checked before anything is imported), with an example value."""
+GPU_OVERRIDES = {"gpu_flops": ("bf16_flops", 1e12, 989.5), "gpu_hbm": ("hbm", 1e12, 3.35),
+                 "gpu_nvlink": ("nvlink", 1e9, 450), "gpu_ib": ("ib", 1e9, 50)}
+"""The device overrides: the :class:`~megatron_bridge_ext.levers.steptime.Gpu` field each sets, its unit in
+the flag, and an example value (H100 SXM's)."""
 
 
 def _bad(setting: str, message: str, fix: str) -> Finding:
@@ -98,15 +103,39 @@ def lora_dim_problem(args) -> Optional[Finding]:
                 "add --peft lora (or dora, canonical_lora), or drop --lora-dim")
 
 
-def expert_flag_problem(args, experts) -> Optional[Finding]:
-    """``--etp`` or ``--moe-imbalance`` on a model without experts (``experts`` 0 or None), refused by name as
-    ``--ep`` is."""
-    if experts:
-        return None
-    for name, flag in EXPERT_ONLY_FLAGS.items():
-        if getattr(args, name, None) is not None:
-            return _bad(flag, "acts on the experts of a mixture-of-experts model, and this one has no experts",
-                        f"drop {flag}")
+def number_problem(args):
+    """A whole-number option below 1, a load below 1, or a margin outside [0, 1)."""
+    for name, example in POSITIVE_INTS.items():
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            return _bad(flag, f"{value} is not a whole number of 1 or more", f"give e.g. {flag} {example}")
+    if args.moe_imbalance is not None:
+        from megatron_bridge_ext.estimate.configs import imbalance_problem
+
+        problem = imbalance_problem(args.moe_imbalance, "--moe-imbalance")
+        if problem:
+            return problem
+    if args.margin is not None and not 0 <= args.margin < 1:
+        return _bad("--margin", f"{args.margin} is not a share between 0 and 1", "give e.g. 0.10")
+    return None
+
+
+def gpu_problem(args):
+    """An unknown --gpu or a device override that is not a positive number; else sets ``args.device``."""
+    from megatron_bridge_ext.levers import steptime
+
+    overrides = {}
+    for name, (field, unit, example) in GPU_OVERRIDES.items():
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and not value > 0:
+            return _bad(flag, f"{value} is not a positive rate", f"give e.g. {flag} {example}")
+        overrides[field] = None if value is None else value * unit
+    try:
+        args.device = steptime.gpu(args.gpu or steptime.DEFAULT_GPU, **overrides)
+    except steptime.UnknownGpu as error:
+        return _bad("--gpu", str(error), f"give one of them, e.g. --gpu {steptime.DEFAULT_GPU}")
     return None
 
 
@@ -147,29 +176,6 @@ def recipe_module_problem(spec: Optional[str]) -> Optional[Finding]:
             return _bad("--recipe", f"cannot import {module!r} ({found.name!r} is a module, not a package)",
                         "give an importable recipe module")
     return None
-
-
-def built_problem(cfg, args) -> Optional[Finding]:
-    """What the built config cannot be planned with: a recipe's dense model given an expert-only flag, or a
-    vocabulary size the recipe leaves to its tokenizer."""
-    model = cfg.model
-    problem = expert_flag_problem(args, getattr(model, "num_moe_experts", None))
-    if problem:
-        return problem
-    if getattr(model, "vocab_size", 1) is None:
-        return _bad("model.vocab_size", f"is unset: the recipe leaves it to the tokenizer "
-                    f"({_tokenizer_named(cfg)}), which Bridge reads only when training starts",
-                    "give the tokenizer's vocabulary size, e.g. model.vocab_size=131072")
-    return None
-
-
-def _tokenizer_named(cfg) -> str:
-    tokenizer = getattr(cfg, "tokenizer", None)
-    for attr in ("tokenizer_model", "hf_tokenizer_path", "tokenizer_type"):
-        value = getattr(tokenizer, attr, None)
-        if value:
-            return f"cfg.tokenizer.{attr}={value}"
-    return "cfg.tokenizer"
 
 
 def seq_note(seq_length, hf_config: Optional[str]) -> Optional[str]:

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Optional
 from megatron_bridge_ext.evidence import LEVERS, sources
 from megatron_bridge_ext.sizes import GIB as GiB
 from megatron_bridge_ext.sizes import MIB as MiB
-from megatron_bridge_ext.sizes import SOLD_AS, sold_as_note, whole_gb
+from megatron_bridge_ext.sizes import SOLD_AS, gib_figure, sold_as_note, whole_gb
 
 GAP_FRACTION = 0.10
 INACTIVE_SPLIT_FRACTION = 0.05
@@ -101,7 +101,7 @@ class Diagnosis:
 def fmt_bytes(n: Optional[float]) -> str:
     if n is None:
         return "unknown"
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+    return f"{gib_figure(n)} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def _expandable_from(settings) -> Optional[bool]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_bridge_ext.diagnose.report import gib
+from megatron_bridge_ext import sizes
 
 
 def _prediction(predictions, iteration: int, rank: int, stage: Optional[int]):
@@ -69,11 +69,12 @@ def lines(rows: list[dict]) -> list[str]:
         return ["estimate beside the log: no memory report line to compare"]
     from megatron_bridge_ext.table import text_table
 
+    gib = sizes.gib_figure  # the figures of GiB columns, as every mbx command prints them
     table = []
     for r in rows:
         table.append([str(r["rank"]), "-" if r["stage"] is None else str(r["stage"]), str(r["iteration"]),
                       r["phase"] or "not estimated", gib(r["measured_max_allocated_bytes"]),
-                      gib(r["predicted_max_allocated_bytes"]), _signed(r["gap_bytes"]),
+                      gib(r["predicted_max_allocated_bytes"]), gib(r["gap_bytes"], signed=True),
                       gib(r["reserved_minus_allocated_bytes"]), gib(r["private_pool_bytes"]),
                       gib(r["process_minus_reserved_bytes"])])
     out = ["estimate beside the log, max allocated in GiB (2^30 bytes), each report against the phase it was "
@@ -83,7 +84,3 @@ def lines(rows: list[dict]) -> list[str]:
     unmodelled = sorted({r["unmodelled"] for r in rows if r["unmodelled"]})
     out += [f"not in the estimate: {u}" for u in unmodelled]
     return out
-
-
-def _signed(nbytes: Optional[int]) -> str:
-    return "-" if nbytes is None else f"{nbytes / (1 << 30):+.2f}"

@@ -11,16 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_bridge_ext import sizes
 from megatron_bridge_ext.diagnose import events
 from megatron_bridge_ext.diagnose.layout import DEFAULT_ORDER, TP_PP_DP_ORDER, Layout, LayoutError
-from megatron_bridge_ext.sizes import GIB
 
 UNIT = "GiB (2^30 bytes; Bridge's log prints GB = 10^9 bytes)"
 SIZES = ("world", "tp", "pp", "cp", "ep", "etp", "dp")
-
-
-def gib(nbytes: Optional[int]) -> str:
-    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
 
 
 @dataclass
@@ -123,6 +119,7 @@ class RunDiagnosis:
         return "\n".join(lines)
 
     def _table(self) -> list[str]:
+        gib = sizes.gib_figure  # the figures of GiB columns and sentences, as every mbx command prints them
         last = self.last_reports()
         if not last:
             return ["memory reports: none in the inputs (Bridge prints them on data-parallel rank 0 after the "

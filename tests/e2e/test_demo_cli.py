@@ -24,6 +24,24 @@ def test_mbx_demo_starts_two_ranks_and_reports_both(tmp_path):
     assert [d["strategy"] for d in local["lora_report"]].count("shard_local") == 4
 
 
+def test_mbx_demo_writes_its_log_lines_above_the_progress_bar_and_filters_known_noise(tmp_path):
+    """The text run at the default INFO: each of our log lines written while rank 0's bar is shown stands on its
+    own, after the bar is cleared (the bar redraws with a carriage return, so the last carriage-return segment of a
+    log line is the log record alone, not bar text followed by it); torch's "No CUDA runtime is found" of each
+    rank is filtered."""
+    env = {k: v for k, v in os.environ.items() if k != "MBX_LOG_LEVEL"}
+    command = [sys.executable, "-m", "megatron_bridge_ext.cli", "demo", "--steps", "2",
+               "--variants", "baseline", "shard_local"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, timeout=600)  # bytes: keeps "\r"
+    stderr = done.stderr.decode()
+    assert done.returncode == 0, stderr[-3000:]
+    ours = [line for line in stderr.split("\n") if "INFO megatron_bridge_ext" in line]
+    under_the_bar = [line for line in ours if "mbx demo:" in line]  # written while the bar was on the screen
+    assert under_the_bar, stderr[-3000:]
+    assert [line for line in ours if not line.split("\r")[-1].startswith("INFO megatron_bridge_ext")] == []
+    assert "No CUDA runtime is found" not in stderr
+
+
 def committed_bridge_rows() -> list[dict]:
     """The rows of the committed ``mbx demo --bridge --json`` run whose tables docs/tools/bridge-loop.md shows."""
     (saved,) = sorted((ROOT / "benchmarks").glob("*-cpu-mbx-demo-bridge.json"))

@@ -34,8 +34,9 @@ def lora(dim: int = 8, targets=("linear_qkv", "linear_proj", "linear_fc1", "line
 
 
 def experts(layers_on_stage: int, *, experts: int = 8, topk: int = 2, ffn: int = 512, ep: int = 1, etp: int = 1,
-            dispatcher: str = "alltoall", shared_ffn: int = 0, routed_tokens_per_layer: int = 0) -> MoeSettings:
-    """An MoE model's experts, balanced, with ``layers_on_stage`` MoE layers on the stage."""
+            dispatcher: str = "alltoall", shared_ffn: int = 0, routed_tokens_per_layer: int = 0,
+            imbalance: float = 1.0) -> MoeSettings:
+    """An MoE model's experts (balanced unless ``imbalance`` says), with ``layers_on_stage`` MoE layers on the stage."""
     return MoeSettings(experts=experts, topk=topk, ffn=ffn, ep=ep, etp=etp, local_experts=experts // ep,
-                       dispatcher=dispatcher, imbalance=1.0, layers_on_stage=layers_on_stage,
+                       dispatcher=dispatcher, imbalance=imbalance, layers_on_stage=layers_on_stage,
                        routed_tokens_per_layer=routed_tokens_per_layer, shared_ffn=shared_ffn)

@@ -54,3 +54,33 @@ def test_torchs_no_cuda_runtime_logger_is_quiet_unless_verbose(verbose, enabled)
         assert logger.isEnabledFor(logging.WARNING) is enabled
     finally:
         logger.setLevel(saved)
+
+
+def _bridge_source(relative: str) -> str:
+    from importlib.util import find_spec
+
+    return (Path(find_spec("megatron.bridge").submodule_search_locations[0]) / relative).read_text()
+
+
+@pytest.mark.parametrize("log_level, info_shown", [("INFO", False), ("DEBUG", True)])
+def test_bridges_import_helper_info_tracebacks_are_dropped_unless_debug(monkeypatch, log_level, info_shown):
+    """Bridge's ``safe_import_from`` logs, at INFO with a traceback, each Transformer Engine symbol it cannot
+    import (``FP8GlobalStateManager`` among them, imported by ``peft/utils.py``) on a logger it sets to INFO with
+    its own handler; ``configure`` drops those records on that logger (a level would be overwritten) unless
+    ``MBX_LOG_LEVEL=DEBUG``, and keeps its warnings."""
+    source = _bridge_source("utils/import_utils.py")
+    assert "logger = logging.getLogger(__name__)" in source and "logger.setLevel(logging.INFO)" in source
+    assert '"FP8GlobalStateManager"' in _bridge_source("peft/utils.py")
+    name = "megatron.bridge.utils.import_utils"
+    logger = logging.getLogger(name)
+    saved = list(logger.filters)
+    monkeypatch.setenv("MBX_LOG_LEVEL", log_level)
+    try:
+        logger.filters = []
+        logs.configure()
+        record = lambda level: logger.makeRecord(name, level, __file__, 1, "could not import FP8GlobalStateManager",
+                                                 None, None)
+        assert (bool(logger.filter(record(logging.INFO))), bool(logger.filter(record(logging.WARNING)))) == (
+            info_shown, True)
+    finally:
+        logger.filters = saved

@@ -89,3 +89,20 @@ def test_plan_text_speaks_gib_and_gb_only_beside_published_figures():
     for line in text.splitlines():
         for match in re.finditer(r"[\d.]+ GB\b(?!/s)", line):
             assert "published" in line or "(" in line[:match.start()] or "GiB" in line[:match.start()], line
+
+
+@pytest.mark.parametrize("nbytes, options, expected", [
+    (5 * 2**30 + 2**30 // 4, {}, "5.25"), (1536 * 2**30, {}, "1536.00"), (1536 * 2**30, {"grouped": True}, "1,536.00"),
+    (2**30 // 2, {"signed": True}, "+0.50"), (-3 * 2**30, {"signed": True}, "-3.00"), (None, {}, "-"),
+    (2**30 // 200, {}, "0.00"),  # 5,368,709 bytes, just under 0.005 GiB: rounded down
+])
+def test_a_gib_figure_is_two_decimals_without_a_unit(nbytes, options, expected):
+    from megatron_bridge_ext.sizes import gib_figure
+
+    assert gib_figure(nbytes, **options) == expected
+
+
+def test_gib_is_the_grouped_figure_with_its_unit():
+    from megatron_bridge_ext.sizes import gib
+
+    assert gib(1536 * 2**30) == "1,536.00 GiB" and gib(33 * 2**30 + 2**30 // 2) == "33.50 GiB"

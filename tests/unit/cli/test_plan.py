@@ -14,7 +14,8 @@ import pytest
 
 from megatron_bridge_ext import cli, planner
 from megatron_bridge_ext.cli import plan as plan_cli
-from megatron_bridge_ext.cli import plan_plot
+from megatron_bridge_ext.render import plan as render_plan
+from megatron_bridge_ext.render import plan_plot
 from tests.support.estimate import adapter_params, layer_params
 from tests.support.settings import gpt_stage
 
@@ -140,9 +141,9 @@ def test_the_config_line_says_full_fine_tuning_is_the_default():
     settings = gpt_stage(tp=1, pp=1, vpp=None, dp=1, sequence_parallel=False, seq_length=4096, micro_batch=1,
                          num_microbatches=1, dtype="bfloat16", peft=None, recompute_granularity=None,
                          attention="fused", transformer_impl="transformer_engine")
-    line = plan_cli._settings_line(settings, peft_defaulted=True)
+    line = render_plan.settings_line(settings, peft_defaulted=True)
     assert "full fine-tuning (the default; --peft lora for LoRA)" in line
-    assert "the default" not in plan_cli._settings_line(settings)
+    assert "the default" not in render_plan.settings_line(settings)
 
 
 def small_plan(*, gpu_memory: int, sequence_parallel_input_strategy: str = "off"):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_bridge_ext import cli
+from megatron_bridge_ext import cli, plan_config
 from megatron_bridge_ext.cli import plan as plan_cli
 from megatron_bridge_ext.cli import plan_failures, plan_inputs
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
@@ -101,7 +101,7 @@ def test_a_nullable_size_may_be_unset_by_an_override_and_others_may_not():
 
 
 def _built(*, vocab_size, experts=None, tokenizer_model="nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16"):
-    """The two fields of a built config that :func:`plan_inputs.built_problem` reads, as a recipe leaves them."""
+    """The two fields of a built config that :func:`plan_config.built_problem` reads, as a recipe leaves them."""
     return SimpleNamespace(model=SimpleNamespace(vocab_size=vocab_size, num_moe_experts=experts),
                            tokenizer=SimpleNamespace(tokenizer_type="HuggingFaceTokenizer",
                                                      tokenizer_model=tokenizer_model))
@@ -109,18 +109,18 @@ def _built(*, vocab_size, experts=None, tokenizer_model="nvidia/NVIDIA-Nemotron-
 
 def test_a_recipe_that_leaves_the_vocabulary_to_its_tokenizer_is_named_in_one_line():
     """Item 3: Bridge's providers assert vocab_size in provide(); the plan names the field and the tokenizer."""
-    problem = plan_inputs.built_problem(_built(vocab_size=None, experts=128), _args("--recipe", NANO))
+    problem = plan_config.built_problem(_built(vocab_size=None, experts=128), _args("--recipe", NANO))
     assert problem.text() == ("model.vocab_size: is unset: the recipe leaves it to the tokenizer "
                               "(cfg.tokenizer.tokenizer_model=nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16), which "
                               "Bridge reads only when training starts. Fix: give the tokenizer's vocabulary size, "
                               "e.g. model.vocab_size=131072")
-    assert plan_inputs.built_problem(_built(vocab_size=1024, experts=128), _args("--recipe", NANO)) is None
+    assert plan_config.built_problem(_built(vocab_size=1024, experts=128), _args("--recipe", NANO)) is None
 
 
 def test_a_recipes_dense_model_refuses_an_expert_only_flag_once_built():
     args = _args("--recipe", NANO, "--moe-imbalance", "1.5")
-    assert plan_inputs.built_problem(_built(vocab_size=1024), args).setting == "--moe-imbalance"
-    assert plan_inputs.built_problem(_built(vocab_size=1024, experts=8), args) is None
+    assert plan_config.built_problem(_built(vocab_size=1024), args).setting == "--moe-imbalance"
+    assert plan_config.built_problem(_built(vocab_size=1024, experts=8), args) is None
 
 
 def test_a_sequence_beyond_max_position_embeddings_gets_a_note():
@@ -179,7 +179,7 @@ def test_a_refusal_inside_is_still_a_refusal(capsys, monkeypatch):
 def test_a_plot_that_cannot_be_written_keeps_the_printed_plan(capsys, monkeypatch, tmp_path):
     """The plan is printed first; a failure writing the plot is one line after it, and the plan stands."""
     pytest.importorskip("matplotlib")
-    from megatron_bridge_ext.cli import plan_plot
+    from megatron_bridge_ext.render import plan_plot
     from tests.unit.cli.test_plan import small_plan
 
     result = small_plan(gpu_memory=1)

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from megatron_bridge_ext.cli.plan import _out_of_memory_later
+from megatron_bridge_ext.render.plan import _out_of_memory_later
 from megatron_bridge_ext.estimate import phases
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, STATIC, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.sizes import gib

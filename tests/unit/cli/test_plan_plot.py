@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from megatron_bridge_ext.cli import plan as plan_cli
-from megatron_bridge_ext.cli import plan_plot
+from megatron_bridge_ext.render import plan as render_plan
+from megatron_bridge_ext.render import plan_plot
 from megatron_bridge_ext.sizes import gib
 
 pytestmark = [pytest.mark.unit]
@@ -23,7 +23,7 @@ def result():
 
 
 def _config_line(result) -> str:
-    return plan_cli._settings_line(result.baseline.settings)
+    return render_plan.settings_line(result.baseline.settings)
 
 
 def test_no_two_option_labels_overlap_and_each_is_drawn(result):

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_bridge_ext import cli
 from megatron_bridge_ext.cli import plan as plan_cli
+from megatron_bridge_ext.render import plan as render_plan
 from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
@@ -62,8 +63,8 @@ def test_the_fp8_words_of_the_config_line_come_from_the_models_fields():
                                 "2 layer(s) in bf16")
     assert _fp8_text(SimpleNamespace(fp8=None)) is None
     settings = gpt_stage(dtype="bfloat16", fp8="FP8 hybrid, recipe mxfp8")
-    assert plan_cli._precision(settings) == "bfloat16 with FP8 hybrid, recipe mxfp8"
-    assert plan_cli._precision(gpt_stage(dtype="bfloat16", fp8=None)) == "bfloat16"
+    assert render_plan._precision(settings) == "bfloat16 with FP8 hybrid, recipe mxfp8"
+    assert render_plan._precision(gpt_stage(dtype="bfloat16", fp8=None)) == "bfloat16"
 
 
 def test_an_fp4_recipe_is_a_named_refusal_beside_bridges_failure(capsys):
