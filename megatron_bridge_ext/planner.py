@@ -224,10 +224,10 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
         return Plan(gpu_memory, margin, expandable_margin, expandable_segments, None, bridge, [], refused=refused,
                     bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg), gpu=gpu)
     # Every later estimate keeps the baseline's DP and microbatches unless a lever changes them.
-    planner.estimate_options.update(data_parallel_size=baseline.settings["dp"],
-                                    num_microbatches=baseline.settings["num_microbatches"])
-    bridge, error = _bridge(cfg, with_bridge, data_parallel_size=baseline.settings["dp"],
-                            num_microbatches=baseline.settings["num_microbatches"])
+    planner.estimate_options.update(data_parallel_size=baseline.settings.dp,
+                                    num_microbatches=baseline.settings.num_microbatches)
+    bridge, error = _bridge(cfg, with_bridge, data_parallel_size=baseline.settings.dp,
+                            num_microbatches=baseline.settings.num_microbatches)
     planner.step_time = steptime.step_time(baseline.settings, gpu, moe=moe_shape(cfg.model))
     result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options,
                   bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg), gpu=gpu,

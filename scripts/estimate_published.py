@@ -115,12 +115,12 @@ def main() -> int:
     s = first.settings
     experts = f" EP={model['ep']}" if model["ep"] > 1 else ""
     print(f"{model['title']} LoRA, published peaks (Megatron Bridge, H100, SQuAD) against the estimates; GB = 10^9 "
-          f"bytes\nsettings the estimate assumed: TP={s['tp']}{experts} SP={'on' if s['sequence_parallel'] else 'off'} "
-          f"PP={s['pp']} "
-          f"DP={s['dp']}, seq {s['seq_length']}, micro-batch {s['micro_batch']}, {s['dtype']}, LoRA r={s['lora_dim']} on "
-          f"{', '.join(s['lora_targets'])}, recompute {s['recompute_granularity'] or 'none'}, attention "
-          f"{s['attention']}, {s['transformer_impl']}, distributed optimizer "
-          f"{'on' if s['distributed_optimizer'] else 'off'}\n")
+          f"bytes\nsettings the estimate assumed: TP={s.tp}{experts} SP={'on' if s.sequence_parallel else 'off'} "
+          f"PP={s.pp} "
+          f"DP={s.dp}, seq {s.seq_length}, micro-batch {s.micro_batch}, {s.dtype}, LoRA r={s.peft.lora_dim} on "
+          f"{', '.join(s.peft.lora_targets)}, recompute {s.recompute_granularity or 'none'}, attention "
+          f"{s.attention}, {s.transformer_impl}, distributed optimizer "
+          f"{'on' if s.distributed_optimizer else 'off'}\n")
     print(text_table(["case", "published peak", "estimate", "estimate - published", "Bridge's estimate",
                       "Bridge - published"], rows))
     print(f"\nestimate seconds: {', '.join(f'{r['estimate_seconds']:.1f}' for r in records)} ({os.cpu_count()} CPU cores, "

@@ -11,13 +11,17 @@ step-time change 1/(1 + p) - 1. What the publications do not state is assumed, a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_bridge_ext import evidence  # noqa: E402
+from megatron_bridge_ext.estimate.settings import (MoeSettings, PeftSettings, ReportSettings,  # noqa: E402
+                                                   Settings)
 from megatron_bridge_ext.levers import steptime  # noqa: E402
 
 LLAMA3_70B = os.path.join(ROOT, "tests", "data", "llama-3-70b", "config.json")
@@ -25,51 +29,61 @@ QWEN3_8B = os.path.join(ROOT, "tests", "data", "qwen3-8b", "config.json")
 MIXTRAL_8X7B = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "intermediate_size": 14336,
                 "num_hidden_layers": 32, "vocab_size": 32000}
 """Mixtral 8x7B's shapes (its Hugging Face config.json: 8 experts, top-2, every layer MoE)."""
-LORA_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LATER_KEYS = {"fp8": None, "moe_shared_ffn": 0, "log_interval": 1, "train_iters": None,
+              "cuda_graph_first_iteration": None, "wgrad_deferral_limit": None}
+"""Settings keys the estimate gained after the committed JSONs were written, at what those runs had: no FP8, no
+shared experts (GPT-OSS-120B and Qwen3-30B-A3B have none), Bridge's reporting defaults (the step time reads none)."""
 
 
 def settings(path: str, *, tp: int, pp: int, vpp, dp: int, seq: int, global_batch: int, sp: bool,
-             peft: bool = False, recompute=(), strategy: str = "off") -> dict:
-    """The estimate's settings keys the step time reads, from a config.json and a layout (no estimate run)."""
+             peft: bool = False, recompute=(), strategy: str = "off") -> Settings:
+    """The estimate's settings the step time reads, from a config.json and a layout (no estimate run)."""
     if isinstance(path, dict):
         c = path
     else:
         with open(path) as f:
             c = json.load(f)
     heads = c["num_attention_heads"]
-    return {"tp": tp, "pp": pp, "vpp": vpp, "cp": 1, "dp": dp, "sequence_parallel": sp and tp > 1,
-            "seq_length": seq, "micro_batch": 1, "num_microbatches": global_batch // dp, "dtype": "bfloat16",
-            "stage": pp - 1, "layers_on_stage": c["num_hidden_layers"] // pp, "hidden": c["hidden_size"],
-            "ffn": c["intermediate_size"], "heads": heads, "query_groups": c.get("num_key_value_heads") or heads,
-            "kv_channels": c.get("head_dim") or c["hidden_size"] // heads, "num_layers": c["num_hidden_layers"],
-            "gated_linear_unit": True, "vocab_size": c["vocab_size"],
-            "recompute_granularity": "selective" if recompute else None, "recompute_modules": list(recompute),
-            "distributed_optimizer": True, "peft": "LoRA" if peft else None, "lora_dim": 32,
-            "lora_targets": LORA_TARGETS, "sequence_parallel_input_strategy": strategy}
+    lora = PeftSettings("megatron.bridge.peft.lora.LoRA", "lora", 32, LORA_TARGETS, strategy) if peft else None
+    return Settings(tp=tp, pp=pp, vpp=vpp, cp=1, dp=dp, sequence_parallel=sp and tp > 1, seq_length=seq,
+                    micro_batch=1, num_microbatches=global_batch // dp, dtype="bfloat16", fp8=None, stage=pp - 1,
+                    layers_on_stage=c["num_hidden_layers"] // pp, hidden=c["hidden_size"], ffn=c["intermediate_size"],
+                    heads=heads, query_groups=c.get("num_key_value_heads") or heads,
+                    kv_channels=c.get("head_dim") or c["hidden_size"] // heads, num_layers=c["num_hidden_layers"],
+                    gated_linear_unit=True, vocab_size=c["vocab_size"],
+                    recompute_granularity="selective" if recompute else None, recompute_modules=tuple(recompute),
+                    attention="fused", transformer_impl="transformer_engine", device="cuda",
+                    distributed_optimizer=True, peft=lora, hybrid=None,
+                    reports=ReportSettings(log_interval=1, train_iters=None, cuda_graph_first_iteration=None,
+                                           wgrad_deferral_limit=None), moe=None)
 
 
-def mixtral(ep: int, tp: int) -> tuple[dict, dict]:
+def mixtral(ep: int, tp: int) -> tuple[Settings, dict]:
     """Mixtral 8x7B on 8 GPUs at sequence 4096, global batch 64, SP with TP, expert TP = TP, all-to-all dispatcher."""
     s = settings(MIXTRAL_8X7B, tp=tp, pp=1, vpp=None, dp=8 // tp, seq=4096, global_batch=64, sp=True)
-    s["moe_layers_on_stage"] = s["layers_on_stage"]
+    each = math.ceil(4096 // tp * 2 / 8)  # balanced: from one of the TP x EP source ranks to one local expert
+    s = dataclasses.replace(s, moe=MoeSettings(
+        experts=8, topk=2, ffn=14336, ep=ep, etp=tp, local_experts=8 // ep, dispatcher="alltoall", imbalance=1.0,
+        layers_on_stage=s.layers_on_stage, routed_tokens_per_layer=each * tp * ep * (8 // ep), shared_ffn=0))
     moe = {"experts": 8, "topk": 2, "moe_ffn": 14336, "shared_ffn": 0, "ep": ep, "etp": tp, "dispatcher": "alltoall",
            "grouped_gemm": True, "pattern": [1] * 32}
     return s, moe
 
 
-def moe_lora(name: str, strategy: str) -> tuple[dict, dict]:
+def moe_lora(name: str, strategy: str) -> tuple[Settings, dict]:
     """An MoE model's LoRA layout as ``scripts/estimate_published.py`` estimated it (the committed JSON's first
     record, Bridge's LoRA: TP, EP, DP, sequence, LoRA targets and rank), with the LoRA-A input ``strategy``."""
     with open(os.path.join(ROOT, "benchmarks", f"2026-12-01-{name}-lora-estimate.json")) as f:
-        s = dict(json.load(f)[0]["estimate"]["settings"])
-    s["sequence_parallel_input_strategy"] = strategy
-    moe = {"experts": s["num_moe_experts"], "topk": s["moe_router_topk"], "moe_ffn": s["moe_ffn"],
-           "shared_ffn": s.get("moe_shared_ffn", 0), "ep": s["ep"], "etp": s["etp"],
-           "dispatcher": s["moe_token_dispatcher"], "grouped_gemm": False, "pattern": [1] * s["num_layers"]}
+        s = Settings.from_json({**LATER_KEYS, **json.load(f)[0]["estimate"]["settings"]})
+    s = dataclasses.replace(s, peft=dataclasses.replace(s.peft, sequence_parallel_input_strategy=strategy))
+    moe = {"experts": s.moe.experts, "topk": s.moe.topk, "moe_ffn": s.moe.ffn, "shared_ffn": s.moe.shared_ffn,
+           "ep": s.moe.ep, "etp": s.moe.etp, "dispatcher": s.moe.dispatcher, "grouped_gemm": False,
+           "pattern": [1] * s.num_layers}
     return s, moe
 
 
-def regather_pair(name: str) -> tuple[dict, dict, dict, dict]:
+def regather_pair(name: str) -> tuple[Settings, Settings, dict, dict]:
     """Settings before and after regather, and the MoE shapes before and after (the same)."""
     (before, moe), (after, _) = moe_lora(name, "off"), moe_lora(name, "regather")
     return before, after, moe, moe

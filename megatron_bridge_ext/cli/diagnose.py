@@ -174,7 +174,7 @@ def _estimate(plan_args):
     model = built.cfg.model
     ep, etp = expert_sizes(model)
     sizes = {"tp": model.tensor_model_parallel_size, "pp": model.pipeline_model_parallel_size,
-             "cp": model.context_parallel_size or 1, "dp": est.settings["dp"], "ep": ep}
+             "cp": model.context_parallel_size or 1, "dp": est.settings.dp, "ep": ep}
     if ep > 1:
         sizes["etp"] = etp
     return predicted_reports(est), sizes

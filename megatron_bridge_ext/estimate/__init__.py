@@ -12,7 +12,7 @@ Modules: :mod:`.memory` (``estimate``), :mod:`.static` (weights, gradients, opti
 (the stated MoE expert load), :mod:`.te`
 (Transformer Engine's contract), :mod:`.bridge` (Bridge's own estimate, for comparison),
 :mod:`.configs` (configs from a recipe or a Hugging Face config.json), :mod:`.device`
-(estimate against a measured peak on a GPU).
+(estimate against a measured peak on a GPU), :mod:`.settings` (what an estimate was made for, read by attribute).
 """
 
 from megatron_bridge_ext.estimate.report import Component, MemoryEstimate

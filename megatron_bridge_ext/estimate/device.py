@@ -41,4 +41,5 @@ def saved_per_microbatch(est: MemoryEstimate) -> int:
 
 def layout_of(est: MemoryEstimate) -> dict[str, Optional[int]]:
     """The estimate's parallel layout, for reports next to a measurement."""
-    return {k: est.settings[k] for k in ("tp", "pp", "dp", "seq_length", "micro_batch")}
+    s = est.settings
+    return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "seq_length": s.seq_length, "micro_batch": s.micro_batch}

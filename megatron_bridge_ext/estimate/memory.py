@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,6 +24,7 @@ from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_
                                                 set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
+from megatron_bridge_ext.estimate.settings import HybridSettings, MoeSettings, PeftSettings, ReportSettings, Settings
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
@@ -86,9 +86,9 @@ class Prepared:
     data_parallel: int
     num_microbatches: int
     notes: list[str]
-    reports: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """What :func:`.phases.predicted_reports` reads of the run: ``log_interval``, ``train_iters`` and the iteration
-    CUDA-graph pools appear in (``cuda_graph_first_iteration``, None without graphs)."""
+    reports: ReportSettings
+    """What :func:`.phases.predicted_reports` reads of the run (when Bridge prints memory, when CUDA-graph pools
+    appear) and the output layer's wgrad deferral limit."""
 
 
 def _training_dtype(model) -> torch.dtype:
@@ -262,7 +262,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
-    notes += _set_wgrad_deferral_apart(provider, reports)
+    notes += _set_wgrad_deferral_apart(provider, reports.wgrad_deferral_limit)
     graphs = phases.cuda_graph_note(provider)
     notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider) + ([graphs] if graphs else [])
     notes += precision.notes(precision.fp8_of(provider))
@@ -302,18 +302,17 @@ def _apply_comm_overlap(cfg, provider, optimizer, ddp, *, data_parallel: int) ->
                       "fix the comm_overlap fields it names") from None
 
 
-def _set_wgrad_deferral_apart(provider, reports: dict) -> list[str]:
+def _set_wgrad_deferral_apart(provider, limit: Optional[int]) -> list[str]:
     """Keep ``defer_embedding_wgrad_compute`` for its formula (:func:`.phases.wgrad_deferral_component`) and turn
     it off on the traced copy: Core requires gradient-accumulation fusion with it (model_parallel_config.py
-    L550-553), whose kernel (TE or Apex) Bridge turns off where neither is installed, as here."""
-    defer = bool(getattr(provider, "defer_embedding_wgrad_compute", False))
-    reports["wgrad_deferral_limit"] = (getattr(provider, "wgrad_deferral_limit", 0) or 0) if defer else None
-    if not defer:
+    L550-553), whose kernel (TE or Apex) Bridge turns off where neither is installed, as here. ``limit``: the
+    deferral's limit (:func:`_wgrad_deferral_limit`), None without the deferral."""
+    if limit is None:
         return []
-    if provider.pipeline_model_parallel_size == 1 or reports["wgrad_deferral_limit"] < 0:
+    if provider.pipeline_model_parallel_size == 1 or limit < 0:
         raise _refuse("model_config", "model.defer_embedding_wgrad_compute",
                       f"is on with PP={provider.pipeline_model_parallel_size} and wgrad_deferral_limit="
-                      f"{reports['wgrad_deferral_limit']}: Megatron Core refuses it without pipeline parallelism or "
+                      f"{limit}: Megatron Core refuses it without pipeline parallelism or "
                       "with a negative limit (model_parallel_config.py L545-558)",
                       "use PP > 1 and a limit of 0 (every microbatch) or more, or model.defer_embedding_wgrad_compute=false")
     provider.defer_embedding_wgrad_compute = False
@@ -321,13 +320,23 @@ def _set_wgrad_deferral_apart(provider, reports: dict) -> list[str]:
             "are a formula (estimate.phases); the layer itself is traced without the deferral"]
 
 
-def _report_settings(cfg, provider) -> dict[str, Any]:
-    """The settings that decide when Bridge prints memory, and when CUDA-graph pools appear."""
+def _wgrad_deferral_limit(provider) -> Optional[int]:
+    """The model's ``wgrad_deferral_limit`` (0 when unset) under ``defer_embedding_wgrad_compute``, else None."""
+    if not getattr(provider, "defer_embedding_wgrad_compute", False):
+        return None
+    return getattr(provider, "wgrad_deferral_limit", 0) or 0
+
+
+def _report_settings(cfg, provider) -> ReportSettings:
+    """The settings that decide when Bridge prints memory, when CUDA-graph pools appear and what the last stage
+    defers."""
     logger, train = getattr(cfg, "logger", None), getattr(cfg, "train", None)
     impl = getattr(provider, "cuda_graph_impl", None) or "none"
-    return {"log_interval": getattr(logger, "log_interval", 1) or 1, "train_iters": getattr(train, "train_iters", None),
-            "cuda_graph_first_iteration": (getattr(provider, "cuda_graph_warmup_steps", 0) or 0) + 1
-            if impl != "none" else None}
+    return ReportSettings(log_interval=getattr(logger, "log_interval", 1) or 1,
+                          train_iters=getattr(train, "train_iters", None),
+                          cuda_graph_first_iteration=(getattr(provider, "cuda_graph_warmup_steps", 0) or 0) + 1
+                          if impl != "none" else None,
+                          wgrad_deferral_limit=_wgrad_deferral_limit(provider))
 
 
 # Kernel choices of Transformer Engine or Apex that the local layer spec refuses, and what tracing
@@ -580,14 +589,13 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                               recomputed_layer=recomputed_layer, routed=routed,
                               dense_layers=unmodelled.MLP in kinds if hybrid else layers > moe_layers,
                               mamba_layers=hybrid and unmodelled.MAMBA in kinds)
-    deferred = phases.wgrad_deferral_component(provider, limit=prepared.reports.get("wgrad_deferral_limit"),
+    deferred = phases.wgrad_deferral_component(provider, limit=prepared.reports.wgrad_deferral_limit,
                                                seq=prepared.seq, micro_batch=prepared.micro_batch,
                                                vocab_local=vocab_local, element=element,
                                                num_microbatches=prepared.num_microbatches)
     components += [deferred] if deferred else []
-    settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers)
-    if getattr(provider, "num_moe_experts", None):
-        settings.update(_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
+    settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers,
+                         moe=_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
     return MemoryEstimate(stage=stage, components=components, settings=settings, step=step,
                           assumptions=_assumptions(prepared, attention, impl, device, contract)
                           + te_fp8.assumptions(fp8_acts)
@@ -757,14 +765,16 @@ def _one_layer_bytes(provider, prepared: Prepared, attention: str, mode, device:
     return traced.by_layer[0]
 
 
-def _moe_settings(provider, *, imbalance: float, routed: int, moe_layers: int) -> dict[str, Any]:
+def _moe_settings(provider, *, imbalance: float, routed: int, moe_layers: int) -> Optional[MoeSettings]:
+    """An MoE model's experts, their layout and the stated load; None for a dense model."""
+    if not getattr(provider, "num_moe_experts", None):
+        return None
     ep, etp = expert_sizes(provider)
-    return {"num_moe_experts": provider.num_moe_experts, "moe_router_topk": provider.moe_router_topk,
-            "moe_ffn": provider.moe_ffn_hidden_size, "ep": ep, "etp": etp,
-            "local_experts": provider.num_moe_experts // ep,
-            "moe_token_dispatcher": provider.moe_token_dispatcher_type, "moe_imbalance": imbalance,
-            "moe_layers_on_stage": moe_layers, "routed_tokens_per_layer": routed,
-            "moe_shared_ffn": getattr(provider, "moe_shared_expert_intermediate_size", None) or 0}
+    return MoeSettings(experts=provider.num_moe_experts, topk=provider.moe_router_topk,
+                       ffn=provider.moe_ffn_hidden_size, ep=ep, etp=etp, local_experts=provider.num_moe_experts // ep,
+                       dispatcher=provider.moe_token_dispatcher_type, imbalance=imbalance,
+                       layers_on_stage=moe_layers, routed_tokens_per_layer=routed,
+                       shared_ffn=getattr(provider, "moe_shared_expert_intermediate_size", None) or 0)
 
 
 def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
@@ -783,37 +793,35 @@ def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
     ]
 
 
-def _peft_settings(peft) -> dict[str, Any]:
+def _peft_settings(peft) -> Optional[PeftSettings]:
     if peft is None:
-        return {"peft": None, "peft_kind": None}
+        return None
     from megatron_bridge_ext.levers.lora_input.config import strategy_in_effect
     from megatron_bridge_ext.peft import kinds
 
-    return {"peft": f"{type(peft).__module__}.{type(peft).__name__}", "peft_kind": kinds.kind_of(peft),
-            "lora_dim": getattr(peft, "dim", None),
-            "lora_targets": list(getattr(peft, "target_modules", []) or []),
-            "sequence_parallel_input_strategy": strategy_in_effect(peft)}
+    return PeftSettings(name=f"{type(peft).__module__}.{type(peft).__name__}", kind=kinds.kind_of(peft),
+                        lora_dim=getattr(peft, "dim", None),
+                        lora_targets=tuple(getattr(peft, "target_modules", []) or []),
+                        sequence_parallel_input_strategy=strategy_in_effect(peft))
 
 
-def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, stage: int, layers: int) -> dict:
+def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, stage: int, layers: int,
+              moe: Optional[MoeSettings]) -> Settings:
     p = prepared.provider
-    return {
-        "tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-        "vpp": p.virtual_pipeline_model_parallel_size, "cp": p.context_parallel_size, "dp": prepared.data_parallel,
-        "sequence_parallel": bool(p.sequence_parallel) and p.tensor_model_parallel_size > 1,
-        "seq_length": prepared.seq, "micro_batch": prepared.micro_batch, "num_microbatches": prepared.num_microbatches,
-        "dtype": str(prepared.dtype).replace("torch.", ""), "fp8": _fp8_text(p), "stage": stage,
-        "layers_on_stage": layers,
-        "hidden": p.hidden_size, "ffn": p.ffn_hidden_size, "heads": p.num_attention_heads,
-        "query_groups": p.num_query_groups or p.num_attention_heads, "kv_channels": p.kv_channels,
-        "num_layers": p.num_layers, "gated_linear_unit": bool(p.gated_linear_unit), "vocab_size": p.vocab_size,
-        "recompute_granularity": p.recompute_granularity, "recompute_modules": list(p.recompute_modules or []),
-        "attention": attention, "transformer_impl": impl, "device": device,
-        "distributed_optimizer": bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
-        **_peft_settings(prepared.peft),
-        **_hybrid_settings(p, stage),
-        **prepared.reports,
-    }
+    return Settings(
+        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size, dp=prepared.data_parallel,
+        sequence_parallel=bool(p.sequence_parallel) and p.tensor_model_parallel_size > 1,
+        seq_length=prepared.seq, micro_batch=prepared.micro_batch, num_microbatches=prepared.num_microbatches,
+        dtype=str(prepared.dtype).replace("torch.", ""), fp8=_fp8_text(p), stage=stage,
+        layers_on_stage=layers,
+        hidden=p.hidden_size, ffn=p.ffn_hidden_size, heads=p.num_attention_heads,
+        query_groups=p.num_query_groups or p.num_attention_heads, kv_channels=p.kv_channels,
+        num_layers=p.num_layers, gated_linear_unit=bool(p.gated_linear_unit), vocab_size=p.vocab_size,
+        recompute_granularity=p.recompute_granularity, recompute_modules=tuple(p.recompute_modules or []),
+        attention=attention, transformer_impl=impl, device=device,
+        distributed_optimizer=bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
+        peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe)
 
 
 def _fp8_text(provider) -> Optional[str]:
@@ -823,16 +831,14 @@ def _fp8_text(provider) -> Optional[str]:
     return fp8.describe() if fp8 else None
 
 
-def _hybrid_settings(provider, stage: int) -> dict[str, Any]:
-    """A hybrid model's layers on ``stage`` by kind (``hybrid_layers``, in the pattern's symbols' order) and its
-    Mamba mixer's sizes (``mamba``), else nothing."""
+def _hybrid_settings(provider, stage: int) -> Optional[HybridSettings]:
+    """A hybrid model's layers on ``stage`` by kind (in the pattern's symbols' order) and its Mamba mixer's sizes
+    (when it has Mamba layers); None for a GPT model."""
     pattern = unmodelled.hybrid_pattern(provider)
     if pattern is None:
-        return {}
-    out: dict[str, Any] = {"hybrid_layers": unmodelled.layer_counts("".join(stage_layer_kinds(provider, stage)))}
-    if unmodelled.MAMBA in pattern:  # the whole mixer's sizes (TP divides heads and groups)
-        out["mamba"] = dataclasses.asdict(mamba.shapes(provider, tp=1))
-    return out
+        return None
+    whole = mamba.shapes(provider, tp=1) if unmodelled.MAMBA in pattern else None  # the mixer's sizes before TP
+    return HybridSettings(layers=unmodelled.layer_counts("".join(stage_layer_kinds(provider, stage))), mamba=whole)
 
 
 def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, contract: te.TeContract) -> list[str]:

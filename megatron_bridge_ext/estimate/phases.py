@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
+from megatron_bridge_ext.estimate.settings import Settings
 
 ITERATION_1 = "iteration 1 forward/backward"
 FIRST_STEP = "first optimizer step"
@@ -278,12 +279,11 @@ def predicted_reports(estimate_result) -> list[PredictedReport]:
     Core's ``init_state_fn``, optimizer/__init__.py L588-596).
     """
     s = estimate_result.settings
-    log_interval = s.get("log_interval") or 1
     per_stage = estimate_result.stage_phase_peaks or \
         {estimate_result.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in phases(estimate_result)}}
-    graphs = s.get("cuda_graph_first_iteration")
+    graphs = s.reports.cuda_graph_first_iteration
     out = []
-    for iteration in report_iterations(log_interval, s.get("train_iters")):
+    for iteration in report_iterations(s.reports.log_interval, s.reports.train_iters):
         for stage, peaks in sorted(per_stage.items()):
             reached = [name for name in (ITERATION_1, FIRST_STEP, STEADY) if name in peaks
                        and (iteration >= 2 or name != STEADY)]
@@ -296,9 +296,9 @@ def predicted_reports(estimate_result) -> list[PredictedReport]:
     return out
 
 
-def _ranks(s: dict, stage: int) -> tuple[int, ...]:
+def _ranks(s: Settings, stage: int) -> tuple[int, ...]:
     """DP rank 0 of the stage's TP x CP ranks in Megatron Core's default rank order ``tp-cp-ep-dp-pp``
     (parallel_state.initialize_model_parallel, ``order``): stage p starts at p x TP x CP x DP."""
-    tp, cp, dp = s.get("tp", 1), s.get("cp", 1) or 1, s.get("dp", 1)
+    tp, cp, dp = s.tp, s.cp, s.dp
     first = stage * tp * cp * dp
     return tuple(range(first, first + tp * cp))

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_bridge_ext.estimate.settings import Settings
 from megatron_bridge_ext.sizes import GB, GIB, gib  # noqa: F401  (the units of the report, defined once)
 from megatron_bridge_ext.table import text_table
 
@@ -46,7 +47,7 @@ class MemoryEstimate:
 
     stage: int
     components: list[Component]
-    settings: dict[str, Any]
+    settings: Settings
     assumptions: list[str]
     activations_per_microbatch: dict[str, int]
     in_flight_microbatches: float
@@ -88,7 +89,7 @@ class MemoryEstimate:
 
     def element_size(self) -> int:
         """Bytes per element of the activations (the ``dtype`` setting): the unit of the plan's traffic costs."""
-        return {"bfloat16": 2, "float16": 2, "float32": 4}[self.settings["dtype"]]
+        return {"bfloat16": 2, "float16": 2, "float32": 4}[self.settings.dtype]
 
     def component(self, name: str) -> Component:
         for c in self.components:
@@ -119,6 +120,7 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["settings"] = self.settings.to_json()
         out["peak_bytes"] = self.peak_bytes
         out["steady_peak_bytes"] = self.steady_peak_bytes
         out["peak_phase"] = self.peak_phase.name

@@ -47,7 +47,10 @@ A lever's change is ``time(after) / time(before) - 1``; the plan prints it again
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from megatron_bridge_ext.estimate.settings import Settings
 
 NODE_GPUS = 8
 """GPUs per node joined by NVLink (DGX/HGX H100, H200, B200); larger groups cross nodes on InfiniBand."""
@@ -150,45 +153,37 @@ class StepTime:
         return {**asdict(self), "total": self.total}
 
 
-def element_size(s: dict) -> int:
-    return 4 if s["dtype"] == "float32" else 2
+def element_size(s: Settings) -> int:
+    return 4 if s.dtype == "float32" else 2
 
 
-def attention_linear_flops(s: dict) -> int:
+def attention_linear_flops(s: Settings) -> int:
     """Forward FLOPs of one layer's attention linears per microbatch on a TP rank: QKV and the output projection."""
-    tokens = s["seq_length"] * s["micro_batch"]
-    q, kv = s["heads"] * s["kv_channels"], 2 * s["query_groups"] * s["kv_channels"]
-    return (2 * tokens * s["hidden"] * (q + kv) + 2 * tokens * q * s["hidden"]) // s["tp"]
+    tokens = s.seq_length * s.micro_batch
+    q, kv = s.heads * s.kv_channels, 2 * s.query_groups * s.kv_channels
+    return (2 * tokens * s.hidden * (q + kv) + 2 * tokens * q * s.hidden) // s.tp
 
 
-def mamba_linear_flops(s: dict) -> int:
-    """Forward FLOPs of one Mamba mixer's projections per microbatch on a TP rank (``s["mamba"]``: the whole mixer's
-    sizes): ``in_proj`` h -> 2 d_inner + 2 groups state + heads and ``out_proj`` d_inner -> h, on the whole sequence
-    (``in_proj`` gathers it under SP)."""
-    m, tokens = _mamba_shapes(s), s["seq_length"] * s["micro_batch"]
-    return (2 * tokens * s["hidden"] * m.in_proj + 2 * tokens * m.inner * s["hidden"]) // s["tp"]
+def mamba_linear_flops(s: Settings) -> int:
+    """Forward FLOPs of one Mamba mixer's projections per microbatch on a TP rank (``s.hybrid.mamba``: the whole
+    mixer's sizes): ``in_proj`` h -> 2 d_inner + 2 groups state + heads and ``out_proj`` d_inner -> h, on the whole
+    sequence (``in_proj`` gathers it under SP)."""
+    m, tokens = s.hybrid.mamba, s.seq_length * s.micro_batch
+    return (2 * tokens * s.hidden * m.in_proj + 2 * tokens * m.inner * s.hidden) // s.tp
 
 
-def _mamba_shapes(s: dict):
-    """The whole mixer's sizes the estimate's settings carry (``s["mamba"]``), as :class:`..estimate.mamba.MambaShapes`
-    (its ``inner``, ``in_proj`` widths)."""
-    from megatron_bridge_ext.estimate.mamba import MambaShapes
-
-    return MambaShapes(**s["mamba"])
-
-
-def mamba_scan_flops(s: dict) -> int:
+def mamba_scan_flops(s: Settings) -> int:
     """Forward FLOPs of one Mamba-2 chunked scan (SSD) per microbatch on a TP rank, its matrix products over chunks of
     L tokens: C B^T per group (2 L state per token and group), the masked product with x per head (2 L head_dim), the
     chunk states B^T x and their read-out C h per head (2 x 2 state head_dim per token). Its convolution and
     elementwise steps are left out, as the other elementwise kernels are."""
-    m, tokens, tp = s["mamba"], s["seq_length"] * s["micro_batch"], s["tp"]
-    heads, groups, chunk = m["heads"] // tp, m["groups"] // tp, m["chunk"]
-    per_token = 2 * chunk * m["state"] * groups + 2 * chunk * m["head_dim"] * heads + 4 * m["state"] * m["head_dim"] * heads
+    m, tokens, tp = s.hybrid.mamba, s.seq_length * s.micro_batch, s.tp
+    heads, groups, chunk = m.heads // tp, m.groups // tp, m.chunk
+    per_token = 2 * chunk * m.state * groups + 2 * chunk * m.head_dim * heads + 4 * m.state * m.head_dim * heads
     return tokens * per_token
 
 
-def linear_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
+def linear_forward_flops(s: Settings, moe: Optional[dict] = None) -> int:
     """Forward FLOPs of the stage's linears per microbatch on a rank: attention on its layers (every GPT layer), the
     dense MLP on dense layers, the router, routed and shared experts on MoE layers
     (:func:`.recompute.cost.moe_layer_flops`), a hybrid model's Mamba projections on its Mamba layers."""
@@ -201,7 +196,7 @@ def linear_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
             + (counts.mamba * mamba_linear_flops(s) if counts.mamba else 0))
 
 
-def core_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
+def core_forward_flops(s: Settings, moe: Optional[dict] = None) -> int:
     """Forward FLOPs of the stage's attention cores and Mamba scans per microbatch on a rank (3 passes in training:
     their backward is twice their forward)."""
     from megatron_bridge_ext.levers.parallelism.cost import layer_counts
@@ -210,112 +205,112 @@ def core_forward_flops(s: dict, moe: Optional[dict] = None) -> int:
     return counts.attention * attention_core_flops(s) + (counts.mamba * mamba_scan_flops(s) if counts.mamba else 0)
 
 
-def attention_core_flops(s: dict) -> int:
+def attention_core_flops(s: Settings) -> int:
     """Forward FLOPs of one layer's attention core per microbatch on a TP rank (full s x s)."""
     from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
 
     return recompute_flops_per_layer("core_attn", s)
 
 
-def output_layer_flops(s: dict) -> int:
+def output_layer_flops(s: Settings) -> int:
     """Forward FLOPs of the output layer per microbatch on the last stage's TP rank (none elsewhere)."""
-    if s["stage"] != s["pp"] - 1:
+    if s.stage != s.pp - 1:
         return 0
-    return 2 * s["seq_length"] * s["micro_batch"] * s["hidden"] * s["vocab_size"] // s["tp"]
+    return 2 * s.seq_length * s.micro_batch * s.hidden * s.vocab_size // s.tp
 
 
-def microbatch_flops(s: dict, moe: Optional[dict] = None) -> int:
+def microbatch_flops(s: Settings, moe: Optional[dict] = None) -> int:
     """Forward + backward (+ recompute) FLOPs of one microbatch on this rank's layers (see the module docstring)."""
     from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
 
-    frozen = bool(s.get("peft"))
+    frozen = s.peft is not None
     linear_passes = 2 if frozen else 3  # forward, input gradient, weight gradient unless frozen
     linears, core = linear_forward_flops(s, moe), core_forward_flops(s, moe)
     total = linear_passes * linears + 3 * core
-    if s["recompute_granularity"] == "full":
+    if s.recompute_granularity == "full":
         total += linears + core
-    elif s["recompute_granularity"] == "selective":
-        total += sum(recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe) for m in s["recompute_modules"])
-    return (total + linear_passes * output_layer_flops(s)) // (s["cp"] or 1)
+    elif s.recompute_granularity == "selective":
+        total += sum(recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe) for m in s.recompute_modules)
+    return (total + linear_passes * output_layer_flops(s)) // s.cp
 
 
-def recompute_hbm_bytes(s: dict) -> int:
+def recompute_hbm_bytes(s: Settings) -> int:
     """HBM bytes one microbatch's layernorm recompute reads and writes ([s/t, b, h] under SP per norm: two per GPT
     layer; one per attention, MLP or MoE layer of a hybrid model, none on its Mamba layers)."""
-    if s["recompute_granularity"] != "selective" or "layernorm" not in s["recompute_modules"]:
+    if s.recompute_granularity != "selective" or "layernorm" not in s.recompute_modules:
         return 0
-    seq = s["seq_length"] // s["tp"] if s["sequence_parallel"] else s["seq_length"]
+    seq = s.seq_length // s.tp if s.sequence_parallel else s.seq_length
     from megatron_bridge_ext.levers.parallelism.cost import layer_counts
 
-    norms = (s["layers_on_stage"] - layer_counts(s, None).mamba if s.get("hybrid_layers")
-             else 2 * s["layers_on_stage"])
-    return 2 * seq * s["micro_batch"] * s["hidden"] * element_size(s) * norms
+    norms = (s.layers_on_stage - layer_counts(s, None).mamba if s.hybrid is not None
+             else 2 * s.layers_on_stage)
+    return 2 * seq * s.micro_batch * s.hidden * element_size(s) * norms
 
 
-def tp_bytes(s: dict, moe: Optional[dict] = None) -> int:
+def tp_bytes(s: Settings, moe: Optional[dict] = None) -> int:
     """Bytes a rank sends per microbatch for TP: the layers' activations (attention's half only on MoE layers, and
     the shared experts') and the LoRA-A inputs' collectives."""
     from megatron_bridge_ext.levers.lora_input.cost import collective_elements
     from megatron_bridge_ext.levers.parallelism.cost import stage_layer_kinds, tp_collective_bytes
 
-    t = s["tp"]
+    t = s.tp
     if t == 1:
         return 0
-    layers = tp_collective_bytes(s, tp=t, layers=s["layers_on_stage"], num_microbatches=1, element=element_size(s),
+    layers = tp_collective_bytes(s, tp=t, layers=s.layers_on_stage, num_microbatches=1, element=element_size(s),
                                  moe_layers=stage_layer_kinds(s, moe)[1],
                                  shared_experts=bool(moe and moe["shared_ffn"]))
     lora = 0
-    if s.get("peft") and s["sequence_parallel"]:
-        strategy = s.get("sequence_parallel_input_strategy") or "off"
-        lora = collective_elements(s, strategy, stage=s["stage"]) * element_size(s) * (t - 1) // t
+    if s.peft is not None and s.sequence_parallel:
+        strategy = s.peft.sequence_parallel_input_strategy
+        lora = collective_elements(s, strategy, stage=s.stage) * element_size(s) * (t - 1) // t
     return layers + lora
 
 
-def trainable_params(s: dict, moe: Optional[dict] = None) -> int:
+def trainable_params(s: Settings, moe: Optional[dict] = None) -> int:
     """Trainable dense parameters on this rank: the stage's layers (and embedding/output) under full fine-tuning,
     the adapters under LoRA (r x (in + out) per targeted linear, divided over TP). MoE layers count their
     attention here; their experts go over the expert-DP group (:func:`dp_bytes`). A hybrid model's layers count
     the linears of their kind (attention, MLP, Mamba projections)."""
     from megatron_bridge_ext.levers.parallelism.cost import layer_counts
 
-    h, ffn, t = s["hidden"], s["ffn"] * (2 if s["gated_linear_unit"] else 1), s["tp"]
-    q, kv = s["heads"] * s["kv_channels"], 2 * s["query_groups"] * s["kv_channels"]
+    h, ffn, t = s.hidden, s.ffn * (2 if s.gated_linear_unit else 1), s.tp
+    q, kv = s.heads * s.kv_channels, 2 * s.query_groups * s.kv_channels
     attention = {"linear_qkv": (h, q + kv), "linear_proj": (q, h)}
-    mlp = {"linear_fc1": (h, ffn), "linear_fc2": (s["ffn"], h)}
+    mlp = {"linear_fc1": (h, ffn), "linear_fc2": (s.ffn, h)}
     mamba = {}
-    if s.get("mamba"):
-        m = _mamba_shapes(s)
+    if s.hybrid is not None and s.hybrid.mamba is not None:
+        m = s.hybrid.mamba
         mamba = {"in_proj": (h, m.in_proj), "out_proj": (m.inner, h)}
     counts = layer_counts(s, moe)
-    if s.get("hybrid_layers"):  # a layer holds one part; an MoE layer's experts go over expert DP
+    if s.hybrid is not None:  # a layer holds one part; an MoE layer's experts go over expert DP
         parts = [(attention, counts.attention), (mlp, counts.mlp), (mamba, counts.mamba)]
     else:  # every layer attention; MLP linears on dense layers under full fine-tuning, as adapted on every layer
-        parts = [(attention, counts.attention), (mlp, counts.mlp if not s.get("peft") else s["layers_on_stage"])]
-    if s.get("peft"):
-        targets = set(s["lora_targets"])
-        return sum(s["lora_dim"] * sum(sum(shape) for name, shape in shapes.items() if name in targets) * n
+        parts = [(attention, counts.attention), (mlp, counts.mlp if s.peft is None else s.layers_on_stage)]
+    if s.peft is not None:
+        targets = set(s.peft.lora_targets)
+        return sum(s.peft.lora_dim * sum(sum(shape) for name, shape in shapes.items() if name in targets) * n
                    for shapes, n in parts) // t
-    ends = (s["stage"] == 0) + (s["stage"] == s["pp"] - 1)  # embedding on the first stage, output on the last
-    return (sum(sum(i * o for i, o in shapes.values()) * n for shapes, n in parts) + ends * s["vocab_size"] * h) // t
+    ends = (s.stage == 0) + (s.stage == s.pp - 1)  # embedding on the first stage, output on the last
+    return (sum(sum(i * o for i, o in shapes.values()) * n for shapes, n in parts) + ends * s.vocab_size * h) // t
 
 
-def dp_bytes(s: dict, moe: Optional[dict] = None) -> int:
+def dp_bytes(s: Settings, moe: Optional[dict] = None) -> int:
     """Bytes a rank sends per step for the gradients and parameters of data parallelism (and, for an MoE model,
     the expert weights' over the expert-DP group: :func:`.parallelism.cost.expert_dp_bytes`)."""
     from megatron_bridge_ext.levers.parallelism.cost import expert_dp_bytes, stage_layer_kinds
 
-    dp = s["dp"] * (s["cp"] or 1)
+    dp = s.dp * s.cp
     experts = 0
     if moe:
         experts = expert_dp_bytes(s, moe, ep=moe["ep"], etp=moe["etp"], moe_layers=stage_layer_kinds(s, moe)[1],
                                   element=element_size(s))
     if dp == 1:
         return experts
-    per_param = GRAD_BYTES + PARAM_GATHER_BYTES if s["distributed_optimizer"] else 2 * GRAD_BYTES
+    per_param = GRAD_BYTES + PARAM_GATHER_BYTES if s.distributed_optimizer else 2 * GRAD_BYTES
     return per_param * trainable_params(s, moe) * (dp - 1) // dp + experts
 
 
-def dispatch_bytes(s: dict, moe: Optional[dict]) -> int:
+def dispatch_bytes(s: Settings, moe: Optional[dict]) -> int:
     """Bytes a rank sends per microbatch to dispatch tokens to the experts and combine them, forward and backward
     (and once more forward under ``moe`` recompute): :func:`.parallelism.cost.dispatch_bytes_per_layer`."""
     from megatron_bridge_ext.levers.parallelism.cost import dispatch_bytes_per_layer, stage_layer_kinds
@@ -324,27 +319,27 @@ def dispatch_bytes(s: dict, moe: Optional[dict]) -> int:
     if not moe:
         return 0
     per_layer = dispatch_bytes_per_layer(s, moe, ep=moe["ep"], etp=moe["etp"], element=element_size(s))
-    modules = s["recompute_modules"] if s["recompute_granularity"] == "selective" else []
-    once = {**s, "num_microbatches": 1}
+    modules = s.recompute_modules if s.recompute_granularity == "selective" else []
+    once = replace(s, num_microbatches=1)
     return per_layer * stage_layer_kinds(s, moe)[1] + recompute_dispatch_bytes(once, modules, moe, element_size(s))
 
 
-def p2p_bytes(s: dict) -> int:
+def p2p_bytes(s: Settings) -> int:
     """Bytes a stage sends per microbatch to its pipeline neighbours."""
     from megatron_bridge_ext.levers.parallelism.cost import p2p_bytes as per_step
 
-    return per_step(s, pp=s["pp"], tp=s["tp"], num_microbatches=1, element=element_size(s))
+    return per_step(s, pp=s.pp, tp=s.tp, num_microbatches=1, element=element_size(s))
 
 
-def step_time(s: dict, device: Gpu, *, offload_bytes: int = 0, moe: Optional[dict] = None) -> StepTime:
+def step_time(s: Settings, device: Gpu, *, offload_bytes: int = 0, moe: Optional[dict] = None) -> StepTime:
     """The step time of the config whose estimate settings are ``s`` (``offload_bytes``: to the host and
     back per step under CPU offloading; ``moe``: :func:`.parallelism.cost.moe_shape` of an MoE model), on
     the last pipeline stage: with the output layer it is the slowest, and it paces the pipeline (its
     layers are the estimate's stage's: stages hold equal layers)."""
-    s = {**s, "stage": s["pp"] - 1}
-    m, pp, vpp, cp = s["num_microbatches"], s["pp"], s["vpp"] or 1, s["cp"] or 1
-    tp_span, dp_span = s["tp"], s["tp"] * cp * s["dp"]
-    compute_mb = microbatch_flops(s, moe) / device.peak(bool(s.get("fp8"))) + recompute_hbm_bytes(s) / device.hbm
+    s = replace(s, stage=s.pp - 1)
+    m, pp, vpp, cp = s.num_microbatches, s.pp, s.vpp or 1, s.cp
+    tp_span, dp_span = s.tp, s.tp * cp * s.dp
+    compute_mb = microbatch_flops(s, moe) / device.peak(bool(s.fp8)) + recompute_hbm_bytes(s) / device.hbm
     tp_mb = tp_bytes(s, moe) / device.link(tp_span)
     dispatch_mb = dispatch_bytes(s, moe) / device.link(moe["ep"] * moe["etp"]) if moe else 0.0  # ETP inner, then EP
     p2p_mb = p2p_bytes(s) / device.link(dp_span * pp)
@@ -353,7 +348,7 @@ def step_time(s: dict, device: Gpu, *, offload_bytes: int = 0, moe: Optional[dic
     return StepTime(compute=compute, tp=m * tp_mb, dispatch=m * dispatch_mb, pp_p2p=m * p2p_mb,
                     bubble=(pp - 1) / vpp * (compute_mb + tp_mb + dispatch_mb),
                     dp_exposed=max(0.0, dp_bytes(s, moe) / device.link(dp_span) - compute),
-                    offload_exposed=max(offload - compute, offload / s["layers_on_stage"]) if offload_bytes else 0.0)
+                    offload_exposed=max(offload - compute, offload / s.layers_on_stage) if offload_bytes else 0.0)
 
 
 def change_pct(before: StepTime, after: StepTime) -> float:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import textwrap
+from typing import TYPE_CHECKING
 
 from megatron_bridge_ext.sizes import gib, sold_as_note
+
+if TYPE_CHECKING:
+    from megatron_bridge_ext.estimate.settings import Settings
 
 NOT_MODELLED_STATUS = 3
 """Exit status of a plan printed without our estimate (the config is fine, but no fits/does-not-fit verdict)."""
@@ -24,46 +28,46 @@ def plan_json(result, *, gpu_defaulted: bool) -> str:
     return json.dumps(report, indent=2, default=str)
 
 
-def settings_line(s: dict, *, peft_defaulted: bool = False) -> str:
+def settings_line(s: Settings, *, peft_defaulted: bool = False) -> str:
     """The config in one line; ``peft_defaulted``: no --peft was given, so say that full fine-tuning is the default."""
-    kind = {"dora": "DoRA", "canonical_lora": "CanonicalLoRA"}.get(s.get("peft_kind"), "LoRA")
-    if s.get("peft"):
-        peft = (f"{kind} r={s['lora_dim']} on {','.join(s['lora_targets'])}, "
-                f"sequence_parallel_input_strategy={s['sequence_parallel_input_strategy']}")
+    kind = {"dora": "DoRA", "canonical_lora": "CanonicalLoRA"}.get(s.peft and s.peft.kind, "LoRA")
+    if s.peft:
+        peft = (f"{kind} r={s.peft.lora_dim} on {','.join(s.peft.lora_targets)}, "
+                f"sequence_parallel_input_strategy={s.peft.sequence_parallel_input_strategy}")
     else:
         peft = "full fine-tuning" + (" (the default; --peft lora for LoRA)" if peft_defaulted else "")
-    recompute = s["recompute_granularity"] or "none"
+    recompute = s.recompute_granularity or "none"
     if recompute == "selective":
-        recompute += f" {s['recompute_modules']}"
-    vpp = f" VPP={s['vpp']}" if s["vpp"] else ""
-    return (f"TP={s['tp']} PP={s['pp']}{vpp}{_experts_sizes(s)} "
-            f"DP={s['dp']} SP={'on' if s['sequence_parallel'] else 'off'}, seq {s['seq_length']}, micro-batch "
-            f"{s['micro_batch']}, {s['num_microbatches']} microbatch(es)/step, {_precision(s)}, {peft}, recompute "
-            f"{recompute}, attention {s['attention']}, {s['transformer_impl']}{_hybrid_layers(s)}{_experts_load(s)}")
+        recompute += f" {list(s.recompute_modules)}"
+    vpp = f" VPP={s.vpp}" if s.vpp else ""
+    return (f"TP={s.tp} PP={s.pp}{vpp}{_experts_sizes(s)} "
+            f"DP={s.dp} SP={'on' if s.sequence_parallel else 'off'}, seq {s.seq_length}, micro-batch "
+            f"{s.micro_batch}, {s.num_microbatches} microbatch(es)/step, {_precision(s)}, {peft}, recompute "
+            f"{recompute}, attention {s.attention}, {s.transformer_impl}{_hybrid_layers(s)}{_experts_load(s)}")
 
 
-def _precision(s: dict) -> str:
+def _precision(s: Settings) -> str:
     """The parameters' dtype, and the FP8 recipe when the linears run in FP8."""
-    return f"{s['dtype']} with {s['fp8']}" if s.get("fp8") else s["dtype"]
+    return f"{s.dtype} with {s.fp8}" if s.fp8 else s.dtype
 
 
-def _hybrid_layers(s: dict) -> str:
-    layers = s.get("hybrid_layers")
+def _hybrid_layers(s: Settings) -> str:
+    layers = s.hybrid and s.hybrid.layers
     return (", hybrid: " + ", ".join(f"{n} {name}" for name, n in layers.items())) if layers else ""
 
 
-def _experts_sizes(s: dict) -> str:
-    return f" EP={s['ep']} ETP={s['etp']}" if s.get("num_moe_experts") else ""
+def _experts_sizes(s: Settings) -> str:
+    return f" EP={s.moe.ep} ETP={s.moe.etp}" if s.moe else ""
 
 
-def _experts_load(s: dict) -> str:
+def _experts_load(s: Settings) -> str:
     """An MoE config's experts and the load the estimate assumed (never silent: the default says it is one)."""
-    if not s.get("num_moe_experts"):
+    if not s.moe:
         return ""
     load = ("1.0 (balanced, the default; --moe-imbalance sets the most loaded expert's share)"
-            if s["moe_imbalance"] == 1.0 else f"{s['moe_imbalance']:g} x balanced on this rank's experts")
-    return (f", {s['num_moe_experts']} experts (top-{s['moe_router_topk']}, {s['local_experts']} on this rank, "
-            f"{s['moe_token_dispatcher']} dispatcher), expert load {load}")
+            if s.moe.imbalance == 1.0 else f"{s.moe.imbalance:g} x balanced on this rank's experts")
+    return (f", {s.moe.experts} experts (top-{s.moe.topk}, {s.moe.local_experts} on this rank, "
+            f"{s.moe.dispatcher} dispatcher), expert load {load}")
 
 
 def format_plan(result, command_line: str | None = None, *, peft_defaulted: bool = False,

@@ -202,7 +202,8 @@ def estimated(point: GridPoint, imbalance: float = 1.0) -> dict:
     cfg = tiny_config(shape, point.peft(shape), **RECOMPUTE[point.recompute])
     est = estimate(cfg, attention="local", transformer_impl="local", device="cpu", moe_imbalance=imbalance)
     return {"total": saved_per_microbatch(est), "by_category": est.activations_per_microbatch,
-            "by_layer": est.activations_per_layer, "routed": est.settings.get("routed_tokens_per_layer", 0),
+            "by_layer": est.activations_per_layer,
+            "routed": est.settings.moe.routed_tokens_per_layer if est.settings.moe else 0,
             "imbalance": imbalance}
 
 

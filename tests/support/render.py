@@ -10,8 +10,10 @@ from types import SimpleNamespace
 
 from megatron_bridge_ext.estimate import phases
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, TRANSIENT, Component, MemoryEstimate
+from megatron_bridge_ext.estimate.settings import Settings
 from megatron_bridge_ext.levers import steptime
 from megatron_bridge_ext.levers.step import Option
+from tests.support.settings import gpt_stage, lora
 
 G = 10**9
 WEIGHTS, GRADIENTS, MASTERS, MOMENTS = 4 * G, 8 * G, 4 * G, 8 * G
@@ -22,15 +24,14 @@ FIRST_STEP_PEAK = STATIC_BYTES + BUFFER + STEP_COPIES  # activations freed, the 
 STEADY_PEAK = STATIC_BYTES + ACTIVATION + BUFFER + LARGEST
 AFTER_STEP = STATIC_BYTES + BUFFER  # what a report after a step holds (the copies are not kept here)
 
-SETTINGS = {"tp": 2, "pp": 1, "vpp": None, "dp": 2, "cp": 1, "sequence_parallel": True, "seq_length": 4096,
-            "micro_batch": 1, "num_microbatches": 4, "dtype": "bfloat16", "fp8": None, "peft": "lora",
-            "peft_kind": "lora", "lora_dim": 16, "lora_targets": ["linear_qkv", "linear_fc1"],
-            "sequence_parallel_input_strategy": "off", "recompute_granularity": None, "attention": "fused",
-            "transformer_impl": "local", "log_interval": 1}
+SETTINGS = gpt_stage(tp=2, pp=1, vpp=None, dp=2, cp=1, sequence_parallel=True, seq_length=4096, micro_batch=1,
+                     num_microbatches=4, dtype="bfloat16", fp8=None,
+                     peft=lora(16, ["linear_qkv", "linear_fc1"], strategy="off"), recompute_granularity=None,
+                     attention="fused", transformer_impl="local")
 """A dense LoRA config on TP 2, DP 2: the first stage's reports are printed by ranks 0 and 1."""
 
 
-def estimate(settings: dict | None = None) -> MemoryEstimate:
+def estimate(settings: Settings | None = None) -> MemoryEstimate:
     step = phases.StepState(MASTERS, MOMENTS, masters_in_step=False,
                             transients=(Component(TRANSIENT, phases.FP32_GRAD_COPIES, STEP_COPIES, "copies"),))
     components = [Component(STATIC, "weights: transformer layers", WEIGHTS, "weights basis"),
@@ -40,7 +41,7 @@ def estimate(settings: dict | None = None) -> MemoryEstimate:
                   Component(BUFFERS, "global memory buffer", BUFFER, "buffer basis"),
                   Component(TRANSIENT, "logits at the loss", LARGEST, "loss basis"),
                   Component(TRANSIENT, "layer backward", SMALLER, "backward basis")]
-    return MemoryEstimate(stage=0, components=components, settings=dict(settings or SETTINGS),
+    return MemoryEstimate(stage=0, components=components, settings=settings or SETTINGS,
                           assumptions=["an assumption of the estimate"], activations_per_microbatch={},
                           in_flight_microbatches=1.0, seconds=1.25, step=step)
 

@@ -309,7 +309,7 @@ def test_peft_flag_and_peft_overrides_build_one_peft():
     assert (peft.dim, peft.target_modules) == (16, _layout().lora_targets)  # --peft's fields, the overrides' class
     result = planner.plan(built.cfg, gpu_memory=1, expandable_segments=False, with_bridge=False,
                           peft_overrides=built.peft_overrides)
-    assert result.baseline.settings["sequence_parallel_input_strategy"] == "shard_local"
+    assert result.baseline.settings.peft.sequence_parallel_input_strategy == "shard_local"
     lora = next(o for o in result.options if o.step == 2)
     assert not lora.applicable and "already shard_local" in lora.reason
 

@@ -26,7 +26,8 @@ def options(planner: Planner, state: State) -> State:
     lever = evidence_for("LoRA input under sequence parallelism")
     flags = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False)
     constraints = validate(flags, state.cfg)
-    current = state.est.settings.get(PEFT_FIELD)
+    peft = state.est.settings.peft
+    current = peft.sequence_parallel_input_strategy if peft else None
     published = f"no published figure; upstream's regather for comparison: {evidence.QWEN3_8B_REGATHER}"
     blocked = "already shard_local" if current == "shard_local" else blocking(constraints)
     if blocked:
@@ -67,9 +68,9 @@ def compare(planner: Planner, cfg, baseline: MemoryEstimate) -> list[StrategyPea
     sequence parallelism with TP > 1). The estimates are kept on ``planner`` for step 2 (:func:`options`)."""
     settings = baseline.settings
     planner.as_is, planner.strategy_estimates = baseline, {}
-    if cfg.peft is None or not is_lora_family(cfg.peft) or not settings.get("sequence_parallel"):
+    if cfg.peft is None or not is_lora_family(cfg.peft) or not settings.sequence_parallel:
         return []
-    current = settings.get(PEFT_FIELD)
+    current = settings.peft.sequence_parallel_input_strategy
     out = []
     for strategy in COMPARED:
         if strategy == current:

@@ -16,6 +16,7 @@ from megatron_bridge_ext.levers.parallelism import constraints as parallelism, c
 from megatron_bridge_ext.levers.step import Cost, Option, State, breakdown, evidence_for, model_errors
 
 if TYPE_CHECKING:
+    from megatron_bridge_ext.estimate.settings import Settings
     from megatron_bridge_ext.planner import Planner
 
 LAYER_CATEGORIES = (trace.NORMS, trace.ATTENTION, trace.MAMBA, trace.MLP, trace.MOE_DISPATCH, trace.EXPERTS, trace.LORA_INPUTS,
@@ -38,7 +39,7 @@ class Resize:
     figure: evidence.Evidence
 
 
-def resizes(s: dict, moe: Optional[dict]) -> list[Resize]:
+def resizes(s: Settings, moe: Optional[dict]) -> list[Resize]:
     """The doublings tried, in order: EP (MoE), PP, ETP (MoE), TP. EP first: it keeps the dense DP and the
     microbatches and shards the expert weights, the bulk of an MoE model, with medium traffic on the MoE layers
     alone; Megatron Core's MoE guide prefers EP over TP for the expert layer (:data:`evidence.EP_OVER_TP`).
@@ -46,10 +47,10 @@ def resizes(s: dict, moe: Optional[dict]) -> list[Resize]:
     out = []
     if moe:
         out.append(Resize("EP", "expert_model_parallel_size", moe["ep"], False, evidence.EP_OVER_TP))
-    out.append(Resize("PP", "pipeline_model_parallel_size", s["pp"], True, evidence.PP_DOUBLING))
+    out.append(Resize("PP", "pipeline_model_parallel_size", s.pp, True, evidence.PP_DOUBLING))
     if moe:
         out.append(Resize("ETP", "expert_tensor_parallel_size", moe["etp"], False, evidence.EP_OVER_TP))
-    out.append(Resize("TP", "tensor_model_parallel_size", s["tp"], True, evidence.TP_DOUBLING))
+    out.append(Resize("TP", "tensor_model_parallel_size", s.tp, True, evidence.TP_DOUBLING))
     return out
 
 
@@ -70,7 +71,7 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
 
     lever = evidence_for("parallelism")
     s = state.est.settings
-    dp = s["dp"] // 2 if r.halves_dp else s["dp"]
+    dp = s.dp // 2 if r.halves_dp else s.dp
     cfg = copy.deepcopy(state.cfg)
     setattr(cfg.model, r.field, 2 * r.old)
     overrides = [f"model.{r.field}={2 * r.old}"]
@@ -81,7 +82,7 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
         overrides.append(f"model.expert_tensor_parallel_size={moe['etp']}")
         after = parallelism_cost.moe_shape(cfg.model)
     label = _label(r, s, moe, after) + (f" (ETP kept at {moe['etp']})" if pinned else "")
-    problems = parallelism.doubling_findings(r.name, r.old, s["dp"]) if r.halves_dp else []
+    problems = parallelism.doubling_findings(r.name, r.old, s.dp) if r.halves_dp else []
     problems += expert_findings(r, cfg, s, after) if after else []
     problems += parallel_problems(cfg.model, micro_batch=cfg.train.micro_batch_size, peft=cfg.peft)
     problems += model_errors(cfg)
@@ -89,7 +90,7 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
     if problems:
         planner.add(Option(4, lever["name"], label, False, problems[0].text(), cost=cost, constraints=problems), state)
         return None
-    nmb = s["num_microbatches"] * (2 if r.halves_dp else 1)  # the same global batch on half the replicas
+    nmb = s.num_microbatches * (2 if r.halves_dp else 1)  # the same global batch on half the replicas
     cfg.data_parallel_size = dp
     element = state.est.element_size()
     try:
@@ -105,25 +106,25 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
     return resized if planner.add(Option(4, lever["name"], label, True, cost=cost), resized).fits else None
 
 
-def _label(r: Resize, s: dict, moe: Optional[dict], after: Optional[dict]) -> str:
+def _label(r: Resize, s: Settings, moe: Optional[dict], after: Optional[dict]) -> str:
     """The option in a few words: the size doubled, and what else changes (DP, or the expert TP and expert DP)."""
     label = f"{r.name} {r.old} -> {2 * r.old}"
-    if r.halves_dp and s["dp"] % 2:  # refused by doubling_findings: the label says what it would take
-        return f"{label}, needs 2x the GPUs (DP {s['dp']} cannot be halved)"
+    if r.halves_dp and s.dp % 2:  # refused by doubling_findings: the label says what it would take
+        return f"{label}, needs 2x the GPUs (DP {s.dp} cannot be halved)"
     if r.halves_dp:
-        return f"{label}, DP {s['dp']} -> {s['dp'] // 2}"
+        return f"{label}, DP {s.dp} -> {s.dp // 2}"
     edp = [parallelism_cost.expert_dp_size(s, ep=m["ep"], etp=m["etp"]) for m in (moe, after)]
     return f"{label}, expert DP {edp[0]} -> {edp[1] or 'none'}"
 
 
-def expert_findings(r: Resize, cfg, s: dict, after: dict) -> list[Finding]:
+def expert_findings(r: Resize, cfg, s: Settings, after: dict) -> list[Finding]:
     """Why the expert layout after ``r`` cannot run: Core's EP rules
     (:func:`~megatron_bridge_ext.levers.parallelism.constraints.expert_layout_problem`), an expert TP beyond one
     NVLink node or not dividing the experts' FFN width."""
     model = cfg.model
     problem = parallelism.expert_layout_problem(
         ep=after["ep"], etp=getattr(model, "expert_tensor_parallel_size", None), tp=model.tensor_model_parallel_size,
-        cp=model.context_parallel_size or 1, dp=s["dp"] // 2 if r.halves_dp else s["dp"], experts=after["experts"],
+        cp=model.context_parallel_size or 1, dp=s.dp // 2 if r.halves_dp else s.dp, experts=after["experts"],
         bias=bool(getattr(model, "add_bias_linear", False)), names=EXPERT_NAMES)
     out = [problem] if problem else []
     if r.name == "ETP" and after["etp"] > parallelism.MAX_TP:
@@ -141,7 +142,7 @@ def offload(planner: Planner, state: State) -> State:
     """Step 5: all layers but one offloaded, on the state before recompute (offloading excludes it)."""
     lever = evidence_for("CPU offloading")
     s = state.est.settings
-    layers = s["num_layers"]
+    layers = s.num_layers
     cfg = copy.deepcopy(state.cfg)
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = True, layers - 1
     constraints = model_errors(cfg)
@@ -150,13 +151,13 @@ def offload(planner: Planner, state: State) -> State:
         planner.add(Option(5, lever["name"], label, False, constraints[0].text(),
                            cost=Cost(published=lever["cost"]), constraints=constraints), state)
         return state
-    keep = 2 / s["layers_on_stage"]  # the layer computing and the one being copied stay on the GPU
+    keep = 2 / s.layers_on_stage  # the layer computing and the one being copied stay on the GPU
     parts = breakdown(state.est)
     on_layers = [k for k in parts if k.removeprefix("activations: ") in LAYER_CATEGORIES]
     offloaded_bytes = sum(int(parts[k] * (1 - keep)) for k in on_layers)
     for k in on_layers:
         parts[k] -= int(parts[k] * (1 - keep))
-    transfer = 2 * offloaded_bytes * s["num_microbatches"] // max(1, round(state.est.in_flight_microbatches))
+    transfer = 2 * offloaded_bytes * s.num_microbatches // max(1, round(state.est.in_flight_microbatches))
     cost = Cost(published=lever["cost"], pcie_bytes=transfer, basis=f"formula: {gib(transfer)} to the host and back over PCIe per step; "
                                                 "2 layers' activations stay on the GPU")
     offloaded = State(cfg, state.est, dict(state.flags), state.overrides + [

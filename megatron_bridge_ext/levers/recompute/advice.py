@@ -14,6 +14,7 @@ from megatron_bridge_ext.levers.recompute import cost as recompute_cost
 from megatron_bridge_ext.levers.step import Cost, Option, State, blocking, evidence_for, validate
 
 if TYPE_CHECKING:
+    from megatron_bridge_ext.estimate.settings import Settings
     from megatron_bridge_ext.planner import Planner
 
 RECOMPUTE_CANDIDATES = ("core_attn", "layernorm", "mlp")
@@ -29,13 +30,13 @@ NOT_MEASURED = {
 """Modules the estimate cannot measure, with why (the option says so instead of a measured nothing)."""
 
 
-def candidates_for(s: dict, moe: Optional[dict]) -> list[str]:
+def candidates_for(s: Settings, moe: Optional[dict]) -> list[str]:
     """The modules worth measuring on this stage: layernorm not under Transformer Engine without MoE layers (TE
     fuses the norms into the linears; an MoE layer's norm before the router stays apart), mlp where there are dense
     layers, the MoE modules where there are MoE layers (shared_experts where the model has them)."""
     dense, moe_layers = stage_layer_kinds(s, moe)
     out = [m for m in RECOMPUTE_CANDIDATES
-           if not (m == "layernorm" and s["transformer_impl"] == "transformer_engine" and not moe_layers)
+           if not (m == "layernorm" and s.transformer_impl == "transformer_engine" and not moe_layers)
            and not (m == "mlp" and not dense)]
     if moe_layers:
         out += [m for m in MOE_CANDIDATES if m != "shared_experts" or moe["shared_ffn"]]
@@ -46,11 +47,11 @@ def options(planner: Planner, state: State) -> State:
     """Step 3: one option per module set tried; the state carries the modules kept so far."""
     lever = evidence_for("selective recompute")
     s = state.est.settings
-    if s["recompute_granularity"] == "full":
+    if s.recompute_granularity == "full":
         planner.add(Option(3, lever["name"], "selective recompute", False, "the config already recomputes full layers",
                            cost=Cost(published=lever["cost"], source=lever["source"])), state)
         return state
-    base = list(s["recompute_modules"]) if s["recompute_granularity"] == "selective" else []
+    base = list(s.recompute_modules) if s.recompute_granularity == "selective" else []
     moe = moe_shape(state.cfg.model)
     tried: dict[tuple[str, ...], tuple[Any, MemoryEstimate]] = {}
     start_cfg = state.cfg
@@ -109,12 +110,12 @@ def _blocked(cfg, modules: list[str]):
     return blocking(constraints), constraints
 
 
-def _cost(lever: dict, s: dict, est: MemoryEstimate, added: list[str], moe: Optional[dict]) -> Cost:
+def _cost(lever: dict, s: Settings, est: MemoryEstimate, added: list[str], moe: Optional[dict]) -> Cost:
     """The recomputed FLOPs of the modules ``added`` per step (and the dispatch ``moe`` repeats), with the published
     figures that apply."""
-    modules = est.settings["recompute_modules"]
+    modules = est.settings.recompute_modules
     published = [lever["cost"]] if "mlp" in modules else []
-    if "core_attn" in modules and s["attention"] == "fused":
+    if "core_attn" in modules and s.attention == "fused":
         published.append(str(evidence.CORE_ATTN_FUSED))
     repeated = recompute_cost.recompute_dispatch_bytes(est.settings, added, moe, est.element_size())
     return Cost(collective_bytes=repeated or None,

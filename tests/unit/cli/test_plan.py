@@ -17,6 +17,7 @@ from megatron_bridge_ext.cli import plan as plan_cli
 from megatron_bridge_ext.render import plan as render_plan
 from megatron_bridge_ext.render import plan_plot
 from tests.support.estimate import adapter_params, layer_params
+from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
 
@@ -137,9 +138,9 @@ def test_every_optional_plan_option_states_its_default():
 
 
 def test_the_config_line_says_full_fine_tuning_is_the_default():
-    settings = {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "sequence_parallel": False, "seq_length": 4096,
-                "micro_batch": 1, "num_microbatches": 1, "dtype": "bfloat16", "peft": None,
-                "recompute_granularity": None, "attention": "fused", "transformer_impl": "transformer_engine"}
+    settings = gpt_stage(tp=1, pp=1, vpp=None, dp=1, sequence_parallel=False, seq_length=4096, micro_batch=1,
+                         num_microbatches=1, dtype="bfloat16", peft=None, recompute_granularity=None,
+                         attention="fused", transformer_impl="transformer_engine")
     line = render_plan.settings_line(settings, peft_defaulted=True)
     assert "full fine-tuning (the default; --peft lora for LoRA)" in line
     assert "the default" not in render_plan.settings_line(settings)

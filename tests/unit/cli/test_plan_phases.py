@@ -10,6 +10,7 @@ from megatron_bridge_ext.render.plan import _out_of_memory_later
 from megatron_bridge_ext.estimate import phases
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, STATIC, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.sizes import gib
+from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
 
@@ -22,7 +23,7 @@ def _estimate(activations: int) -> MemoryEstimate:
                   Component(STATIC, phases.OPTIMIZER_STATES, MASTERS + MOMENTS, "o"),
                   Component(ACTIVATIONS, "mlp", activations, "a"),
                   Component(TRANSIENT, "layer backward", 100, "t")]
-    return MemoryEstimate(stage=0, components=components, settings={}, assumptions=[],
+    return MemoryEstimate(stage=0, components=components, settings=gpt_stage(), assumptions=[],
                           activations_per_microbatch={}, in_flight_microbatches=1.0, step=step)
 
 

@@ -11,6 +11,7 @@ import pytest
 from megatron_bridge_ext import cli
 from megatron_bridge_ext.cli import plan as plan_cli
 from megatron_bridge_ext.render import plan as render_plan
+from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
 
@@ -61,9 +62,9 @@ def test_the_fp8_words_of_the_config_line_come_from_the_models_fields():
     assert _fp8_text(model) == ("FP8 hybrid, recipe mxfp8, FP8 parameters (fp8_param_gather); the first 1 and last "
                                 "2 layer(s) in bf16")
     assert _fp8_text(SimpleNamespace(fp8=None)) is None
-    settings = {"dtype": "bfloat16", "fp8": "FP8 hybrid, recipe mxfp8"}
+    settings = gpt_stage(dtype="bfloat16", fp8="FP8 hybrid, recipe mxfp8")
     assert render_plan._precision(settings) == "bfloat16 with FP8 hybrid, recipe mxfp8"
-    assert render_plan._precision({"dtype": "bfloat16", "fp8": None}) == "bfloat16"
+    assert render_plan._precision(gpt_stage(dtype="bfloat16", fp8=None)) == "bfloat16"
 
 
 def test_an_fp4_recipe_is_a_named_refusal_beside_bridges_failure(capsys):

@@ -161,7 +161,7 @@ def test_every_pipeline_stage_of_a_hybrid_model_is_a_candidate_and_traces_its_ow
     est = memory.estimate(cfg)
     assert sorted(est.stage_peaks) == [0, 1, 2]
     assert est.stage == 1 and est.in_flight_microbatches == 2
-    assert est.settings["hybrid_layers"] == {"Mamba": 3} and est.settings["layers_on_stage"] == 3
+    assert est.settings.hybrid.layers == {"Mamba": 3} and est.settings.layers_on_stage == 3
     assert est.activations_per_microbatch[MAMBA] == 3 * _mamba_layer_bytes(tp=2)
 
 

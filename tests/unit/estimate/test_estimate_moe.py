@@ -94,8 +94,8 @@ def test_both_dispatchers_trace_and_hand_the_experts_the_balanced_tokens(dispatc
     est = memory.estimate(_tiny(dispatcher=dispatcher, peft="none"))
     tp, etp = 2, 1
     routed = (SEQ // tp) * 1 * etp * TOPK
-    assert est.settings["routed_tokens_per_layer"] == routed
-    assert est.settings["moe_token_dispatcher"] == dispatcher
+    assert est.settings.moe.routed_tokens_per_layer == routed
+    assert est.settings.moe.dispatcher == dispatcher
     saved = est.activations_per_microbatch
     assert saved[EXPERTS] > 0 and saved[MOE_DISPATCH] > 0 and saved[MLP] == 0
     glu_ffn = 2 * MOE_FFN
@@ -117,7 +117,7 @@ def test_the_imbalance_scales_exactly_the_routed_part():
     assert b[EXPERTS] == 2 * a[EXPERTS]
     for category in (ATTENTION, NORMS, LOGITS_LOSS):
         assert b[category] == a[category]
-    assert two.settings["routed_tokens_per_layer"] == 2 * one.settings["routed_tokens_per_layer"]
+    assert two.settings.moe.routed_tokens_per_layer == 2 * one.settings.moe.routed_tokens_per_layer
     assert _part(two, "layer backward") == 2 * _part(one, "layer backward")
     assert any("1.0, the default" in line for line in one.assumptions)
     assert any("2 x the balanced share" in line for line in two.assumptions)
@@ -142,7 +142,7 @@ def test_a_stage_traced_with_two_layers_is_the_stage_traced_whole(monkeypatch):
     short = memory.estimate(cfg)
     monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
     whole = memory.estimate(cfg)
-    assert short.settings["layers_on_stage"] == whole.settings["layers_on_stage"] == 4
+    assert short.settings.layers_on_stage == whole.settings.layers_on_stage == 4
     assert [(c.name, c.bytes) for c in short.components] == [(c.name, c.bytes) for c in whole.components]
     assert short.activations_per_microbatch == whole.activations_per_microbatch
     assert short.activations_per_layer == whole.activations_per_layer
@@ -160,7 +160,7 @@ def test_mixed_dense_and_moe_layers_hold_experts_and_a_dense_mlp_where_the_patte
     moe, dense = sum(MIXED), len(MIXED) - sum(MIXED)
     assert _part(est, "weights: experts") == _expert_params(moe, EXPERTS_N // ep) * BF16
     assert _part(est, "weights: expert adapters") == _expert_adapter_params(moe, EXPERTS_N // ep) * BF16
-    assert est.settings["moe_layers_on_stage"] == moe and est.settings["layers_on_stage"] == layers
+    assert est.settings.moe.layers_on_stage == moe and est.settings.layers_on_stage == layers
     dense_est = memory.estimate(_tiny(tp=tp, ep=ep, layers=layers, extra=["model.moe_layer_freq=[0, 0, 0, 0, 0]"]))
     # A dense layer's MLP: the whole model dense holds 5 of them, the mixed model 2, and the router per MoE layer.
     dense_mlp = (2 * FFN * H + FFN * H) // tp
@@ -263,7 +263,7 @@ def test_each_trace_has_its_own_moe_metrics_tracker():
                                      f"model.num_query_groups={GROUPS}", f"model.kv_channels={HEAD_DIM}",
                                      f"model.vocab_size={VOCAB}"])
     est = memory.estimate(staged)
-    assert sorted(est.stage_peaks) == [0, 1] and est.settings["layers_on_stage"] == 3
+    assert sorted(est.stage_peaks) == [0, 1] and est.settings.layers_on_stage == 3
     assert moe_logging.get_moe_metrics_tracker() is mine
 
 

@@ -10,6 +10,7 @@ import torch
 
 from megatron_bridge_ext.estimate import phases, static
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, TRANSIENT, Component, MemoryEstimate
+from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
 
@@ -66,7 +67,7 @@ def _estimate(step, *, activations=2000, transient=100):
                   Component(BUFFERS, "global memory buffer", 10, "b"),
                   Component(TRANSIENT, "layer backward", transient, "t"),
                   Component(TRANSIENT, "logits at the loss", transient // 2, "t")]
-    return MemoryEstimate(stage=0, components=components, settings={"tp": 2, "dp": DP, "cp": 1, "log_interval": 1},
+    return MemoryEstimate(stage=0, components=components, settings=gpt_stage(tp=2, dp=DP, cp=1),
                           assumptions=[], activations_per_microbatch={}, in_flight_microbatches=1.0, step=step)
 
 

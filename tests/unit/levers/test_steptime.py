@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_bridge_ext.estimate.mamba import MambaShapes
+from megatron_bridge_ext.estimate.settings import HybridSettings, Settings
 from megatron_bridge_ext.levers import steptime
+from tests.support import settings as support
 
 pytestmark = [pytest.mark.unit]
 
@@ -16,15 +19,13 @@ B200_BF16_SPARSE, B200_NVLINK_BOTH = 4.5e15, 1.8e12
 T, H, FFN, V, L, M = 1024, 1024, 4096, 32000, 2, 4  # tokens per microbatch, hidden, ffn, vocab, layers, microbatches
 
 
-def settings(**changes) -> dict:
+def settings(**changes) -> Settings:
     """A GPT stage as the estimate's settings: 8 heads of 128 (MHA), GeLU MLP, bf16, full fine-tuning, TP 2 + SP."""
-    s = {"tp": 2, "pp": 1, "vpp": None, "cp": 1, "dp": 1, "sequence_parallel": True, "seq_length": T, "micro_batch": 1,
-         "num_microbatches": M, "dtype": "bfloat16", "stage": 0, "layers_on_stage": L, "hidden": H, "ffn": FFN,
-         "heads": 8, "query_groups": 8, "kv_channels": 128, "num_layers": L, "gated_linear_unit": False,
-         "vocab_size": V, "recompute_granularity": None, "recompute_modules": [], "distributed_optimizer": True,
-         "peft": None}
-    s.update(changes)
-    return s
+    s = dict(tp=2, pp=1, vpp=None, cp=1, dp=1, sequence_parallel=True, seq_length=T, micro_batch=1, num_microbatches=M,
+             dtype="bfloat16", stage=0, layers_on_stage=L, hidden=H, ffn=FFN, heads=8, query_groups=8, kv_channels=128,
+             num_layers=L, gated_linear_unit=False, vocab_size=V, recompute_granularity=None, recompute_modules=(),
+             distributed_optimizer=True, peft=None)
+    return support.gpt_stage(**{**s, **changes})
 
 
 def forward_flops(tp: int) -> tuple[int, int, int]:
@@ -79,8 +80,7 @@ def test_lora_frozen_linears_take_4x_not_6x_and_the_adapters_input_collectives_c
     2 x forward, 4 FLOPs per multiply-add and token, not 6); LoRA-A's Bridge path on linear_qkv and linear_fc1
     gathers x (s*b*h) and the rank-r output (s*b*r) forward, reduce-scatters x's grad (s*b*h) backward, except the first linear_qkv."""
     r = 16
-    s = settings(peft="LoRA", lora_dim=r, lora_targets=["linear_qkv", "linear_fc1"],
-                 sequence_parallel_input_strategy="off")
+    s = settings(peft=support.lora(r, ["linear_qkv", "linear_fc1"], strategy="off"))
     linears, core, output = forward_flops(2)
     flops = L * (2 * linears + 3 * core) + 2 * output
     adapters = 2 * L
@@ -93,8 +93,7 @@ def test_lora_frozen_linears_take_4x_not_6x_and_the_adapters_input_collectives_c
 
 def test_regather_adds_one_gather_of_x_per_adapter_and_shard_local_drops_both():
     r = 16
-    base = dict(peft="LoRA", lora_dim=r, lora_targets=["linear_qkv", "linear_fc1"])
-    t = {k: steptime.step_time(settings(**base, sequence_parallel_input_strategy=k), H100) for k in
+    t = {k: steptime.step_time(settings(peft=support.lora(r, ["linear_qkv", "linear_fc1"], strategy=k)), H100) for k in
          ("off", "regather", "shard_local")}
     adapters, x = 2 * L, T * H * 2 // 2  # bytes one [s, b, h] collective sends from a rank at TP 2
     assert t["regather"].tp - t["off"].tp == pytest.approx(M * adapters * x / NVLINK, rel=1e-9)
@@ -105,7 +104,7 @@ def test_regather_adds_one_gather_of_x_per_adapter_and_shard_local_drops_both():
 
 def test_mlp_recompute_costs_its_forward_flops_at_peak():
     before, after = steptime.step_time(settings(), H100), steptime.step_time(
-        settings(recompute_granularity="selective", recompute_modules=["mlp"]), H100)
+        settings(recompute_granularity="selective", recompute_modules=("mlp",)), H100)
     mlp = 2 * T * (H * FFN + FFN * H) // 2
     assert after.total - before.total == pytest.approx(M * L * mlp / PEAK, rel=1e-9)
     assert steptime.change_pct(before, after) == pytest.approx(100 * M * L * mlp / PEAK / before.total, rel=1e-9)
@@ -113,7 +112,7 @@ def test_mlp_recompute_costs_its_forward_flops_at_peak():
 
 def test_layernorm_recompute_reads_and_writes_two_norms_at_hbm_bandwidth():
     before, after = steptime.step_time(settings(), H100), steptime.step_time(
-        settings(recompute_granularity="selective", recompute_modules=["layernorm"]), H100)
+        settings(recompute_granularity="selective", recompute_modules=("layernorm",)), H100)
     per_layer = 2 * 2 * (T // 2) * H * 2  # 2 norms, read + write, [s/t, b, h] bf16
     assert after.total - before.total == pytest.approx(M * L * per_layer / H100_HBM, rel=1e-9)
 
@@ -184,7 +183,7 @@ def test_moe_layers_price_the_router_the_routed_experts_and_the_dispatch():
     (dispatch and combine, forward and backward) on NVLink; TP keeps attention's half (2 all-gathers + 2
     reduce-scatters). Raising EP 2 -> 4 changes only the dispatch share, 1/2 -> 3/4 (the expert DP traffic is
     overlapped with compute)."""
-    s = settings(dp=2, moe_layers_on_stage=L)
+    s = settings(dp=2, moe=support.experts(L, experts=8, topk=2, ffn=512, ep=2))
     tokens, k = T // 2, 2
     _, core, output = forward_flops(2)
     attention = 2 * T * (H * 3 * H + H * H) // 2
@@ -202,13 +201,13 @@ def test_moe_layers_price_the_router_the_routed_experts_and_the_dispatch():
 
 HYBRID = {"Mamba": 2, "attention": 1, "MLP": 1}
 """A hybrid stage M*M- (Bridge's hybrid_layer_pattern): each layer holds one kind."""
-MAMBA = {"heads": 16, "head_dim": 64, "groups": 4, "state": 32, "chunk": 128}
+MAMBA = MambaShapes(heads=16, head_dim=64, groups=4, state=32, chunk=128)
 """The whole mixer: d_inner 16 x 64 = 1024, in_proj h -> 2 x 1024 + 2 x 4 x 32 + 16."""
 MAMBA_IN_PROJ, MAMBA_INNER = 2 * 1024 + 2 * 4 * 32 + 16, 1024
 
 
-def hybrid_settings(**changes) -> dict:
-    return settings(layers_on_stage=4, num_layers=4, hybrid_layers=HYBRID, mamba=MAMBA, **changes)
+def hybrid_settings(**changes) -> Settings:
+    return settings(layers_on_stage=4, num_layers=4, hybrid=HybridSettings(HYBRID, MAMBA), **changes)
 
 
 def test_a_hybrid_stage_counts_each_layer_by_its_kind():
@@ -236,14 +235,14 @@ def test_a_hybrid_stage_trains_the_linears_of_its_layers_kinds():
     full = (H * 3 * H + H * H + 2 * H * FFN + 2 * (H * MAMBA_IN_PROJ + MAMBA_INNER * H) + 2 * V * H) // 2
     assert steptime.dp_bytes(hybrid_settings(dp=2)) == (4 + 2) * full // 2
     lora = 8 * ((H + 3 * H) + 2 * (H + MAMBA_IN_PROJ)) // 2
-    s = hybrid_settings(dp=2, peft="lora", lora_dim=8, lora_targets=["linear_qkv", "in_proj"])
+    s = hybrid_settings(dp=2, peft=support.lora(8, ["linear_qkv", "in_proj"]))
     assert steptime.dp_bytes(s) == (4 + 2) * lora // 2
 
 
 def test_layernorm_recompute_reads_one_norm_per_non_mamba_layer_of_a_hybrid_stage():
     """Core's MambaLayer recomputes nothing; the attention and MLP layers have one norm each: 2 norms x [s/2, b, h]
     read and written, where a GPT stage of 4 layers has 8."""
-    s = hybrid_settings(recompute_granularity="selective", recompute_modules=["layernorm"])
+    s = hybrid_settings(recompute_granularity="selective", recompute_modules=("layernorm",))
     assert steptime.recompute_hbm_bytes(s) == 2 * (T // 2) * H * 2 * 2
-    gpt = settings(layers_on_stage=4, recompute_granularity="selective", recompute_modules=["layernorm"])
+    gpt = settings(layers_on_stage=4, recompute_granularity="selective", recompute_modules=("layernorm",))
     assert steptime.recompute_hbm_bytes(gpt) == 2 * (T // 2) * H * 2 * 8

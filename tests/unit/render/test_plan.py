@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.step import Cost
 from megatron_bridge_ext.render import plan as render_plan
 from tests.support import render as hand
+from tests.support.settings import experts, lora
 
 pytestmark = [pytest.mark.unit]
 
@@ -114,19 +116,19 @@ def test_a_plan_without_our_estimate_says_why_and_gives_no_verdict():
 @pytest.mark.parametrize("changes, parts", [
     ({}, ["TP=2 PP=1 DP=2 SP=on", "LoRA r=16 on linear_qkv,linear_fc1, sequence_parallel_input_strategy=off",
           "recompute none", "attention fused, local"]),
-    ({"peft": None, "vpp": 4, "recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+    ({"peft": None, "vpp": 4, "recompute_granularity": "selective", "recompute_modules": ("mlp",)},
      ["TP=2 PP=1 VPP=4 DP=2", "full fine-tuning, recompute selective ['mlp']"]),
-    ({"peft_kind": "dora", "fp8": "FP8 hybrid"}, ["bfloat16 with FP8 hybrid, DoRA r=16"]),
-    ({"num_moe_experts": 64, "ep": 4, "etp": 1, "moe_imbalance": 1.5, "moe_router_topk": 8, "local_experts": 16,
-      "moe_token_dispatcher": "alltoall"},
+    ({"peft": lora(16, ["linear_qkv", "linear_fc1"], kind="dora"), "fp8": "FP8 hybrid"},
+     ["bfloat16 with FP8 hybrid, DoRA r=16"]),
+    ({"moe": experts(4, experts=64, ep=4, etp=1, imbalance=1.5, topk=8, dispatcher="alltoall")},
      ["TP=2 PP=1 EP=4 ETP=1 DP=2", ", 64 experts (top-8, 16 on this rank, alltoall dispatcher), expert load 1.5 x "
       "balanced on this rank's experts"]),
 ])
 def test_the_config_line_says_each_setting(changes, parts):
-    line = render_plan.settings_line({**hand.SETTINGS, **changes})
+    line = render_plan.settings_line(replace(hand.SETTINGS, **changes))
     for part in parts:
         assert part in line, (part, line)
-    assert "(the default; --peft lora for LoRA)" in render_plan.settings_line({**hand.SETTINGS, "peft": None},
+    assert "(the default; --peft lora for LoRA)" in render_plan.settings_line(replace(hand.SETTINGS, peft=None),
                                                                                peft_defaulted=True)
 
 

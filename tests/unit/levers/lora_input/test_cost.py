@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_bridge_ext.levers.lora_input import cost as lora_input_cost
+from megatron_bridge_ext.estimate.settings import HybridSettings
+from tests.support.settings import experts, gpt_stage, lora
 
 pytestmark = [pytest.mark.unit]
 
@@ -26,10 +28,9 @@ def test_lora_input_collective_elements_per_adapter():
 def test_lora_input_collectives_count_every_adapter_of_canonical_lora():
     from megatron_bridge_ext.estimate.report import MemoryEstimate
 
-    settings = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "lora_dim": 8, "layers_on_stage": 3,
-                "num_microbatches": 2, "dtype": "bfloat16", "sequence_parallel_input_strategy": "off",
-                "lora_targets": ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
-                                 "linear_fc2"]}
+    targets = ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2"]
+    settings = gpt_stage(seq_length=1024, micro_batch=2, hidden=64, layers_on_stage=3, num_microbatches=2,
+                         dtype="bfloat16", peft=lora(8, targets, strategy="off", kind="canonical_lora"))
     est = MemoryEstimate(stage=0, components=[], settings=settings, assumptions=[], activations_per_microbatch={},
                          in_flight_microbatches=1)
     change, _ = lora_input_cost.collective_change(est, "shard_local")
@@ -62,9 +63,10 @@ def test_a_hybrid_stage_counts_linear_qkv_on_attention_layers_and_linear_fc1_on_
     the Mamba layer before it trains), two linear_fc1 (the MLP layer's and the MoE layer's shared expert); the
     Mamba layers' in_proj is no eligible surface."""
     seq, b, h, r = 64, 1, 32, 4
-    s = {"seq_length": seq, "micro_batch": b, "hidden": h, "lora_dim": r, "layers_on_stage": 5,
-         "lora_targets": ["linear_qkv", "linear_fc1", "in_proj"],
-         "hybrid_layers": {"Mamba": 2, "attention": 1, "MoE": 1, "MLP": 1}, "moe_shared_ffn": 48}
+    s = gpt_stage(seq_length=seq, micro_batch=b, hidden=h, layers_on_stage=5,
+                  peft=lora(r, ["linear_qkv", "linear_fc1", "in_proj"]),
+                  hybrid=HybridSettings({"Mamba": 2, "attention": 1, "MoE": 1, "MLP": 1}, None),
+                  moe=experts(1, shared_ffn=48))
     per_adapter = seq * b * h + seq * b * r + seq * b * h
     assert lora_input_cost.collective_elements(s, "off", stage=0) == 3 * per_adapter
 
@@ -80,10 +82,9 @@ def test_linear_fc1_counts_on_dense_layers_and_on_moe_layers_only_through_shared
     """Layer 0's linear_qkv takes the frozen embedding's output on stage 1 as any other layer's input (stage 1: no
     exemption), so each adapter moves Bridge's s*b*h gather, s*b*r and the s*b*h gradient reduce-scatter."""
     seq, b, h, r = 64, 1, 32, 4
-    s = {"seq_length": seq, "micro_batch": b, "hidden": h, "lora_dim": r, "layers_on_stage": 4,
-         "lora_targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
-    if moe_layers:
-        s.update(moe_layers_on_stage=moe_layers, moe_shared_ffn=shared_ffn)
+    s = gpt_stage(seq_length=seq, micro_batch=b, hidden=h, layers_on_stage=4,
+                  peft=lora(r, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+                  moe=experts(moe_layers, shared_ffn=shared_ffn) if moe_layers else None)
     per_adapter = seq * b * h + seq * b * r + seq * b * h
     assert lora_input_cost.collective_elements(s, "off", stage=1) == (qkv + fc1) * per_adapter
     assert lora_input_cost.eligible_adapters(s) == qkv + fc1

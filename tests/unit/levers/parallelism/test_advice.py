@@ -12,10 +12,12 @@ import pytest
 
 from megatron_bridge_ext.estimate.memory import NotModelled
 from megatron_bridge_ext.estimate.report import STATIC, Component, MemoryEstimate
+from megatron_bridge_ext.estimate.settings import Settings
 from megatron_bridge_ext.findings import ERROR, Finding
 from megatron_bridge_ext.levers.parallelism import advice, cost
 from megatron_bridge_ext.levers.step import State
 from megatron_bridge_ext.planner import Planner
+from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
 
@@ -34,15 +36,15 @@ def _cfg(*, experts=4, ep=1, etp=None, tp=2, dp=2, moe_ffn=64, dispatcher="allto
     return cfg
 
 
-def _settings(cfg, dp: int) -> dict:
+def _settings(cfg, dp: int) -> Settings:
     m = cfg.model
-    return {"tp": m.tensor_model_parallel_size, "pp": m.pipeline_model_parallel_size, "vpp": None, "cp": 1, "dp": dp,
-            "sequence_parallel": bool(m.sequence_parallel), "seq_length": m.seq_length,
-            "micro_batch": cfg.train.micro_batch_size, "num_microbatches": 2, "dtype": "bfloat16", "stage": 0,
-            "layers_on_stage": m.num_layers, "hidden": m.hidden_size, "ffn": m.ffn_hidden_size,
-            "heads": m.num_attention_heads, "query_groups": m.num_query_groups, "kv_channels": m.kv_channels,
-            "num_layers": m.num_layers, "gated_linear_unit": True, "vocab_size": 128, "recompute_granularity": None,
-            "recompute_modules": [], "attention": "local", "transformer_impl": "local", "peft": None}
+    return gpt_stage(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, vpp=None, cp=1, dp=dp,
+                     sequence_parallel=bool(m.sequence_parallel), seq_length=m.seq_length,
+                     micro_batch=cfg.train.micro_batch_size, num_microbatches=2, dtype="bfloat16", stage=0,
+                     layers_on_stage=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size,
+                     heads=m.num_attention_heads, query_groups=m.num_query_groups, kv_channels=m.kv_channels,
+                     num_layers=m.num_layers, gated_linear_unit=True, vocab_size=128, recompute_granularity=None,
+                     recompute_modules=(), attention="local", transformer_impl="local", peft=None)
 
 
 def _estimate(cfg, dp: int, peak: int = PEAK) -> MemoryEstimate:
@@ -92,7 +94,7 @@ def test_ep_option_keeps_dp_and_is_priced_without_a_peak_when_the_estimate_refus
     assert ep.reason.startswith("no predicted peak: model.num_moe_experts: mixture-of-experts models are not modelled")
     s = _settings(cfg, 4)
     moe = cost.moe_shape(cfg.model)
-    element, layers, nmb = 2, 4, s["num_microbatches"]
+    element, layers, nmb = 2, 4, s.num_microbatches
     tokens = 256 // 2 * 2  # sequence shard x micro-batch
     # dispatch and combine, forward and backward: 1/2 of the token copies leave the rank at EP 2, 3/4 at EP 4
     dispatch = 4 * tokens * 2 * 64 * element * (3 * layers * nmb) // 4 - 4 * tokens * 2 * 64 * element * layers * nmb // 2
@@ -157,7 +159,7 @@ def test_offloading_moves_every_activation_saved_inside_the_layers_of_an_moe_mod
 
     cfg = _cfg(ep=1)
     est = estimate(cfg, data_parallel_size=2, num_microbatches=1)
-    assert est.in_flight_microbatches == 1 and est.settings["transformer_impl"] == "local"  # no contract lines
+    assert est.in_flight_microbatches == 1 and est.settings.transformer_impl == "local"  # no contract lines
     planner = Planner(gpu_memory=PEAK, margin=0.0, expandable_margin=0.0, expandable_segments=True,
                       estimate_options={}, cfg=cfg, peft_overrides=None)
     advice.offload(planner, State(cfg, est))
@@ -175,4 +177,4 @@ def test_a_doubling_on_an_odd_dp_says_it_needs_twice_the_gpus(dp, expected):
     """TP and PP double on the same GPUs by halving DP; an odd DP cannot be halved, and the label says what the
     option would take instead of a DP that does not change."""
     resize = advice.Resize("PP", "pipeline_model_parallel_size", 1, True, figure=None)
-    assert advice._label(resize, {"dp": dp}, None, None) == expected
+    assert advice._label(resize, gpt_stage(dp=dp), None, None) == expected

@@ -3,17 +3,18 @@ routings and collectives simulated token by token, not against the formulas' own
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_bridge_ext.levers.parallelism import cost
+from tests.support.settings import experts, gpt_stage, lora
 
 pytestmark = [pytest.mark.unit]
 
-S = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "tp": 2, "cp": 1, "dp": 4, "pp": 1, "sequence_parallel": True,
-     "gated_linear_unit": True, "layers_on_stage": 4, "stage": 0, "num_layers": 4, "num_microbatches": 3,
-     "peft": None}
+S = gpt_stage(seq_length=1024, micro_batch=2, hidden=64, tp=2, cp=1, dp=4, pp=1, sequence_parallel=True,
+              gated_linear_unit=True, layers_on_stage=4, stage=0, num_layers=4, num_microbatches=3, peft=None)
 
 
 def _model(**fields):
@@ -40,10 +41,10 @@ def test_moe_shape_fills_in_cores_defaults():
 
 def test_layer_kinds_of_the_first_and_the_last_stage():
     moe = _moe(moe_layer_freq=[0, 0, 1, 1, 1, 0], num_layers=6)
-    assert cost.stage_layer_kinds({**S, "layers_on_stage": 3, "stage": 0}, moe) == (2, 1)  # layers 0-2
-    assert cost.stage_layer_kinds({**S, "layers_on_stage": 3, "stage": 1}, moe) == (1, 2)  # layers 3-5
+    assert cost.stage_layer_kinds(replace(S, layers_on_stage=3, stage=0), moe) == (2, 1)  # layers 0-2
+    assert cost.stage_layer_kinds(replace(S, layers_on_stage=3, stage=1), moe) == (1, 2)  # layers 3-5
     assert cost.stage_layer_kinds(S, None) == (4, 0)
-    assert cost.stage_layer_kinds({**S, "moe_layers_on_stage": 1}, _moe()) == (3, 1)  # the estimate's own count wins
+    assert cost.stage_layer_kinds(replace(S, moe=experts(1)), _moe()) == (3, 1)  # the estimate's own count wins
 
 
 def _balanced_routing(ranks: int, tokens: int, topk: int, experts: int) -> list[list[list[int]]]:
@@ -56,8 +57,8 @@ def _balanced_routing(ranks: int, tokens: int, topk: int, experts: int) -> list[
 @pytest.mark.parametrize("ep, etp", [(2, 1), (4, 1), (8, 1), (2, 2), (1, 2)])
 def test_alltoall_dispatch_counts_the_token_copies_that_leave_the_rank(ep, etp):
     moe = _moe(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    element, h = 2, S["hidden"]
-    tokens = S["seq_length"] // S["tp"] * S["micro_batch"]  # the rank's sequence shard under SP
+    element, h = 2, S.hidden
+    tokens = S.seq_length // S.tp * S.micro_batch  # the rank's sequence shard under SP
     routing = _balanced_routing(ep, tokens, moe["topk"], moe["experts"])
     owner = {e: e // (moe["experts"] // ep) for e in range(moe["experts"])}  # contiguous experts per EP rank
     rank = 0
@@ -72,8 +73,8 @@ def test_alltoall_dispatch_counts_the_token_copies_that_leave_the_rank(ep, etp):
 @pytest.mark.parametrize("ep, etp", [(1, 1), (2, 1), (4, 2)])
 def test_allgather_dispatch_sends_the_rank_tokens_to_every_other_rank_of_the_group(ep, etp):
     moe = _moe(moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    tokens = S["seq_length"] // S["tp"] * S["micro_batch"]
-    chunk = tokens * S["hidden"] * 2  # the rank's [T, h] in bf16
+    tokens = S.seq_length // S.tp * S.micro_batch
+    chunk = tokens * S.hidden * 2  # the rank's [T, h] in bf16
     others = ep * etp - 1
     # forward all-gather + reduce-scatter of the combine, and their duals in backward
     assert cost.dispatch_bytes_per_layer(S, moe, ep=ep, etp=etp, element=2) == 4 * chunk * others
@@ -81,7 +82,7 @@ def test_allgather_dispatch_sends_the_rank_tokens_to_every_other_rank_of_the_gro
 
 def test_tp_traffic_of_moe_layers_is_attentions_half_and_the_shared_experts():
     one = cost.tp_collective_bytes(S, tp=2, layers=1, num_microbatches=1, element=2)  # a dense layer
-    sbh_share = S["seq_length"] * S["micro_batch"] * S["hidden"] * 2 // 2  # (t-1)/t of [s, b, h] in bf16
+    sbh_share = S.seq_length * S.micro_batch * S.hidden * 2 // 2  # (t-1)/t of [s, b, h] in bf16
     assert one == 8 * sbh_share  # 2 all-gathers + 2 reduce-scatters, forward and backward
     assert cost.tp_collective_bytes(S, tp=2, layers=3, num_microbatches=1, element=2, moe_layers=2) \
         == one + 2 * 4 * sbh_share
@@ -99,7 +100,7 @@ def test_expert_parameters_and_their_data_parallel_traffic():
     assert edp == 4
     # reduce-scatter of the gradients and all-gather of the parameters, each 3 of 4 shares from this rank
     assert cost.expert_dp_bytes(S, moe, ep=2, etp=1, moe_layers=4, element=2) == 2 * (params * 2 * 3 // 4)
-    assert cost.expert_dp_bytes({**S, "peft": "LoRA"}, moe, ep=2, etp=1, moe_layers=4, element=2) == 0  # frozen experts
+    assert cost.expert_dp_bytes(replace(S, peft=lora()), moe, ep=2, etp=1, moe_layers=4, element=2) == 0  # frozen experts
     assert cost.expert_dp_bytes(S, moe, ep=8, etp=1, moe_layers=4, element=2) == 0  # expert DP of 1: nothing to sync
 
 
@@ -109,7 +110,7 @@ def test_doubling_ep_changes_dispatch_and_halves_the_expert_weights_traffic():
     moe, element = _moe(expert_model_parallel_size=2, expert_tensor_parallel_size=1), 2
     after = {**moe, "ep": 4}
     change, basis = cost.traffic_change(S, S, element, moe, after)
-    layers, nmb = S["layers_on_stage"], S["num_microbatches"]
+    layers, nmb = S.layers_on_stage, S.num_microbatches
     dispatch = (cost.dispatch_bytes_per_layer(S, moe, ep=4, etp=1, element=element)
                 - cost.dispatch_bytes_per_layer(S, moe, ep=2, etp=1, element=element)) * layers * nmb
     params = cost.expert_parameters_per_rank(S, moe, ep=2, etp=1, moe_layers=layers)

@@ -12,6 +12,7 @@ from megatron_bridge_ext.estimate.report import STATIC, Component, MemoryEstimat
 from megatron_bridge_ext.levers.recompute import advice
 from megatron_bridge_ext.levers.step import State
 from megatron_bridge_ext.planner import Planner
+from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
 
@@ -34,11 +35,12 @@ def _cfg(*, grouped_gemm=False, shared=SHARED):
 
 def _estimate(cfg, peak: int) -> MemoryEstimate:
     m = cfg.model
-    settings = {"tp": TP, "pp": 1, "cp": 1, "dp": 2, "sequence_parallel": True, "seq_length": SEQ, "micro_batch": MB,
-                "num_microbatches": 1, "dtype": "bfloat16", "stage": 0, "layers_on_stage": 2, "num_layers": 2,
-                "hidden": H, "ffn": 256, "heads": 8, "kv_channels": 8, "gated_linear_unit": True, "peft": None,
-                "recompute_granularity": m.recompute_granularity, "recompute_modules": list(m.recompute_modules or []),
-                "attention": "local", "transformer_impl": "local"}
+    settings = gpt_stage(tp=TP, pp=1, cp=1, dp=2, sequence_parallel=True, seq_length=SEQ, micro_batch=MB,
+                         num_microbatches=1, dtype="bfloat16", stage=0, layers_on_stage=2, num_layers=2, hidden=H,
+                         ffn=256, heads=8, kv_channels=8, gated_linear_unit=True, peft=None,
+                         recompute_granularity=m.recompute_granularity,
+                         recompute_modules=tuple(m.recompute_modules or []), attention="local",
+                         transformer_impl="local")
     return MemoryEstimate(stage=0, components=[Component(STATIC, "weights", peak, "stand-in")], settings=settings,
                           assumptions=[], activations_per_microbatch={}, in_flight_microbatches=1.0)
 

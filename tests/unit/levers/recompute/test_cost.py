@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 
 from megatron_bridge_ext.levers.parallelism import cost as parallelism_cost
+from megatron_bridge_ext.estimate.settings import Settings
 from megatron_bridge_ext.levers.recompute import cost as recompute_cost
+from tests.support.settings import gpt_stage
 
 pytestmark = [pytest.mark.unit]
 
 
 def test_recompute_flops_and_tp_traffic_formulas():
-    s = {"seq_length": 1024, "micro_batch": 2, "hidden": 64, "tp": 2, "heads": 8, "kv_channels": 8, "ffn": 256,
-         "gated_linear_unit": True, "sequence_parallel": True}
+    s = gpt_stage(seq_length=1024, micro_batch=2, hidden=64, tp=2, heads=8, kv_channels=8, ffn=256,
+                  gated_linear_unit=True, sequence_parallel=True)
     # Attention: Q K^T and probabilities x V, 2 FLOPs per multiply-add, 4 heads per rank.
     assert recompute_cost.recompute_flops_per_layer("core_attn", s) == 2 * (2 * 2 * 1024 * 1024 * 4 * 8)
     # MLP: fc1 (2 x 128 outputs per rank with SwiGLU) and fc2 (128 inputs per rank).
@@ -26,9 +28,9 @@ def test_recompute_flops_and_tp_traffic_formulas():
 # Mixture of experts: the FLOPs of the MoE modules, against torch's FLOP counter on a layer written out with
 # the rank's shapes (meta tensors: nothing is allocated).
 
-MOE_S = {"seq_length": 256, "micro_batch": 2, "hidden": 64, "tp": 2, "cp": 1, "heads": 8, "kv_channels": 8,
-         "ffn": 256, "gated_linear_unit": True, "sequence_parallel": True, "layers_on_stage": 4, "stage": 0,
-         "num_layers": 4, "num_microbatches": 3}
+MOE_S = gpt_stage(seq_length=256, micro_batch=2, hidden=64, tp=2, cp=1, heads=8, kv_channels=8, ffn=256,
+                  gated_linear_unit=True, sequence_parallel=True, layers_on_stage=4, stage=0, num_layers=4,
+                  num_microbatches=3)
 
 
 def _moe(*, experts=8, topk=2, moe_ffn=32, shared_ffn=0, ep=2, etp=2, pattern=(1, 0, 1, 1)):
@@ -53,21 +55,21 @@ def _mlp(tokens: int, h: int, width: int):
     return up[:, :width] @ torch.empty(width, h, device="meta")
 
 
-def _moe_layer_on_rank(s: dict, moe: dict) -> None:
+def _moe_layer_on_rank(s: Settings, moe: dict) -> None:
     """One MoE layer's forward as rank 0 runs it under balanced routing: the router on the rank's sequence shard,
     its E/EP experts on the token copies routed to them and gathered over ETP (a 1/ETP shard of each expert's
     width), the shared experts on the gathered sequence (a 1/TP shard)."""
     import torch
 
-    tokens = s["seq_length"] // s["tp"] * s["micro_batch"]
-    h = s["hidden"]
+    tokens = s.seq_length // s.tp * s.micro_batch
+    h = s.hidden
     torch.empty(tokens, h, device="meta") @ torch.empty(h, moe["experts"], device="meta")  # router
     local = moe["experts"] // moe["ep"]
     copies_per_expert = tokens * moe["topk"] * moe["ep"] // moe["experts"]  # every EP rank sends T*k copies
     for _ in range(local):
         _mlp(copies_per_expert * moe["etp"], h, moe["moe_ffn"] // moe["etp"])
     if moe["shared_ffn"]:
-        _mlp(s["seq_length"] * s["micro_batch"], h, moe["shared_ffn"] // s["tp"])
+        _mlp(s.seq_length * s.micro_batch, h, moe["shared_ffn"] // s.tp)
 
 
 @pytest.mark.parametrize("shared_ffn", [0, 128])
@@ -77,14 +79,14 @@ def test_moe_recompute_flops_match_the_counted_layer(ep, etp, shared_ffn):
     layer = _counted(lambda: _moe_layer_on_rank(MOE_S, moe))
     assert recompute_cost.recompute_flops_per_layer("moe", MOE_S, moe) == layer
     moe_layers = sum(moe["pattern"])  # three of the four layers on the stage
-    assert recompute_cost.recompute_flops(MOE_S, ["moe"], moe) == layer * moe_layers * MOE_S["num_microbatches"]
+    assert recompute_cost.recompute_flops(MOE_S, ["moe"], moe) == layer * moe_layers * MOE_S.num_microbatches
 
 
 def test_shared_experts_and_mlp_count_their_own_layers_only():
     moe = _moe(shared_ffn=128)
-    shared = _counted(lambda: _mlp(MOE_S["seq_length"] * MOE_S["micro_batch"], 64, 128 // 2))
+    shared = _counted(lambda: _mlp(MOE_S.seq_length * MOE_S.micro_batch, 64, 128 // 2))
     assert recompute_cost.recompute_flops(MOE_S, ["shared_experts"], moe) == shared * 3 * 3  # 3 MoE layers, 3 mbs
-    dense = _counted(lambda: _mlp(MOE_S["seq_length"] * MOE_S["micro_batch"], 64, 256 // 2))
+    dense = _counted(lambda: _mlp(MOE_S.seq_length * MOE_S.micro_batch, 64, 256 // 2))
     assert recompute_cost.recompute_flops(MOE_S, ["mlp"], moe) == dense * 1 * 3  # Core skips mlp on MoE layers
     assert recompute_cost.recompute_flops(MOE_S, ["mlp"]) == dense * 4 * 3  # a dense model: every layer
     assert recompute_cost.recompute_flops(MOE_S, ["moe_act"], moe) == 0  # the activation alone: no GEMM
