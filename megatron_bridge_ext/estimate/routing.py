@@ -126,11 +126,7 @@ def _counts_on_host(self, point, tokens_per_expert=None):
 def _sort_equal_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
     """``sort_chunks_by_idxs`` for equal chunks: a new tensor of the input's shape, saving nothing for backward, as
     Core's split and cat do (their order does not change a shape or a saved byte, so a copy stands in for them)."""
-
-    def reorder(tensor):
-        return tensor.clone()
-
-    return reorder(input), (reorder(probs) if probs is not None else None)
+    return input.clone(), (probs.clone() if probs is not None else None)
 
 
 class _NoStream:
