@@ -80,7 +80,7 @@ class MemoryEstimate:
     @property
     def peak_phase(self):
         """The phase with the largest peak (the steady state on a tie: the later phase holds it as long)."""
-        return max(reversed(self.phases), key=lambda p: p.peak_bytes)
+        return _largest_phase(self.phases)
 
     @property
     def peak_bytes(self) -> int:
@@ -113,9 +113,10 @@ class MemoryEstimate:
 
     def phase_table(self) -> str:
         """Every phase's peak (GiB and GB) and what it holds, the largest marked."""
-        largest = self.peak_phase
+        phases = self.phases  # built anew on each read: the mark compares within this one list
+        largest = _largest_phase(phases)
         rows = [[p.name + (" (largest)" if p is largest else ""), gib(p.peak_bytes), f"{p.peak_bytes / GB:.3f} GB",
-                 p.basis] for p in self.phases]
+                 p.basis] for p in phases]
         return text_table(["phase", "peak", "peak (GB)", "holds"], rows)
 
     def as_dict(self) -> dict[str, Any]:
@@ -131,3 +132,8 @@ class MemoryEstimate:
                                          allocated_gigabytes=r.allocated_gigabytes) for r in predicted_reports(self)]
         out["totals"] = {kind: self.total(kind) for kind in KINDS}
         return out
+
+
+def _largest_phase(phases: list):
+    """The phase with the largest peak; on a tie the later one (it holds the peak as long)."""
+    return max(reversed(phases), key=lambda p: p.peak_bytes)

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_bridge_ext.estimate import phases
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
+from megatron_bridge_ext.estimate.report import TRANSIENT, Component
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.step import Cost
 from megatron_bridge_ext.render import plan as render_plan
@@ -51,13 +52,32 @@ def test_a_plan_that_fits_says_so_and_needs_no_lever():
     assert _lines(text, "answer: ") == ["answer: no lever needed"]
 
 
-def test_each_phase_is_a_row_with_its_peak_in_gib_and_gb():
-    text = render_plan.format_plan(hand.plan(80 * GIB))
+def _phase_rows(text: str) -> list[list[str]]:
     rows = text.split("by phase (the verdict takes the largest):\n")[1].splitlines()[2:5]
-    assert [re.split(r"\s{2,}", row.strip())[:3] for row in rows] == [
+    return [re.split(r"\s{2,}", row.strip())[:3] for row in rows]
+
+
+def test_each_phase_is_a_row_with_its_peak_in_gib_and_gb_and_the_largest_marked():
+    text = render_plan.format_plan(hand.plan(80 * GIB))
+    assert hand.STEADY_PEAK > max(hand.ITERATION_1_PEAK, hand.FIRST_STEP_PEAK)  # the steady state is the largest
+    assert _phase_rows(text) == [
         [name, _gib(peak), f"{peak / 10**9:.3f} GB"]
         for name, peak in [(phases.ITERATION_1, hand.ITERATION_1_PEAK), (phases.FIRST_STEP, hand.FIRST_STEP_PEAK),
-                           (phases.STEADY, hand.STEADY_PEAK)]]
+                           (phases.STEADY + " (largest)", hand.STEADY_PEAK)]]
+
+
+def test_the_mark_follows_the_largest_phase_when_the_first_step_is_it():
+    """The step's copies made larger than the activations and the largest transient together: the first step
+    holds the peak, and only its row is marked."""
+    copies = hand.ACTIVATION + hand.LARGEST + 10**9
+    est = hand.estimate()
+    est.step = phases.StepState(hand.MASTERS, hand.MOMENTS, masters_in_step=False,
+                                transients=(Component(TRANSIENT, phases.FP32_GRAD_COPIES, copies,
+                                                "copies"),))
+    first_step = hand.STATIC_BYTES + hand.BUFFER + copies
+    rows = _phase_rows(render_plan.format_plan(hand.plan(80 * GIB, baseline=est)))
+    assert [row[0] for row in rows] == [phases.ITERATION_1, phases.FIRST_STEP + " (largest)", phases.STEADY]
+    assert rows[1][1] == _gib(first_step)
 
 
 def test_each_report_bridges_log_will_print_is_one_line_in_bridges_gb():
