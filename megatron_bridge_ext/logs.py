@@ -25,6 +25,9 @@ KNOWN_HARMLESS = (
     r".*`sequence_parallel` is set to `True`, but tensor model parallel size is 1.*",
     # Megatron Core's TransformerConfig on a recipe's router dtype: advice for training, not for a plan
     r".*Using a large number of experts \(e\.g\. >=32\) without fp32 routing.*",
+    # Megatron Core's TransformerConfig when a recipe sets the SM count under its older name (Bridge's Nemotron 3
+    # recipes set moe_hybridep_num_sms): Core routes it to moe_flex_dispatcher_num_sms itself
+    r".*_num_sms is deprecated\. Use moe_flex_dispatcher_num_sms instead.*",
 )
 """Upstream warnings on successful runs that are expected and say nothing about the run; ``--verbose`` shows them."""
 QUIET_LOGGERS = ("torch.utils.cpp_extension",)

@@ -36,12 +36,18 @@ def test_a_known_harmless_warning_is_filtered_unless_verbose(verbose, shown):
 
 def test_the_patterns_match_what_megatron_core_emits():
     """The filtered texts are upstream's own: each pattern matches the message of the Core file that warns it
-    (its adjacent string literals joined, as Python joins them; ``{world_size}`` is 1 on the expert layers)."""
-    sources = {"tensor_parallel/layers.py": logs.KNOWN_HARMLESS[0],
-               "transformer/transformer_config.py": logs.KNOWN_HARMLESS[1]}
-    for relative, pattern in sources.items():
-        joined = re.sub(r"\"\s*\n\s*f?\"", "", _core_source(relative)).replace("{world_size}", "1")
-        assert any(re.match(pattern, line.strip().lstrip("f").strip("\"")) for line in joined.splitlines()), relative
+    (its adjacent string literals joined, as Python joins them; ``{world_size}`` is 1 on the expert layers, and the
+    deprecated SM-count names are the one Bridge's Nemotron 3 recipes set)."""
+    fields = {"{world_size}": "1", "{', '.join(_deprecated_num_sms)}": "moe_hybridep_num_sms"}
+    sources = [("tensor_parallel/layers.py", logs.KNOWN_HARMLESS[0]),
+               ("transformer/transformer_config.py", logs.KNOWN_HARMLESS[1]),
+               ("transformer/transformer_config.py", logs.KNOWN_HARMLESS[2])]
+    assert len(sources) == len(logs.KNOWN_HARMLESS)  # every filtered pattern is checked against its source
+    for relative, pattern in sources:
+        joined = re.sub(r"\"\s*\n\s*f?\"", "", _core_source(relative))
+        for field, value in fields.items():
+            joined = joined.replace(field, value)
+        assert any(re.match(pattern, line.strip().lstrip("f").strip("\"")) for line in joined.splitlines()), pattern
 
 
 @pytest.mark.parametrize("verbose, enabled", [(False, False), (True, True)])
