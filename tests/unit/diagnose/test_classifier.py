@@ -136,3 +136,84 @@ def test_a_gb_total_that_holds_the_reserved_bytes_gets_a_note_not_a_new_reading(
     assert d.metrics["total_memory"] == 120 * 10**9  # read as written
     assert any(n.startswith("--total-memory 120GB is 111.76 GiB") and "--total-memory 120GiB" in n for n in d.notes)
     assert not any("120GB" in n for n in classify(capacity_stats(), total_memory=120 * GiB).notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Expandable segments unknown, and every threshold on each side and on its boundary
+# --------------------------------------------------------------------------------------------
+
+
+def test_fragmentation_with_expandable_segments_unknown_advises_the_allocator_first():
+    """A bare memory_stats() dump says nothing of the allocator's settings: expandable segments may be off, so the
+    first lever (turn them on) is the next step, and the evidence says their state is unknown."""
+    d = classify(fragmentation_stats())
+    assert d.kind == "fragmentation" and d.metrics["expandable_segments"] is None
+    assert (d.next_step["step"], d.next_step["name"]) == (1, "allocator")
+    assert "expandable segments: unknown" in d.evidence and d.headline.endswith("expandable segments unknown")
+    assert not any("already on" in n for n in d.notes)
+
+
+RESERVED = 40 * GiB  # 10% = 4 GiB, 5% = 2 GiB
+QUIET_SPLIT = 2 * GiB - 64 * MiB  # under its own threshold: the gap alone decides
+QUIET_GAP = 3 * GiB  # under 10% of reserved: the inactive split alone decides
+SMALL = 1 * GiB  # the floor's cases: any gap of 256 MiB is over 10% of it
+
+
+def _gap_fraction(gap):
+    return memory_stats(allocated=RESERVED - gap, reserved=RESERVED, inactive_split=QUIET_SPLIT)
+
+
+def _split_fraction(split):
+    return memory_stats(allocated=RESERVED - QUIET_GAP, reserved=RESERVED, inactive_split=split)
+
+
+def _floor(gap):
+    return memory_stats(allocated=SMALL - gap, reserved=SMALL, inactive_split=0)
+
+
+THRESHOLDS = [
+    # (case, stats, kind, the rule's words in the evidence)
+    ("gap-fraction-below", _gap_fraction(4 * GiB - 1), "capacity", "of reserved (fragmentation needs >= 10%"),
+    ("gap-fraction-at", _gap_fraction(4 * GiB), "fragmentation", "= 10.0% of reserved (threshold 10%)"),
+    ("gap-fraction-above", _gap_fraction(4 * GiB + 1), "fragmentation", "of reserved (threshold 10%)"),
+    ("split-fraction-below", _split_fraction(2 * GiB - 1), "capacity", "of reserved (fragmentation needs >= 5%)"),
+    ("split-fraction-at", _split_fraction(2 * GiB), "fragmentation", "= 5.0% of reserved (threshold 5%)"),
+    ("split-fraction-above", _split_fraction(2 * GiB + 1), "fragmentation", "of reserved (threshold 5%)"),
+    ("gap-floor-below", _floor(MIN_GAP_BYTES - 1), "capacity", "and >= 256.0 MiB)"),
+    ("gap-floor-at", _floor(MIN_GAP_BYTES), "fragmentation", "reserved - allocated = 256.0 MiB = 25.0% of reserved "
+                                                             "(threshold 10%)"),
+    ("gap-floor-above", _floor(MIN_GAP_BYTES + 1), "fragmentation", "(threshold 10%)"),
+]
+
+
+@pytest.mark.parametrize("stats, kind, words", [c[1:] for c in THRESHOLDS], ids=[c[0] for c in THRESHOLDS])
+def test_each_threshold_below_at_and_above_its_boundary(stats, kind, words):
+    d = classify(stats)
+    assert d.kind == kind
+    assert any(words in e for e in d.evidence), d.evidence
+
+
+TOTAL = 80 * GiB
+FREE = 28 * GiB  # fragmentation_stats on an 80 GiB device: 22.6 GiB reserved but unallocated + 5.4 GiB unreserved
+
+
+@pytest.mark.parametrize("request_bytes, kind, words", [
+    (FREE - 1, "fragmentation", "is larger than the reserved but unallocated memory"),
+    (FREE, "fragmentation", "is larger than the reserved but unallocated memory"),
+    (FREE + 1, "capacity", "is larger than all free memory together"),
+], ids=["below", "at", "above"])
+def test_a_request_below_at_and_above_all_free_memory(request_bytes, kind, words):
+    """The request is judged against every free byte together (reserved but unallocated plus unreserved): one
+    that equals them could be placed by an allocator that did not fragment."""
+    d = classify(fragmentation_stats(), total_memory=TOTAL, request_bytes=request_bytes)
+    assert d.kind == kind
+    assert any(words in e for e in d.evidence), d.evidence
+
+
+@pytest.mark.parametrize("request_bytes, relation", [
+    (22 * GiB + 614 * MiB - 1, "smaller"), (22 * GiB + 614 * MiB, "smaller"), (22 * GiB + 614 * MiB + 1, "larger"),
+], ids=["below", "at", "above"])
+def test_a_request_against_the_reserved_but_unallocated_memory(request_bytes, relation):
+    """Supporting evidence: a request that the cache's free bytes would hold (equal included) is "smaller"."""
+    d = classify(fragmentation_stats(), request_bytes=request_bytes)
+    assert any(f"is {relation} than the reserved but unallocated memory" in e for e in d.evidence), d.evidence

@@ -60,3 +60,34 @@ def test_impossible_sizes_are_refused(kwargs, fragment):
 def test_a_rank_outside_the_world_is_refused():
     with pytest.raises(LayoutError, match="outside the world of 8"):
         Layout(8, tp=2).coordinates(8)
+
+
+@pytest.mark.parametrize("order", [DEFAULT_ORDER, TP_PP_DP_ORDER])
+@pytest.mark.parametrize("world, tp, cp, pp", [(16, 2, 2, 2), (16, 1, 4, 2), (24, 2, 3, 1)])
+def test_context_parallel_layouts_match_core(order, world, tp, cp, pp):
+    """DP is world / (TP x PP x CP): with CP > 1 every coordinate of every rank is Core's, e.g. world 16, TP 2, CP 2,
+    PP 2 puts rank 8 at PP stage 1, DP 0 in the default order (DP 2 and stage 0 if CP were left out of DP)."""
+    layout = Layout(world, tp=tp, pp=pp, cp=cp, order=order)
+    dp = world // (tp * pp * cp)
+    assert layout.dp == dp
+    for rank in range(world):
+        c = layout.coordinates(rank)
+        for name, value in (("tp", c.tp), ("cp", c.cp), ("dp", c.dp), ("pp", c.pp)):
+            assert _index_in_group(_core_groups(tp, 1, dp, pp, cp, order, name), rank) == value, (rank, name)
+
+
+def test_rank_8_of_world_16_tp2_cp2_pp2_is_on_the_second_stage():
+    assert Layout(16, tp=2, pp=2, cp=2).coordinates(8).text() == "PP stage 1, TP 0, CP 0, DP 0"
+
+
+def test_expert_coordinates_with_context_parallelism_match_core():
+    """The experts' generator has no CP (Core: RankGenerator(etp, ep, edp, pp, cp=1)): expert DP = world / (ETP x EP
+    x PP), while the dense DP divides by CP too."""
+    layout = Layout(16, tp=2, cp=2, ep=4, etp=1)
+    assert (layout.dp, layout.expert_dp) == (4, 4)
+    for rank in range(16):
+        c = layout.coordinates(rank)
+        assert _index_in_group(_core_groups(2, 1, 4, 1, 2, DEFAULT_ORDER, "cp"), rank) == c.cp
+        assert _index_in_group(_core_groups(2, 1, 4, 1, 2, DEFAULT_ORDER, "dp"), rank) == c.dp
+        assert _index_in_group(_core_groups(1, 4, 4, 1, 1, DEFAULT_ORDER, "ep"), rank) == c.ep
+        assert _index_in_group(_core_groups(1, 4, 4, 1, 1, DEFAULT_ORDER, "dp"), rank) == c.edp

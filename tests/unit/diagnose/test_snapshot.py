@@ -122,6 +122,45 @@ def test_verdicts(private, asked, device_free, kind, fragmentation):
     assert device.private_pool_bytes == sum(size for size, _ in private)
 
 
+# Every boundary of the verdict, on each side and on it (requests move by the allocator's 512-byte step): the brief
+# segment has 1.5 GiB free in segments, the largest free block 1 GiB.
+FREE, LARGEST, STEP = 1536 * MiB, GiB, 512
+HELD = 1024 * MiB  # PRIVATE_FULL: allocated inside a private pool
+POOL_FREE = 256 * MiB  # PRIVATE_PART: free inside a private pool
+
+BOUNDARIES = [
+    # (case, private, request, device_free, kind, fragmentation, the rule's words)
+    ("largest-block-below", [], LARGEST - STEP, 0, "unknown", "undecided", "would hold"),
+    ("largest-block-at", [], LARGEST, 0, "unknown", "undecided", "would hold"),
+    ("largest-block-above", [], LARGEST + STEP, 0, "fragmentation", "shown", "in no single free block"),
+    ("all-free-below", [], FREE - STEP, 0, "fragmentation", "shown", "in no single free block"),
+    ("all-free-at", [], FREE, 0, "fragmentation", "shown", "in no single free block"),
+    ("all-free-above", [], FREE + STEP, 0, "capacity", "ruled out", "larger than all free memory"),
+    ("pool-held-below", PRIVATE_FULL, FREE + HELD - STEP, 0, "cuda-graph pools", "ruled out", "enough to place it"),
+    ("pool-held-at", PRIVATE_FULL, FREE + HELD, 0, "cuda-graph pools", "ruled out", "enough to place it"),
+    ("pool-held-above", PRIVATE_FULL, FREE + HELD + STEP, 0, "capacity", "ruled out", "larger than all free memory"),
+    ("pool-free-below", PRIVATE_PART, FREE - STEP, 0, "fragmentation", "shown", "in no single free block"),
+    ("pool-free-at", PRIVATE_PART, FREE, 0, "fragmentation", "shown", "in no single free block"),
+    ("pool-free-above", PRIVATE_PART, FREE + STEP, 0, "cuda-graph pools", "ruled out",
+     "fits only counting the 256.0 MiB free inside private pools"),
+    ("limit-device-free-below", [], LARGEST + STEP, LARGEST, "fragmentation", "shown", "device free) but in no"),
+    ("limit-device-free-at", [], LARGEST + STEP, LARGEST + STEP, "fragmentation", "shown", "memory fraction limit"),
+    ("limit-in-segments-at", [], FREE, 10 * GiB, "fragmentation", "shown", "memory fraction limit"),
+    ("limit-in-segments-above", [], FREE + STEP, 10 * GiB, "unknown", "undecided", "raise the limit"),
+]
+
+
+@pytest.mark.parametrize("private, asked, device_free, kind, fragmentation, words",
+                         [case[1:] for case in BOUNDARIES], ids=[case[0] for case in BOUNDARIES])
+def test_each_verdict_boundary_below_at_and_above(private, asked, device_free, kind, fragmentation, words):
+    segments = [_brief_segment()]
+    if private:
+        segments.append(S.segment([S.block(size, state) for size, state in private], pool_id=(1, 0)))
+    device = _one(S.snapshot(segments, {0: [S.alloc(512 * MiB), S.oom(asked, device_free)]}))
+    assert (device.verdict.kind, device.verdict.fragmentation) == (kind, fragmentation), device.verdict.reason
+    assert words in device.verdict.reason, device.verdict.reason
+
+
 def test_without_an_oom_entry_it_says_what_fits_and_why_it_cannot_decide():
     device = _one(S.snapshot([_brief_segment()], {0: [S.alloc(512 * MiB)]}))
     assert (device.verdict.kind, device.verdict.fragmentation, device.oom) == ("unknown", "undecided", None)
