@@ -615,7 +615,7 @@ def _output_weight(model) -> torch.Tensor:
 def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Optional[precision.Fp8Weights] = None,
             fp8: Optional[precision.Fp8] = None) -> tuple[list[Component], phases.StepState]:
     """The static components of the rank and what its optimizer's step holds and allocates."""
-    grad_bytes = 4 if getattr(prepared.ddp, "grad_reduce_in_fp32", False) else counts.element_size
+    grad_bytes = static.grad_buffer_bytes(prepared.ddp, counts.element_size)
     rule = static.optimizer_rule(prepared.optimizer, param_bytes=counts.element_size,
                                  data_parallel=prepared.data_parallel,
                                  context_parallel=prepared.provider.context_parallel_size)

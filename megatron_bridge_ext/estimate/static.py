@@ -149,6 +149,13 @@ def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, co
                          bool(getattr(optimizer_config, "use_precision_aware_optimizer", False)))
 
 
+def grad_buffer_bytes(ddp_config, param_bytes: int) -> int:
+    """Bytes per element of DDP's gradient buffer: fp32 with ``grad_reduce_in_fp32``, else the parameter dtype's
+    (Megatron Core 0.19 ``distributed/param_and_grad_buffer.py`` L889, ``group_params_for_buffers``: "grad_dtype:
+    torch.float if grad_reduce_in_fp32, else param.dtype")."""
+    return 4 if getattr(ddp_config, "grad_reduce_in_fp32", False) else param_bytes
+
+
 def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: OptimizerRule,
                       expert_shards: int = 1, stored_apart: int = 0) -> list[Component]:
     """Weights per part, the grad buffer and the optimizer state of one rank.

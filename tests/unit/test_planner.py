@@ -58,6 +58,34 @@ def test_fits_as_is():
     assert result.bridge is not None and result.bridge.total_bytes > 0
 
 
+def _full_fine_tuning_cfg():
+    """The tiny model without a PEFT, bf16 with a bf16 gradient buffer and a short sequence: every parameter is
+    trainable, so the first step's fp32 copies of the gradients (4 B each) outweigh the few activations."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=4, seq=16, micro_batch=1, vocab=128, tp=2,
+                         dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape)
+    cfg.ddp.grad_reduce_in_fp32 = False
+    cfg.data_parallel_size = 1
+    return cfg
+
+
+def test_a_config_whose_first_step_does_not_fit_does_not_fit_as_is_and_the_levers_are_walked():
+    """The verdict is on the largest phase: with the device between the steady state's peak and the first step's,
+    the config does not fit as is (the first step would fail), so the plan walks the levers."""
+    from megatron_bridge_ext.estimate import estimate, phases
+
+    est = estimate(_full_fine_tuning_cfg())
+    by_name = {p.name: p.peak_bytes for p in est.phases}
+    assert est.peak_phase.name == phases.FIRST_STEP and by_name[phases.FIRST_STEP] > by_name[phases.STEADY]
+    usable = (by_name[phases.FIRST_STEP] + by_name[phases.STEADY]) // 2
+    result = _plan(_full_fine_tuning_cfg(), _device_for(usable, planner.MARGIN) + 1)
+    assert result.usable_now >= by_name[phases.STEADY] and result.usable_now < by_name[phases.FIRST_STEP]
+    assert result.fits_as_is is False
+    assert result.options and result.options[0].step == 1
+
+
 def test_fragmentation_only_is_fixed_by_expandable_segments():
     peak = _peak(_cfg())
     # Fits under the expandable-segments margin, not under the fragmentation margin.

@@ -84,6 +84,23 @@ def test_each_phase_holds_its_own_components():
     assert by_name[phases.FIRST_STEP].after_bytes == held + step.masters + step.moments + SHARD * 4
 
 
+def test_iteration_1_holds_no_optimizer_state_when_the_precision_aware_optimizer_makes_its_masters_in_the_step():
+    """FusedAdam creates the master weights with the moments in its first step (``initialize_state``): iteration 1
+    holds none of the optimizer-states line; the first step and the steady state hold all of it."""
+    aware = _optimizer(use_precision_aware_optimizer=True)
+    _, step = _step(aware)
+    assert step.masters_in_step and (step.masters, step.moments) == (SHARD * 4, SHARD * 8)
+    by_name = {p.name: p for p in _estimate(step).phases}
+    states = {p: next(c.bytes for c in by_name[p].components if c.name == phases.OPTIMIZER_STATES) for p in by_name}
+    assert states == {phases.ITERATION_1: 0, phases.FIRST_STEP: SHARD * 12, phases.STEADY: SHARD * 12}
+    held = 2000 + 2000 + 10  # weights, gradients, buffer
+    assert by_name[phases.ITERATION_1].peak_bytes == held + 2000 + 100  # activations + the largest transient
+    # Core's own optimizer (not precision-aware) makes its fp32 main copies at construction: iteration 1 holds them
+    _, plain = _step(_optimizer())
+    first = {p.name: p for p in _estimate(plain).phases}[phases.ITERATION_1]
+    assert next(c.bytes for c in first.components if c.name == phases.OPTIMIZER_STATES) == SHARD * 4
+
+
 def test_the_verdict_takes_the_largest_phase_and_names_it():
     _, step = _step(_optimizer())
     small_activations = _estimate(step, activations=0, transient=0)

@@ -95,3 +95,32 @@ def test_trainable_experts_divide_their_states_over_expert_dp_the_rest_over_dp()
     assert shards == 8 * 2 // 4
     parts = {c.name: c.bytes for c in static_components(counts, grad_bytes=2, rule=rule, expert_shards=shards)}
     assert parts["optimizer states"] == dense * 12 // 8 + experts * 12 // 4
+
+
+@pytest.mark.parametrize("fp32, param_bytes, expected", [(True, 2, 4), (False, 2, 2), (False, 4, 4), (True, 4, 4)])
+def test_the_gradient_buffer_takes_fp32_with_grad_reduce_in_fp32_and_the_parameter_dtype_otherwise(
+        fp32, param_bytes, expected):
+    from types import SimpleNamespace
+
+    from megatron_bridge_ext.estimate.static import grad_buffer_bytes
+
+    assert grad_buffer_bytes(SimpleNamespace(grad_reduce_in_fp32=fp32), param_bytes) == expected
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_the_estimates_gradient_line_is_the_trainable_parameters_at_the_buffers_dtype(fp32):
+    """A bf16 LoRA model: the adapters alone have gradients, 2 B each in a bf16 buffer, 4 B with
+    grad_reduce_in_fp32; their count comes from the shape (LoRA on qkv, proj, fc1, fc2, split over TP)."""
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+    from tests.support.estimate import adapter_params
+
+    shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=4, seq=64, micro_batch=1, vocab=128, tp=2,
+                         dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=shape.lora_rank, alpha=16))
+    cfg.ddp.grad_reduce_in_fp32 = fp32
+    hf = dict(hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+              intermediate_size=shape.ffn, model_type="gpt")
+    trainable = shape.layers * adapter_params(hf, shape.tp, shape.lora_rank)
+    assert estimate(cfg).component("gradients (main_grad buffer)").bytes == trainable * (4 if fp32 else 2)

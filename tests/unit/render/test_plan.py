@@ -45,6 +45,25 @@ def test_the_verdict_names_the_largest_phase_and_the_usable_memory():
         "fragmentation, NCCL buffers, CUDA context, workspaces)"]
 
 
+def _first_step_largest():
+    """The hand-built estimate with the step's copies larger than the activations and the largest transient
+    together, so that the first optimizer step holds the peak; and that peak."""
+    copies = hand.ACTIVATION + hand.LARGEST + 10**9
+    est = hand.estimate()
+    est.step = phases.StepState(hand.MASTERS, hand.MOMENTS, masters_in_step=False,
+                                transients=(Component(TRANSIENT, phases.FP32_GRAD_COPIES, copies, "copies"),))
+    return est, hand.STATIC_BYTES + hand.BUFFER + copies
+
+
+def test_the_verdict_names_the_first_step_when_it_holds_the_peak():
+    est, first_step = _first_step_largest()
+    assert first_step > hand.STEADY_PEAK
+    gpu = 80 * GIB
+    text = render_plan.format_plan(hand.plan(gpu, baseline=est, fits_as_is=first_step <= int(gpu * 0.9)))
+    assert _lines(text, "fits as is: ") == [
+        f"fits as is: peak {_gib(first_step)} ({phases.FIRST_STEP}) of {_gib(int(gpu * 0.9))} usable"]
+
+
 def test_a_plan_that_fits_says_so_and_needs_no_lever():
     text = render_plan.format_plan(hand.plan(80 * GIB))
     assert _lines(text, "fits as is: ") == [
@@ -67,14 +86,8 @@ def test_each_phase_is_a_row_with_its_peak_in_gib_and_gb_and_the_largest_marked(
 
 
 def test_the_mark_follows_the_largest_phase_when_the_first_step_is_it():
-    """The step's copies made larger than the activations and the largest transient together: the first step
-    holds the peak, and only its row is marked."""
-    copies = hand.ACTIVATION + hand.LARGEST + 10**9
-    est = hand.estimate()
-    est.step = phases.StepState(hand.MASTERS, hand.MOMENTS, masters_in_step=False,
-                                transients=(Component(TRANSIENT, phases.FP32_GRAD_COPIES, copies,
-                                                "copies"),))
-    first_step = hand.STATIC_BYTES + hand.BUFFER + copies
+    """The first step holds the peak (:func:`_first_step_largest`), and only its row is marked."""
+    est, first_step = _first_step_largest()
     rows = _phase_rows(render_plan.format_plan(hand.plan(80 * GIB, baseline=est)))
     assert [row[0] for row in rows] == [phases.ITERATION_1, phases.FIRST_STEP + " (largest)", phases.STEADY]
     assert rows[1][1] == _gib(first_step)
