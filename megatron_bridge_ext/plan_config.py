@@ -29,12 +29,14 @@ def build_config(args):
     from megatron_bridge_ext.findings import Refused
 
     rank = args.lora_dim or LORA_DIM_DEFAULT
-    layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, seq=args.seq,
+    layout = configs.Layout(tp=args.tp, pp=args.pp, dp=args.dp, gpus=getattr(args, "gpus", None), ep=args.ep,
+                            etp=args.etp, seq=args.seq,
                             micro_batch=args.micro_batch, global_batch=args.global_batch, sequence_parallel=args.sp,
                             peft=args.peft, lora_dim=rank, lora_alpha=rank)
     built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
     _check_global_batch(built.cfg)
-    _check_experts(built.cfg, names={"ep": written(args, "ep"), "etp": written(args, "etp"), "dp": "--dp"})
+    dp_from = "--dp" if args.dp or not (getattr(args, "gpus", None) or args.recipe) else "--gpus"
+    _check_experts(built.cfg, names={"ep": written(args, "ep"), "etp": written(args, "etp"), "dp": dp_from})
     problem = built_problem(built.cfg, args)
     if problem:
         raise Refused("mbx plan input", [problem])

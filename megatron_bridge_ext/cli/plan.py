@@ -45,8 +45,12 @@ def add_parser(sub, make_parser) -> None:
                         "as \"80GB\" holds about 80GiB")
     p.add_argument("--tp", type=int, help="tensor parallel size (default: recipe; 1 with --hf-config)")
     p.add_argument("--pp", type=int, help="pipeline parallel size (default: recipe; 1 with --hf-config)")
-    p.add_argument("--dp", type=int, help="data parallel size, divides the distributed optimizer's states "
-                                          "(default: recipe, else 1)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="the run's world size: DP = N / (TP x PP x CP) (default: the count a recipe's name states, "
+                        "e.g. _16gpu_; else from --dp)")
+    p.add_argument("--dp", type=int, help="data parallel size, divides the distributed optimizer's states and sets "
+                                          "the microbatches of a step (default: from --gpus or the recipe's stated "
+                                          "GPU count; 1 with --hf-config alone)")
     p.add_argument("--ep", type=int, help="expert model parallel size of a mixture-of-experts model: divides its "
                                           "experts (default: recipe; 1 with --hf-config)")
     p.add_argument("--etp", type=int, help="expert tensor parallel size: the TP of the expert layers (default: "

@@ -25,11 +25,11 @@ def hf_problem(args):
     The rules and wording are the estimate's ``parallel_problems``, which checks the built model
     again; fields that overrides set are left to that check.
     """
-    from megatron_bridge_ext.estimate.configs import read_hf_config
+    from megatron_bridge_ext.estimate.configs import read_hf_config, text_fields
     from megatron_bridge_ext.findings import Refused
 
     try:
-        data = read_hf_config(args.hf_config)
+        data = text_fields(read_hf_config(args.hf_config))
     except Refused as refused:
         return refused.findings[0]
     shape = _hf_shape_problem(args, data)
@@ -43,7 +43,7 @@ def hf_problem(args):
                              "sequence the model takes, not the training length)",
                     "give the training length, e.g. --seq 4096")
     tp, pp = args.tp or 1, args.pp or 1
-    heads, layers = data["num_attention_heads"], data["num_hidden_layers"]
+    heads, layers = data["num_attention_heads"], data.get("num_hidden_layers")  # or a hybrid pattern's length
     groups = data.get("num_key_value_heads") or heads
     sp = args.sp if args.sp is not None else tp > 1
     checks = [
@@ -53,7 +53,7 @@ def hf_problem(args):
          f"TP={tp} does not divide the {groups} query groups"),
         ("model.seq_length", sp and tp > 1 and args.seq and args.seq % tp, "model.seq_length",
          f"sequence {args.seq} is not divisible by TP={tp} (sequence parallelism splits it)"),
-        ("model.num_layers", layers % pp, "model.pipeline_model_parallel_size",
+        ("model.num_layers", isinstance(layers, int) and layers % pp, "model.pipeline_model_parallel_size",
          f"PP={pp} does not divide the {layers} layers"),
     ]
     for field, failed, setting, message in checks:
@@ -98,7 +98,15 @@ def _hf_expert_problem(args, data: dict):
 
     names = {"ep": written(args, "ep"), "etp": written(args, "etp"), "dp": "--dp"}
     return expert_layout_problem(ep=sizes["ep"] or 1, etp=sizes["etp"], tp=sizes["tp"] or 1, cp=sizes["cp"] or 1,
-                          dp=(args.dp or 1) if alone else None, experts=_hf_experts(data), names=names)
+                          dp=_dp_before_build(args) if alone else None, experts=_hf_experts(data), names=names)
+
+
+def _dp_before_build(args) -> int:
+    """DP as --dp, or --gpus over TP x PP (no CP flag: an override's CP is checked after the build), else 1."""
+    gpus, per_replica = getattr(args, "gpus", None), (args.tp or 1) * (args.pp or 1)
+    if args.dp or not gpus or gpus % per_replica:
+        return args.dp or 1
+    return gpus // per_replica
 
 
 def _hf_shape_problem(args, data: dict):

@@ -29,7 +29,7 @@ SIZE_FIELDS = {"model.tensor_model_parallel_size": (2, False), "model.pipeline_m
 """The whole-number fields an override may set, each to 1 or more, with an example; True: null (unset) is
 allowed too."""
 PEFT_KINDS = ("lora", "dora", "canonical_lora")
-POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "ep": 4, "etp": 1, "seq": 4096, "micro_batch": 1, "global_batch": 128,
+POSITIVE_INTS = {"tp": 2, "pp": 2, "dp": 8, "gpus": 16, "ep": 4, "etp": 1, "seq": 4096, "micro_batch": 1, "global_batch": 128,
                  "lora_dim": 32}
 """The whole-number options, each 1 or more (checked before anything is imported), with an example value."""
 GPU_OVERRIDES = {"gpu_flops": ("bf16_flops", 1e12, 989.5), "gpu_hbm": ("hbm", 1e12, 3.35),
@@ -182,9 +182,9 @@ def seq_note(seq_length, hf_config: Optional[str]) -> Optional[str]:
     """A note when the training sequence is longer than config.json's ``max_position_embeddings``."""
     if not hf_config:
         return None
-    from megatron_bridge_ext.estimate.configs import read_hf_config
+    from megatron_bridge_ext.estimate.configs import read_hf_config, text_fields
 
-    longest = read_hf_config(hf_config).get("max_position_embeddings")
+    longest = text_fields(read_hf_config(hf_config)).get("max_position_embeddings")
     if not isinstance(longest, int) or not isinstance(seq_length, int) or seq_length <= longest:
         return None
     return (f"seq {seq_length} is longer than config.json's max_position_embeddings {longest}, the longest "

@@ -27,9 +27,11 @@ from megatron_bridge_ext.findings import ERROR, Finding, Refused
 
 WHAT = "mbx plan input"
 
-# What AutoBridge needs from a causal LM's config.json to build a GPT provider.
-REQUIRED_HF_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                      "vocab_size")
+# What every causal LM's config.json states (the text model's, under ``text_config`` in a multimodal one); the
+# layer count may be a pattern's length instead (``hybrid_override_pattern``, ``layers_block_type``). Other fields
+# (``intermediate_size``, absent where every layer is MoE) are the model's bridge's to read.
+REQUIRED_HF_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "vocab_size")
+LAYER_COUNT_FIELDS = ("num_hidden_layers", "hybrid_override_pattern", "layers_block_type")
 
 # The model's shape fields, each with its config.json key. A set value below 1 builds nothing: Megatron
 # Core divides by it or makes empty layers; None is left to Core, which derives the optional ones.
@@ -73,11 +75,15 @@ class Layout:
     ``peft`` is built as the overrides ``++peft._target_=... ++peft.dim=...`` would build it; with
     peft overrides of the user's it is built by them together, the user's keys winning.
     ``global_batch`` defaults to micro-batch x DP x PP: a full pipeline of microbatches.
+    ``gpus``: the world size; DP = gpus / (TP x PP x CP) once the recipe and the overrides have set those. A recipe
+    given neither ``gpus`` nor ``dp`` runs on the GPU count its function's name states (``_16gpu_``); one whose name
+    states none is refused with the fix (:func:`data_parallel`).
     """
 
     tp: Optional[int] = None
     pp: Optional[int] = None
     dp: Optional[int] = None
+    gpus: Optional[int] = None
     ep: Optional[int] = None
     etp: Optional[int] = None
     seq: Optional[int] = None
@@ -109,11 +115,21 @@ def read_hf_config(path: str) -> dict:
                       "give the model's config.json from its Hugging Face repository") from None
     if not isinstance(data, dict):
         raise _refuse("--hf-config", f"{path}: the JSON is not an object", "give the model's config.json")
-    missing = [name for name in REQUIRED_HF_FIELDS if name not in data]
+    text = text_fields(data)
+    missing = [name for name in REQUIRED_HF_FIELDS if name not in text]
+    missing += [] if any(name in text for name in LAYER_COUNT_FIELDS) else [LAYER_COUNT_FIELDS[0]]
     if missing:
-        raise _refuse("--hf-config", f"{path} lacks {', '.join(missing)}",
+        where = " (nor does its text_config)" if isinstance(data.get("text_config"), dict) else ""
+        raise _refuse("--hf-config", f"{path} lacks {', '.join(missing)}{where}",
                       "use the model's full config.json from its Hugging Face repository")
     return data
+
+
+def text_fields(data: dict) -> dict:
+    """The text model's fields of a config.json: a multimodal config's ``text_config`` over its top level (Bridge's
+    multimodal bridges build the language model from ``text_config``), else the config itself."""
+    text = data.get("text_config")
+    return {**data, **text} if isinstance(text, dict) else data
 
 
 @dataclass
@@ -148,8 +164,9 @@ def build(layout: Layout, overrides: list[str] = (), *, recipe: Optional[str] = 
           hf_config: Optional[str] = None) -> Built:
     """The config of ``recipe`` (or, without one, of ``hf_config`` in the vanilla GPT recipe), laid out and
     overridden."""
+    function, read = None, []
     if recipe is not None:
-        cfg = _call_recipe(recipe, hf_config)
+        cfg, function, read = _call_recipe(recipe, hf_config)
     else:
         cfg = _hf_config_container(hf_config)
     recipe_peft = cfg.peft is not None
@@ -158,7 +175,10 @@ def build(layout: Layout, overrides: list[str] = (), *, recipe: Optional[str] = 
     cfg, resolved = resolve_named_fields(cfg, layout, overrides)
     cfg = _with_overrides(cfg, resolved)
     reachable = cfg.peft is not None and not recipe_peft  # built by --peft or by overrides, on a recipe without one
-    notes = ["SP on: the default with TP > 1 (--no-sp turns it off)"] if sp_by_default and cfg.model.sequence_parallel \
+    notes = [data_parallel(cfg, layout, function)] + read
+    notes += [n for n in [hf_config and unknown_model_type(read_hf_config(hf_config))] if n]
+    notes += [n for n in [tokenizer_vocabulary(cfg, hf_config)] if n]
+    notes += ["SP on: the default with TP > 1 (--no-sp turns it off)"] if sp_by_default and cfg.model.sequence_parallel \
         else []
     from megatron_bridge_ext.estimate import precision
 
@@ -239,13 +259,32 @@ def _hf_config_container(path: str):
 
 
 def hf_config_object(data: dict):
-    """The transformers config of a ``config.json``'s JSON, as ``AutoConfig.from_pretrained`` would build it."""
-    from transformers import AutoConfig
+    """The transformers config of a ``config.json``'s JSON, as ``AutoConfig.from_pretrained`` would build it; for a
+    ``model_type`` the installed transformers does not know (a model whose config class is remote code, Kimi K2's),
+    a plain ``PretrainedConfig`` holding the file's fields as they are (:func:`unknown_model_type` says so): Bridge
+    picks its model bridge by ``architectures`` and reads the fields by name."""
+    from transformers import AutoConfig, PretrainedConfig
 
     data = dict(data)
     if "torch_dtype" in data and "dtype" not in data:  # the older spelling, which transformers now warns about
         data["dtype"] = data.pop("torch_dtype")
+    if unknown_model_type(data):
+        config = PretrainedConfig.from_dict(data)
+        config.model_type = data["model_type"]
+        return config
     return AutoConfig.for_model(**data)
+
+
+def unknown_model_type(data: dict) -> Optional[str]:
+    """A note when config.json's ``model_type`` is not one the installed transformers knows, else None."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = data.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        return None
+    return (f"model_type {model_type!r} is not one transformers {transformers.__version__} knows (its config class is "
+            "the model's own code): config.json's fields are read as they are")
 
 
 def _call_recipe(spec: str, hf_config: Optional[str]):
@@ -283,10 +322,90 @@ def _call_recipe(spec: str, hf_config: Optional[str]):
     if not isinstance(cfg, ConfigContainer):
         raise _refuse("--recipe", f"{spec}() returned {type(cfg).__name__}, not a ConfigContainer",
                       "give a Bridge recipe function")
-    if hf_config is not None and not hub.requested:
+    if hf_config is not None and not hub.requested and not _vocabulary_from_hf_tokenizer(cfg):
         raise _refuse("--hf-config", f"{spec}() reads no Hugging Face config, so {hf_config} would not be used",
                       "drop --hf-config, or give a recipe that builds its model from a Hugging Face config")
-    return cfg
+    notes = [f"the recipe's read of the {hub.tokenizer} tokenizer answered with its length taken as {hf_config}'s "
+             "vocab_size (no tokenizer files here)"] if hub.tokenizer else []
+    return cfg, getattr(recipe, "__name__", function_name), notes
+
+
+HF_TOKENIZER = "HuggingFaceTokenizer"
+
+
+def _vocabulary_from_hf_tokenizer(cfg) -> bool:
+    """The recipe leaves ``model.vocab_size`` to a Hugging Face model's tokenizer, whose config.json states it."""
+    tokenizer = getattr(cfg, "tokenizer", None)
+    return (getattr(cfg.model, "vocab_size", 1) is None and getattr(tokenizer, "tokenizer_type", None) == HF_TOKENIZER
+            and bool(getattr(tokenizer, "tokenizer_model", None)))
+
+
+def tokenizer_vocabulary(cfg, hf_config: Optional[str]) -> Optional[str]:
+    """``model.vocab_size`` where the recipe leaves it to the tokenizer, as Bridge's setup sets it
+    (``training/setup.py`` L294-299, ``_validate_and_set_vocab_size`` L702-706: the tokenizer's ``vocab_size``, with
+    ``should_pad_vocab``), and a note saying so; None when the model states its vocabulary or nothing here does.
+
+    A ``NullTokenizer`` states its size in ``cfg.tokenizer.vocab_size`` (Core's ``build_tokenizer``:
+    ``kwargs['vocab_size'] = args.vocab_size``); a Hugging Face tokenizer's size is taken from the config.json of its
+    model given with ``--hf-config`` (its ``vocab_size``: the model's embedding rows)."""
+    model, tokenizer = cfg.model, getattr(cfg, "tokenizer", None)
+    if getattr(model, "vocab_size", 1) is not None or tokenizer is None:
+        return None
+    kind = getattr(tokenizer, "tokenizer_type", None)
+    if kind == "NullTokenizer" and getattr(tokenizer, "vocab_size", None):
+        model.vocab_size, model.should_pad_vocab = tokenizer.vocab_size, True
+        return (f"vocabulary {tokenizer.vocab_size}: the recipe's NullTokenizer(vocab_size={tokenizer.vocab_size}), "
+                "padded as Bridge pads a tokenizer's vocabulary")
+    if _vocabulary_from_hf_tokenizer(cfg) and hf_config is not None:
+        vocab = text_fields(read_hf_config(hf_config)).get("vocab_size")
+        if isinstance(vocab, int) and vocab > 0:
+            model.vocab_size, model.should_pad_vocab = vocab, True
+            return (f"vocabulary {vocab}: the recipe's tokenizer is {tokenizer.tokenizer_model}'s, its size taken as "
+                    f"{hf_config}'s vocab_size, padded as Bridge pads a tokenizer's vocabulary")
+    return None
+
+
+_STATED_GPUS = re.compile(r"_(\d+)gpus?_")
+
+
+def stated_gpus(function_name: Optional[str]) -> Optional[int]:
+    """The GPU count a recipe function's name states (Bridge names them ``<model>_<task>_<N>gpu_<gpu>_<dtype>``,
+    ``qwen3_8b_pretrain_16gpu_h100_bf16_config``), or None. An alias (``qwen3_8b_peft_config``) is named by the
+    function it stands for."""
+    match = _STATED_GPUS.search(f"_{function_name or ''}_")
+    return int(match.group(1)) if match else None
+
+
+def data_parallel(cfg, layout: Layout, function: Optional[str]) -> str:
+    """Set ``cfg.data_parallel_size`` from ``--gpus``, ``--dp`` or the recipe's stated GPU count (in that order), and
+    say how it was decided, as one note. A recipe with none of them is refused: its DP divides the optimizer's
+    states and sets the microbatches of a step, so a silent DP 1 would misstate both."""
+    model = cfg.model
+    tp, pp, cp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size, model.context_parallel_size or 1
+    per_replica = tp * pp * cp
+    sizes = f"TP x PP x CP = {tp} x {pp} x {cp} = {per_replica}"
+    stated = stated_gpus(function) if layout.gpus is None and layout.dp is None else None
+    gpus, source = (layout.gpus, "--gpus") if layout.gpus is not None else (stated, f"the GPU count {function}'s name "
+                                                                                     "states; --gpus N changes it")
+    if gpus is not None:
+        if gpus % per_replica:
+            fix = "give a world size that is a multiple of it, e.g. --gpus " + str(per_replica * max(1, gpus // per_replica))
+            raise _refuse("--gpus", f"{gpus} GPUs ({source}) are not divisible by {sizes}", fix)
+        dp = gpus // per_replica
+        if layout.dp is not None and layout.dp != dp:
+            raise _refuse("--dp", f"--dp {layout.dp} and --gpus {gpus} disagree: {gpus} GPUs / ({sizes}) = DP {dp}",
+                          "give one of them")
+        cfg.data_parallel_size = dp
+        return f"{gpus} GPUs ({source}): DP = {gpus} / ({sizes}) = {dp}"
+    if layout.dp is not None:
+        return f"{layout.dp * per_replica} GPUs: DP {layout.dp} (--dp) x {sizes}"
+    if function is not None:
+        raise _refuse("--gpus", f"{function}'s name states no GPU count, and neither --gpus nor --dp was given, so "
+                      "the data-parallel size is unknown", "give the run's world size, e.g. --gpus "
+                      f"{per_replica * 8}, or its data-parallel size, e.g. --dp 8")
+    cfg.data_parallel_size = cfg.data_parallel_size or 1
+    return (f"{cfg.data_parallel_size * per_replica} GPUs: DP {cfg.data_parallel_size} (the default without --gpus or "
+            f"--dp) x {sizes}")
 
 
 def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> bool:
@@ -304,7 +423,7 @@ def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> bool:
         model.sequence_parallel = sp_by_default = model.tensor_model_parallel_size > 1
     if layout.micro_batch is not None:
         cfg.train.micro_batch_size = layout.micro_batch
-    dp = layout.dp or getattr(cfg, "data_parallel_size", None) or default_dp
+    dp = layout.dp or _dp_of_gpus(layout.gpus, model) or getattr(cfg, "data_parallel_size", None) or default_dp
     if dp is not None:
         cfg.data_parallel_size = dp
     if layout.global_batch is not None:
@@ -322,6 +441,13 @@ def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> bool:
             raise _refuse("--peft", f"{layout.peft!r} is not one of {', '.join(kinds.KINDS)} or none",
                           f"use --peft {' or '.join(kinds.KINDS)}, or --peft none")
     return sp_by_default
+
+
+def _dp_of_gpus(gpus: Optional[int], model) -> Optional[int]:
+    """DP for ``gpus`` GPUs at the sizes set so far (the global batch's default needs it before the overrides;
+    :func:`data_parallel` sets the final one, or refuses a count the sizes do not divide)."""
+    per_replica = model.tensor_model_parallel_size * model.pipeline_model_parallel_size * (model.context_parallel_size or 1)
+    return gpus // per_replica if gpus and gpus % per_replica == 0 else None
 
 
 def _layout_peft_object(layout: Layout):

@@ -16,7 +16,11 @@ While :func:`answering` is active (``mbx plan --recipe`` runs the recipe functio
   connection to its endpoint within a few seconds, means it does not); when it does not, the read
   uses the local cache only, and ``safe_load_config_with_retry`` makes one attempt instead of four.
 
-Outside the block both wrappers call upstream unchanged. A local directory path is never redirected.
+A recipe that reads the model's tokenizer from the hub (``AutoTokenizer.from_pretrained``: Bridge's Gemma 2 and 3
+fine-tuning recipes, to grow the vocabulary to the tokenizer's length) gets, with a local config, a
+:class:`TokenizerLength` of that config's ``vocab_size``, and without one and without the hub an ``OSError`` at once.
+
+Outside the block the wrappers call upstream unchanged. A local directory path is never redirected.
 """
 
 from __future__ import annotations
@@ -46,6 +50,21 @@ class HubRead:
     unreachable: Optional[str] = None
     """Why the hub was taken as unreachable (None: reachable, or not checked)."""
     checked: bool = False
+    tokenizer: Optional[str] = None
+    """The hub id of a tokenizer the recipe read, answered by :class:`TokenizerLength` from the local config."""
+
+
+class TokenizerLength:
+    """What a planner can say of a hub tokenizer without its files: its length, taken as the local config.json's
+    ``vocab_size`` (the embedding rows of the model it belongs to). Bridge's Gemma recipes read a tokenizer only to
+    grow ``model.vocab_size`` to ``len(tokenizer)`` (``recipes/gemma/h100/gemma2.py`` L300-306, ``gemma3.py``
+    L153-158), so this answer leaves the model's vocabulary as config.json states it."""
+
+    def __init__(self, name: str, vocab_size: int):
+        self.name_or_path, self.vocab_size = name, vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
 
 
 _ACTIVE: list[HubRead] = []
@@ -93,6 +112,28 @@ def _wrap_from_pretrained(original) -> Callable:
     return classmethod(from_pretrained)
 
 
+def _vocab_size(config) -> Optional[int]:
+    """A transformers config's vocabulary, its text model's where a multimodal config nests it."""
+    return getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+
+
+def _wrap_tokenizer(original) -> Callable:
+    """A hub tokenizer read inside :func:`answering`: the local config's length (:class:`TokenizerLength`), or, with
+    no local config and no hub, an ``OSError`` at once instead of the hub client's retries."""
+    def from_pretrained(cls, path, *args, **kwargs):
+        state = _state_for(path)
+        vocab = _vocab_size(state.local) if state is not None else None
+        if vocab:
+            state.tokenizer = str(path)
+            return TokenizerLength(str(path), vocab)
+        if state is not None and state.unreachable:
+            raise OSError(f"the tokenizer of {path} is on the Hugging Face hub, which is not reachable "
+                          f"({state.unreachable})")
+        return original(cls, path, *args, **kwargs)
+
+    return classmethod(from_pretrained)
+
+
 def _wrap_safe_load(original) -> Callable:
     def safe_load_config_with_retry(path, *args, **kwargs):
         state = _state_for(path)
@@ -110,10 +151,12 @@ def _needed() -> tuple[bool, str]:
 
 
 def _apply() -> Callable[[], None]:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     original = AutoConfig.__dict__["from_pretrained"]
     AutoConfig.from_pretrained = _wrap_from_pretrained(original.__func__)
+    tokenizer = AutoTokenizer.__dict__["from_pretrained"]
+    AutoTokenizer.from_pretrained = _wrap_tokenizer(tokenizer.__func__)
     auto_bridge = sys.modules.get(AUTO_BRIDGE)
     safe_load = getattr(auto_bridge, "safe_load_config_with_retry", None)
     if safe_load is not None:
@@ -121,6 +164,7 @@ def _apply() -> Callable[[], None]:
 
     def undo() -> None:
         AutoConfig.from_pretrained = original
+        AutoTokenizer.from_pretrained = tokenizer
         if safe_load is not None:
             auto_bridge.safe_load_config_with_retry = safe_load
 
@@ -129,7 +173,7 @@ def _apply() -> Callable[[], None]:
 
 PATCH = Patch(
     name="bridge_recipe_hf_config",
-    target="transformers.AutoConfig.from_pretrained, and "
+    target="transformers.AutoConfig.from_pretrained, transformers.AutoTokenizer.from_pretrained, and "
            f"{AUTO_BRIDGE}.safe_load_config_with_retry (AutoBridge.from_hf_pretrained's config read)",
     distribution="megatron-bridge",
     versions=">=0.5.1,<=0.6.2",

@@ -179,7 +179,21 @@ def test_config_json_missing_fields_is_one_line(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 128}))
     line = _one_line_error(capsys, ["--hf-config", str(path), "--gpu-memory", "80GiB"])
-    assert "lacks num_hidden_layers, num_attention_heads, intermediate_size" in line
+    assert "lacks num_attention_heads, num_hidden_layers" in line
+
+
+def test_a_multimodal_config_json_is_read_from_its_text_config(capsys, tmp_path):
+    """Bridge's multimodal bridges build the language model from ``text_config``: the shape checks read it there
+    (its 3 query groups are not divisible by TP 2, a check that needs the nested fields)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_vl", "text_config": {
+        "model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 6, "num_key_value_heads": 3,
+        "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 128}}))
+    line = _one_line_error(capsys, ["--hf-config", str(path), "--gpu-memory", "80GiB", "--seq", "64", "--tp", "2"])
+    assert "TP=2 does not divide the 3 query groups" in line
+    path.write_text(json.dumps({"model_type": "qwen3_vl", "text_config": {"model_type": "qwen3", "hidden_size": 64}}))
+    line = _one_line_error(capsys, ["--hf-config", str(path), "--gpu-memory", "80GiB", "--seq", "64"])
+    assert "lacks num_attention_heads, vocab_size, num_hidden_layers (nor does its text_config)" in line
 
 
 def test_plot_without_matplotlib_is_one_line(capsys, monkeypatch, tmp_path):
@@ -281,7 +295,7 @@ def test_the_answer_pasted_into_a_run_of_a_recipe_that_sets_peft_switches_its_lo
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     run = TINY + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=1024"]
-    report = _json_plan(capsys, "--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--gpu-memory", "1MB",
+    report = _json_plan(capsys, "--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--dp", "1", "--gpu-memory", "1MB",
                         *TINY)
     switching = [o for o in report["options"] if o["applicable"] and o["memory_config"].get("sequence_parallel_input_strategy")]
     assert switching
@@ -302,7 +316,7 @@ def test_the_answer_pasted_into_a_run_of_a_recipe_that_sets_peft_switches_its_lo
 
 
 def test_peft_flag_with_the_strategy_overrides_traces_the_strategy(capsys):
-    report = _json_plan(capsys, "--recipe", VANILLA, "--tp", "2", "--seq", "1024", "--peft", "lora", "--gpu-memory",
+    report = _json_plan(capsys, "--recipe", VANILLA, "--tp", "2", "--seq", "1024", "--dp", "1", "--peft", "lora", "--gpu-memory",
                         "80GB", *TINY, *OUR_LORA)
     settings = report["estimate"]["settings"]
     assert settings["sequence_parallel_input_strategy"] == "shard_local" and settings["lora_dim"] == 32  # --lora-dim's default
@@ -343,7 +357,7 @@ def test_neither_recipe_nor_config_json_is_one_line(capsys):
 
 @pytest.mark.parametrize("sp, expected", [([], True), (["--no-sp"], False)])
 def test_tp_on_a_recipe_turns_sequence_parallelism_on_as_with_a_config_json(capsys, sp, expected):
-    argv = ["plan", "--recipe", VANILLA, "--tp", "2", "--seq", "1024", *sp, "--gpu-memory", "80GB", *TINY]
+    argv = ["plan", "--recipe", VANILLA, "--tp", "2", "--seq", "1024", "--dp", "1", *sp, "--gpu-memory", "80GB", *TINY]
     assert cli.main(argv) == 0
     config_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("config: "))
     assert ("SP=on" in config_line) is expected
@@ -371,8 +385,8 @@ def test_a_bridge_model_recipe_plans_offline_from_a_local_config_json(capsys, tm
     data["num_hidden_layers"] = 3  # not the hub's 36: the layers come from this file
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
-    report = _json_plan(capsys, "--recipe", QWEN3_RECIPE, "--hf-config", str(path), "--tp", "2", "--seq", "1024",
-                        "--gpu-memory", "200GB")
+    report = _json_plan(capsys, "--recipe", QWEN3_RECIPE, "--hf-config", str(path), "--tp", "2", "--gpus", "2",
+                        "--seq", "1024", "--gpu-memory", "200GB")
     settings = report["estimate"]["settings"]
     assert (settings["num_layers"], settings["hidden"]) == (3, data["hidden_size"])
     assert settings["tp"] == 2 and settings["sequence_parallel"] is True  # the recipe's SP=False follows --tp 2
@@ -440,7 +454,7 @@ def _without_seconds(value):
 
 @pytest.mark.parametrize("argv", [
     ["--hf-config", QWEN3_8B, "--tp", "2", "--seq", "8192", "--peft", "lora", "--dp", "4", "--gpu-memory", "40GB"],
-    ["--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--gpu-memory", "1MB", *TINY],
+    ["--recipe", WITH_LORA, "--tp", "2", "--sp", "--seq", "1024", "--dp", "1", "--gpu-memory", "1MB", *TINY],
 ], ids=["readme-qwen3-8b", "recipe-with-lora"])
 def test_the_plan_is_the_same_without_the_imports_it_leaves_out(argv):
     """The README's example and a recipe, each planned in a fresh interpreter with the plan's import patches and
@@ -684,3 +698,64 @@ def test_gpu_flag_and_overrides_reach_the_device(capsys):
                                           "--gpu", "b200", "--gpu-flops", "1000", "--gpu-nvlink", "300"])
     assert plan_cli.check_args(args) is None
     assert (args.device.name, args.device.bf16_flops, args.device.nvlink, args.device.hbm) == ("b200", 1e15, 3e11, 8e12)
+
+
+# ------------------------------------------------------------------------------------------------
+# The world size: --gpus, --dp, or the GPU count a recipe's name states; never DP 1 unsaid
+# ------------------------------------------------------------------------------------------------
+
+QWEN3_16GPU = "megatron.bridge.recipes.qwen.h100.qwen3:qwen3_8b_pretrain_16gpu_h100_bf16_config"
+
+
+def _built(*argv):
+    from megatron_bridge_ext.cli import build_parser
+    from megatron_bridge_ext.plan_config import build_config
+
+    args = build_parser().parse_args(["plan", *argv, "--gpu-memory", "80GiB"])
+    assert plan_cli.check_args(args) is None
+    return build_config(args)[0]
+
+
+def test_a_recipe_runs_on_the_gpu_count_its_name_states_and_says_so():
+    """qwen3_8b_pretrain_16gpu: 16 GPUs over the recipe's TP x PP x CP (read from its config) give DP."""
+    built = _built("--recipe", QWEN3_16GPU, "--hf-config", QWEN3_8B)
+    model = built.cfg.model
+    per_replica = model.tensor_model_parallel_size * model.pipeline_model_parallel_size * model.context_parallel_size
+    assert built.cfg.data_parallel_size == 16 // per_replica
+    assert (f"16 GPUs (the GPU count qwen3_8b_pretrain_16gpu_h100_bf16_config's name states; --gpus N changes it): "
+            f"DP = 16 / (TP x PP x CP = {model.tensor_model_parallel_size} x {model.pipeline_model_parallel_size} x "
+            f"{model.context_parallel_size} = {per_replica}) = {16 // per_replica}") in built.notes
+
+
+def test_gpus_sets_dp_for_a_config_json_and_a_recipe():
+    built = _built("--hf-config", QWEN3_8B, "--seq", "4096", "--tp", "2", "--gpus", "8")
+    assert built.cfg.data_parallel_size == 4 and built.cfg.train.global_batch_size == 4  # micro-batch 1 x DP 4 x PP 1
+    assert "8 GPUs (--gpus): DP = 8 / (TP x PP x CP = 2 x 1 x 1 = 2) = 4" in built.notes
+    built = _built("--recipe", QWEN3_16GPU, "--hf-config", QWEN3_8B, "--gpus", "32")
+    model = built.cfg.model
+    assert built.cfg.data_parallel_size == 32 // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size
+                                                  * model.context_parallel_size)
+
+
+def test_dp_one_by_default_is_said_for_a_config_json():
+    built = _built("--hf-config", QWEN3_8B, "--seq", "4096", "--tp", "2")
+    assert built.cfg.data_parallel_size == 1
+    assert "2 GPUs: DP 1 (the default without --gpus or --dp) x TP x PP x CP = 2 x 1 x 1 = 2" in built.notes
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--recipe", WITH_LORA, *TINY], "--gpus: vanilla_gpt_with_lora's name states no GPU count, and neither "
+                                   "--gpus nor --dp was given, so the data-parallel size is unknown. Fix: give the "
+                                   "run's world size, e.g. --gpus 8"),
+    (["--hf-config", QWEN3_8B, "--seq", "4096", "--tp", "2", "--gpus", "7"],
+     "--gpus: 7 GPUs (--gpus) are not divisible by TP x PP x CP = 2 x 1 x 1 = 2. Fix: give a world size that is a "
+     "multiple of it, e.g. --gpus 6"),
+    (["--hf-config", QWEN3_8B, "--seq", "4096", "--tp", "2", "--gpus", "8", "--dp", "2"],
+     "--dp: --dp 2 and --gpus 8 disagree: 8 GPUs / (TP x PP x CP = 2 x 1 x 1 = 2) = DP 4. Fix: give one of them"),
+    (["--recipe", QWEN3_RECIPE, "--hf-config", QWEN3_8B, "--tp", "2"],
+     "--gpus: 1 GPUs (the GPU count qwen3_8b_peft_1gpu_h100_bf16_config's name states; --gpus N changes it) are not "
+     "divisible by TP x PP x CP = 2 x 1 x 1 = 2"),
+    (["--hf-config", QWEN3_8B, "--seq", "4096", "--gpus", "0"], "--gpus: 0 is not a whole number of 1 or more"),
+], ids=["recipe-without-a-count", "not-divisible", "disagrees-with-dp", "layout-outgrows-the-stated-count", "zero"])
+def test_a_world_size_that_cannot_be_is_one_line(capsys, argv, fragment):
+    assert fragment in _one_line_error(capsys, [*argv, "--gpu-memory", "80GiB"])

@@ -30,3 +30,48 @@ def test_a_shape_field_below_one_is_refused_before_the_model_is_built(qwen_tp2, 
     with pytest.raises(Refused) as refused:
         estimate(cfg)
     assert refused.value.one_line() == f"model.{field}: is {value}. Fix: set it to a whole number of 1 or more"
+
+
+NEMOTRONH_4B = "megatron.bridge.recipes.nemotronh.h100.nemotronh:nemotronh_4b_pretrain_1gpu_h100_bf16_config"
+NANO_PRETRAIN = "megatron.bridge.recipes.nemotronh.h100.nemotron_3_nano:nemotron_3_nano_pretrain_8gpu_h100_bf16_config"
+
+
+def test_a_null_tokenizers_vocabulary_is_the_models_as_bridges_setup_sets_it():
+    """The recipe leaves model.vocab_size unset and states NullTokenizer(vocab_size=...): Bridge's setup takes the
+    tokenizer's size and pads it (training/setup.py _validate_and_set_vocab_size)."""
+    import importlib
+
+    module, _, function = NEMOTRONH_4B.partition(":")
+    stated = getattr(importlib.import_module(module), function)().tokenizer
+    assert stated.tokenizer_type == "NullTokenizer" and stated.vocab_size
+    built = configs.build(configs.Layout(), recipe=NEMOTRONH_4B)
+    assert (built.cfg.model.vocab_size, built.cfg.model.should_pad_vocab) == (stated.vocab_size, True)
+    assert any(n.startswith(f"vocabulary {stated.vocab_size}: the recipe's NullTokenizer") for n in built.notes)
+
+
+def test_a_hugging_face_tokenizers_vocabulary_is_read_from_the_config_json_given():
+    import json
+
+    from tests.support.estimate import DATA
+
+    path = f"{DATA}/nemotron-3-nano-30b-a3b/config.json"
+    built = configs.build(configs.Layout(), recipe=NANO_PRETRAIN, hf_config=path)
+    assert built.cfg.model.vocab_size == json.load(open(path))["vocab_size"] and built.cfg.model.should_pad_vocab
+    assert any("tokenizer is nvidia/" in n and f"{path}'s vocab_size" in n for n in built.notes)
+    # without the file the vocabulary stays unset, and the plan's check of the built config says so
+    from types import SimpleNamespace
+
+    from megatron_bridge_ext.plan_config import built_problem
+
+    unset = configs.build(configs.Layout(), recipe=NANO_PRETRAIN).cfg
+    assert unset.model.vocab_size is None
+    assert built_problem(unset, SimpleNamespace(etp=None, moe_imbalance=None)).setting == "model.vocab_size"
+
+
+def test_a_model_type_transformers_does_not_know_is_read_as_its_fields(tmp_path):
+    data = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128, "kv_lora_rank": 16}
+    config = configs.hf_config_object(data)
+    assert (config.model_type, config.kv_lora_rank, config.architectures) == ("kimi_k2", 16, data["architectures"])
+    assert "model_type 'kimi_k2' is not one transformers" in configs.unknown_model_type(data)
+    assert configs.unknown_model_type({"model_type": "qwen3"}) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.support.fresh import run
@@ -63,3 +65,33 @@ def test_upstream_recipe_retries_its_hub_read_four_times_and_the_patch_answers_o
     assert result["failed"][:2] == [1, True]  # one look in the local cache
     assert result["unreachable"].startswith("no connection to huggingface.co:443")
     assert result["reverted"][:2] == [4, False] and result["applied"] is False
+
+
+def test_a_hub_tokenizer_read_is_answered_by_the_local_configs_length_or_fails_at_once():
+    """Gemma's fine-tuning recipes read the tokenizer to grow the vocabulary to its length: with a local config the
+    read returns that config's vocab_size as the length (no growth, the model as config.json states it); with no
+    local config and no hub it fails at once, where upstream's hub client retries for minutes."""
+    result = run(_HUB_RECIPE, """
+        import time
+        from transformers import AutoTokenizer
+        hub_calls = []
+        def hub(cls, path, *args, **kwargs):
+            hub_calls.append(path)
+            raise OSError("would retry the hub")
+        AutoTokenizer.from_pretrained = classmethod(hub)
+        with bridge_recipe_hf_config.answering(hf_config_object(data)) as local_read:
+            answered = AutoTokenizer.from_pretrained("google/gemma-2-2b", trust_remote_code=True)
+        with bridge_recipe_hf_config.answering():
+            began = time.monotonic()
+            try:
+                AutoTokenizer.from_pretrained("google/gemma-2-2b")
+                failed = None
+            except OSError as error:
+                failed = str(error)
+        report(length=len(answered), tokenizer=local_read.tokenizer, failed=failed, hub_calls=hub_calls)
+    """)
+    assert result["length"] == json.load(open("tests/data/qwen3-8b/config.json"))["vocab_size"]
+    assert result["tokenizer"] == "google/gemma-2-2b"
+    assert result["failed"].startswith("the tokenizer of google/gemma-2-2b is on the Hugging Face hub, which is not "
+                                       "reachable (no connection to huggingface.co:443")
+    assert result["hub_calls"] == []  # neither read reached the hub client
