@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import configs, mamba, phases, precision, routing, static, te, te_fp8, unmodelled
+from megatron_bridge_ext.estimate import (configs, features, mamba, phases, precision, routing, static, te, te_fp8,
+                                          unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
                                                 set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
@@ -174,27 +175,13 @@ def _fp4(setting: str) -> Finding:
 
 
 def _unsupported(model) -> list[Finding]:
-    out = unmodelled.hybrid_findings(model)
-    for field, what in (("multi_latent_attention", "multi-latent attention"),
-                        ("mtp_num_layers", "multi-token prediction")):
-        if getattr(model, field, None):
-            out.append(Finding("unsupported_model", ERROR, f"model.{field}", f"{what} are not modelled by the estimate",
-                               "estimate a GPT config without it, or use Bridge's estimate_training_memory"))
-    if getattr(model, "num_moe_experts", None):
-        out += _unsupported_moe(model)
+    out = unmodelled.hybrid_findings(model) + features.findings(model)
     if getattr(model, "fp4", None):
         out.append(_fp4("model.fp4"))
     if getattr(model, "fp8", None) and getattr(model, "fp8_recipe", None) not in precision.RECIPES:
         out.append(Finding("unsupported_model", ERROR, "model.fp8_recipe",
                            f"FP8 recipe {model.fp8_recipe!r} is not modelled by the estimate",
                            f"use one of {', '.join(precision.RECIPES)}"))
-    if getattr(model, "fp8", None) and getattr(model, "num_moe_experts", None):
-        out.append(Finding("unsupported_model", ERROR, "model.fp8",
-                           "FP8 on mixture-of-experts layers is not modelled by the estimate (the expert linears' "
-                           "quantised copies are not counted)", "estimate the bf16 config"))
-    if (model.context_parallel_size or 1) > 1:
-        out.append(Finding("unsupported_model", ERROR, "model.context_parallel_size",
-                           "context parallelism is not modelled by the estimate", "estimate with context_parallel_size=1"))
     return out
 
 
@@ -212,31 +199,6 @@ def _unhonoured(optimizer, ddp) -> list[Finding]:
     sections = {"optimizer": optimizer, "ddp": ddp}
     return [Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
             for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
-
-
-MOE_DISPATCHERS = ("allgather", "alltoall")
-"""The token dispatchers the estimate traces (Core's ``flex`` needs DeepEP or HybridEP kernels)."""
-
-
-def _unsupported_moe(model) -> list[Finding]:
-    """MoE settings the balanced-load stand-in (:mod:`.routing`) does not model: other dispatchers, token dropping."""
-    out = []
-    dispatcher = getattr(model, "moe_token_dispatcher_type", "allgather")
-    if dispatcher not in MOE_DISPATCHERS:
-        out.append(Finding("unsupported_model", ERROR, "model.moe_token_dispatcher_type",
-                           f"the {dispatcher!r} token dispatcher is not modelled by the estimate"
-                           + (" (its DeepEP / HybridEP kernels do not run here)" if dispatcher == "flex" else ""),
-                           "estimate the same experts with Core's all-to-all dispatcher: add the override "
-                           "model.moe_token_dispatcher_type=alltoall"))
-    if getattr(model, "moe_expert_capacity_factor", None) is not None or \
-            getattr(model, "moe_pad_expert_input_to_capacity", False):
-        out.append(Finding("unsupported_model", ERROR, "model.moe_expert_capacity_factor",
-                           "token dropping (expert capacity) is not modelled by the estimate",
-                           "estimate the dropless config (moe_expert_capacity_factor=None), an upper bound"))
-    if getattr(model, "moe_latent_size", None):
-        out.append(Finding("unsupported_model", ERROR, "model.moe_latent_size",
-                           "latent MoE projections are not modelled by the estimate", "estimate without them"))
-    return out
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
