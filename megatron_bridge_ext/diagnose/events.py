@@ -95,6 +95,12 @@ def classify_message(event: AllocatorOOM, *, expandable: Optional[bool] = None) 
     if reserved is None or unallocated is None:
         return Verdict(UNKNOWN, "the message lacks the allocated and reserved figures", _step(1, expandable), numbers)
     notes = []
+    if event.this_process_pid is not None:
+        numbers["this_process_pid"] = event.this_process_pid
+        notes.append(f"'Process {event.this_process_pid} has {fmt_bytes(event.this_process)} memory in use' is this "
+                     f"process: it uses at least the {fmt_bytes(reserved)} its allocator reserved, and PyTorch names "
+                     "its own process by pid when the pid NVML reports is not the one it sees (a container's PID "
+                     "namespace)")
     share = unallocated / reserved if reserved else 0.0
     if request is not None and unallocated >= request and unallocated >= MIN_GAP_BYTES and share >= GAP_FRACTION:
         summary = (f"{fmt_bytes(unallocated)} reserved but unallocated ({share:.1%} of {fmt_bytes(reserved)} "
@@ -106,7 +112,7 @@ def classify_message(event: AllocatorOOM, *, expandable: Optional[bool] = None) 
         summary = (f"{fmt_bytes(private)} sit free in CUDA-graph private pools ({private / reserved:.1%} of "
                    f"{fmt_bytes(reserved)} reserved), usable only by their graphs; the request was "
                    f"{fmt_bytes(request)}")
-        return Verdict(GRAPH_POOLS, summary, dict(GRAPH_STEP), numbers)
+        return Verdict(GRAPH_POOLS, summary, dict(GRAPH_STEP), numbers, tuple(notes))
     others = sum(size for _, size in event.other_processes)
     capacity = event.allowed or event.total
     if others or (outside is not None and capacity and outside >= OUTSIDE_FRACTION * capacity):
@@ -115,7 +121,7 @@ def classify_message(event: AllocatorOOM, *, expandable: Optional[bool] = None) 
             parts.append(f"{len(event.other_processes)} other process{'es' if len(event.other_processes) > 1 else ''} "
                          f"hold {fmt_bytes(others)} (" + ", ".join(f"pid {p}: {fmt_bytes(s)}"
                                                                   for p, s in event.other_processes[:4]) + ")")
-        return Verdict(OUTSIDE, "; ".join(parts), dict(OUTSIDE_STEP), numbers)
+        return Verdict(OUTSIDE, "; ".join(parts), dict(OUTSIDE_STEP), numbers, tuple(notes))
     of = f" of the device's {fmt_bytes(capacity)}" if capacity else ""
     summary = (f"{fmt_bytes(event.allocated)} allocated{of} ({event.allocated / capacity:.1%})" if capacity else
                f"{fmt_bytes(event.allocated)} allocated") + (

@@ -72,6 +72,9 @@ class AllocatorOOM:
     allowed: Optional[int] = None
     this_process: Optional[int] = None
     other_processes: tuple = ()  # ((pid, bytes), ...)
+    this_process_pid: Optional[int] = None
+    """The pid of a ``Process <pid> has ...`` line read as this process (:func:`_own_process`): inside a container
+    PyTorch prints its own usage so."""
 
     @property
     def reserved(self) -> Optional[int]:
@@ -142,11 +145,16 @@ def parse_allocator(text: str) -> Optional[AllocatorOOM]:
         allowed = _ALLOWED.search(info)
         own = _SELF.search(info)
         private = _size(new, 11) or 0
+        allocated, unallocated = _size(new, 9) - private, _size(new, 13)
+        processes = tuple((int(p.group(1)), size_bytes(p.group(2), p.group(3))) for p in _PROCESS.finditer(info))
+        mine = None if own else _own_process(processes, allocated + private + unallocated)
+        if mine is not None:
+            processes = tuple(p for p in processes if p != mine)
         return AllocatorOOM(  # the message's "allocated by PyTorch" counts the private pools' free blocks
-            "torch-2.1+", _size(new, 1), int(new.group(3)), _size(new, 4), _size(new, 6), _size(new, 9) - private,
-            _size(new, 13), private, _size(allowed, 1) if allowed else None,
-            _size(own, 1) if own else None,
-            tuple((int(p.group(1)), size_bytes(p.group(2), p.group(3))) for p in _PROCESS.finditer(info)))
+            "torch-2.1+", _size(new, 1), int(new.group(3)), _size(new, 4), _size(new, 6), allocated, unallocated,
+            private, _size(allowed, 1) if allowed else None,
+            _size(own, 1) if own else (mine[1] if mine else None), processes,
+            this_process_pid=mine[0] if mine else None)
     old = _OLD.search(text)
     if old:
         allocated, reserved = _size(old, 6), _size(old, 12)
@@ -156,6 +164,20 @@ def parse_allocator(text: str) -> Optional[AllocatorOOM]:
     if fraction:
         return AllocatorOOM("fraction-limit", _size(fraction, 1))
     return None
+
+
+def _own_process(processes: tuple, reserved: int) -> Optional[tuple]:
+    """The listed process that is this one, when the message has no ``this process has`` line, else None.
+
+    c10 words its per-process lines (``reportProcessMemoryInfo``) from NVML's list of the device's processes:
+    ``"Including non-PyTorch memory, this process has %s memory in use. "`` for the entry whose pid equals
+    ``getpid()``, ``"Process %d has %s memory in use. "`` for every other. Inside a PID namespace (Docker, enroot,
+    Kubernetes) NVML reports host pids, which never equal the container's ``getpid()``, so the failing process is
+    listed as ``Process <host pid>``. A process uses at least what its allocator reserved (``reserved`` bytes, plus
+    its CUDA context): exactly one listed process using that much is this process; none, or more than one, leaves
+    the lines as they are."""
+    candidates = [p for p in processes if p[1] >= reserved]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def parse_external(text: str) -> Optional[ExternalOOM]:

@@ -62,3 +62,38 @@ def test_a_library_oom_is_outside_the_allocator_with_its_settings():
     assert v.kind == events.OUTSIDE and "NCCL_BUFFSIZE" in v.next_step["action"]
     for source in events.EXTERNAL_STEPS:
         assert events.classify_external(ExternalOOM(source, "x")).kind == events.OUTSIDE
+
+
+CONTAINER_OOM = ("CUDA out of memory. Tried to allocate 3.50 GiB. GPU 1 has a total capacity of 79.10 GiB of which "
+                 "512.00 MiB is free. Process 2431574 has 78.58 GiB memory in use. Of the allocated memory 76.90 GiB is "
+                 "allocated by PyTorch, and 250.00 MiB is reserved by PyTorch but unallocated. If reserved but "
+                 "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+                 "fragmentation.  See documentation for Memory Management  "
+                 "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+"""A capacity OOM inside a container, as torch 2.14.1 words it: c10/cuda/CUDACachingAllocator.cpp
+``reportProcessMemoryInfo`` writes ``"Process " << pid << " has " << format_size(usedGpuMemory) << " memory in use. "``
+for every NVML process whose pid is not ``getpid()``, and inside a PID namespace NVML's host pid never is."""
+
+
+def test_a_container_oom_names_its_own_process_by_pid_and_is_classed_on_its_numbers():
+    """78.58 GiB in use is at least the 77.15 GiB (76.90 + 0.25) this process reserved: it is this process, so
+    nothing outside it holds the device (79.10 - 0.5 - 77.15 = 1.45 GiB outside, under 10%): capacity."""
+    event = parse_allocator(CONTAINER_OOM)
+    assert event.this_process_pid == 2431574 and event.other_processes == ()
+    assert event.this_process == round(78.58 * GIB)
+    v = events.classify_message(event)
+    assert v.kind == events.CAPACITY and v.next_step["step"] == 2
+    assert any(note.startswith("'Process 2431574 has 78.58 GiB memory in use' is this process") for note in v.notes)
+
+
+@pytest.mark.parametrize("processes, own", [
+    (((2431574, 78 * GIB), (555, 1 * GIB)), 2431574),  # the one at least as large as the reserve is this process
+    (((9, 77 * GIB),), 9),  # exactly the reserve (its CUDA context shows in no line here): this process
+    (((2431574, 70 * GIB),), None),  # below the reserve: another process (this one has no line)
+    (((1, 78 * GIB), (2, 78 * GIB)), None),  # two could be: neither is taken
+], ids=["one-over-the-reserve", "at-the-reserve", "under-the-reserve", "two-candidates"])
+def test_only_one_listed_process_using_at_least_the_reserve_is_taken_as_this_one(processes, own):
+    event = parse_allocator(allocator_oom(2 * GIB, total=80 * GIB, free=100 * MIB, allocated=76 * GIB,
+                                          reserved=77 * GIB, processes=processes))
+    assert event.this_process_pid == own
+    assert [p for p, _ in event.other_processes] == [p for p, _ in processes if p != own]
