@@ -49,6 +49,11 @@ INACTIVE_SPLIT = "inactive_split_bytes.all.current"
 RETRIES = "num_alloc_retries"
 OOMS = "num_ooms"
 
+NO_OOM = "no OOM recorded"
+"""The class of stats taken when no out-of-memory error had happened (``num_ooms`` 0): the state, not a failure."""
+NO_OOM_STEP = {"step": None, "name": "none", "action": "no out-of-memory error to act on: these stats show the state "
+               "when they were taken; take them at the OOM to diagnose one", "cost": "none"}
+
 DECISION_ORDER = LEVERS
 """The levers in the order to try them, cheapest first (:data:`megatron_bridge_ext.evidence.LEVERS`)."""
 
@@ -59,6 +64,12 @@ TABLE: dict[str, dict[str, str]] = {
         "confirm": "at the OOM reserved is well above allocated and inactive_split_bytes is large; "
                    "num_alloc_retries > 0; `mbx env` shows expandable_segments off",
         "fix": "expandable segments (step 1), no throughput cost",
+    },
+    NO_OOM: {
+        "cause": "none: no out-of-memory error happened before these stats were taken (num_ooms is 0)",
+        "confirm": "the stats' num_ooms counts every OOM the allocator raised since the process started",
+        "fix": "none needed; to diagnose an OOM, take the stats at the error (OOMHandler, or "
+               "torch.cuda.memory_stats() in an `except torch.OutOfMemoryError` block)",
     },
     "capacity": {
         "cause": "live tensors (weights, gradients, optimizer state, activations) need more than the device has",
@@ -89,8 +100,11 @@ class Diagnosis:
         lines += [f"  - {e}" for e in self.evidence]
         lines += ["diagnosis table:"] + [f"  {k + ':':8} {v}" for k, v in self.row.items()]
         step = self.next_step
-        lines.append(f"next step ({step['step']} of {len(DECISION_ORDER)}, {step['name']}): {step['action']} "
-                     f"[cost: {step['cost']}]")
+        if step["step"] is None:
+            lines.append(f"next step: {step['action']}")
+        else:
+            lines.append(f"next step ({step['step']} of {len(DECISION_ORDER)}, {step['name']}): {step['action']} "
+                         f"[cost: {step['cost']}]")
         lines += [f"note: {n}" for n in self.notes]
         lines.append("decision order:")
         lines += [f"  {s['step']}. {s['name']}: {s['action']} [cost: {s['cost']}]" for s in self.decision_order]
@@ -211,6 +225,12 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
         "thresholds": {"gap_fraction": GAP_FRACTION, "inactive_split_fraction": INACTIVE_SPLIT_FRACTION,
                        "min_gap_bytes": MIN_GAP_BYTES},
     }
+    if OOMS in stats and ooms == 0 and request_bytes is None:
+        return Diagnosis(NO_OOM, f"no out-of-memory error is recorded in these stats (num_ooms 0): they show the "
+                         f"state when they were taken, {fmt_bytes(allocated)} allocated and {fmt_bytes(reserved)} "
+                         f"reserved ({fmt_bytes(gap)} of it unallocated, {gap_frac:.1%}); expandable segments {state}",
+                         evidence, metrics, dict(TABLE[NO_OOM]), dict(NO_OOM_STEP),
+                         notes=[f"an out-of-memory error at these figures would read as {kind}"] + notes)
     row = dict(TABLE[kind])
     if kind == "fragmentation" and expandable is True:
         row["fix"] = ("expandable segments are on already: reduce the peak in the decision order (LoRA input under "

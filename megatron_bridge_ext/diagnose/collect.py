@@ -10,7 +10,7 @@ import json
 from typing import Optional
 
 from megatron_bridge_ext.diagnose import events, logs
-from megatron_bridge_ext.diagnose.classifier import Diagnosis, diagnose_data
+from megatron_bridge_ext.diagnose.classifier import NO_OOM, Diagnosis, diagnose_data
 from megatron_bridge_ext.diagnose.inputs import EXPECTED, JSON, LOG, PICKLE, InputError, expand, open_source
 from megatron_bridge_ext.diagnose.layout import LayoutError
 from megatron_bridge_ext.diagnose.report import Failure, RunDiagnosis, resolve_layout
@@ -85,6 +85,9 @@ def _run(facts, json_items, snapshots, sizes, total_memory, expandable) -> RunDi
     failures, notes = _failures(facts, expandable), []  # notes: the readers'; place() adds the layout's
     for name, data in json_items:
         diagnosis = _stats_diagnosis(name, data, total_memory, expandable)
+        if diagnosis.kind == NO_OOM:
+            notes.append(f"{name}: {diagnosis.headline}")
+            continue
         rank = data.get("rank") if isinstance(data.get("rank"), int) else logs.rank_from_name(name)
         failures.append(Failure(rank, events.Verdict(diagnosis.kind, diagnosis.headline.split(": ", 1)[1],
                                                      dict(diagnosis.next_step), diagnosis.metrics,

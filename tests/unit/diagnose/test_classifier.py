@@ -217,3 +217,18 @@ def test_a_request_against_the_reserved_but_unallocated_memory(request_bytes, re
     """Supporting evidence: a request that the cache's free bytes would hold (equal included) is "smaller"."""
     d = classify(fragmentation_stats(), request_bytes=request_bytes)
     assert any(f"is {relation} than the reserved but unallocated memory" in e for e in d.evidence), d.evidence
+
+
+def test_stats_without_an_oom_say_so_and_show_the_state():
+    """A healthy dump (num_ooms 0) is no failure: its class says no OOM is recorded, its headline gives the state,
+    and what an OOM at these figures would read as is a note, not a fix."""
+    stats = fragmentation_stats()
+    stats["num_ooms"] = 0
+    d = classify(stats)
+    assert d.kind == diagnose.NO_OOM
+    assert d.headline.startswith("no out-of-memory error is recorded in these stats (num_ooms 0): they show the state")
+    assert "22.60 GiB of it unallocated" in d.headline
+    assert d.next_step["step"] is None and "an out-of-memory error at these figures would read as fragmentation" \
+        in d.notes
+    assert "next step: no out-of-memory error to act on" in d.format()
+    assert classify(fragmentation_stats()).kind == "fragmentation"  # num_ooms 1: the same figures are an OOM

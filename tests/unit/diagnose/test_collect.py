@@ -168,3 +168,18 @@ def test_the_shipped_two_rank_report_log_is_the_builders_output():
     want = [prefixed(r, bridge_memory_line(r, it, bridge_stats(3 * GB, (4 + it) * GB + r * 10**8, 6 * GB, 7 * GB)))
             for it in (1, 2) for r in (0, 1)]
     assert shipped.read_text().splitlines() == want
+
+
+def test_a_healthy_stats_dump_in_a_run_is_a_note_not_a_failure(tmp_path):
+    import json
+
+    from megatron_bridge_ext.diagnose.collect import diagnose_inputs
+    from tests.support.memstats import fragmentation_stats
+
+    healthy = fragmentation_stats()
+    healthy["num_ooms"] = 0
+    (tmp_path / "rank0_stats.json").write_text(json.dumps(healthy))
+    (tmp_path / "rank1_stats.json").write_text(json.dumps(fragmentation_stats()))
+    run = diagnose_inputs([str(tmp_path)])
+    assert [f.rank for f in run.failures] == [1]
+    assert any(n.startswith(f"{tmp_path / 'rank0_stats.json'}: no out-of-memory error is recorded") for n in run.notes)
