@@ -298,9 +298,30 @@ def diagnose_data(data: Mapping[str, Any], *, total_memory: Optional[int] = None
     recorded = allocator.get("expandable_segments")
     if recorded is not None and not isinstance(recorded, bool):
         raise ValueError(f"allocator.expandable_segments is {recorded!r}; it must be true, false or null")
-    return classify(data["stats"], total_memory=total_memory if total_memory is not None else data.get("total_memory"),
-                    expandable_segments=expandable_segments if expandable_segments is not None else recorded,
-                    request_bytes=data.get("request_bytes"))
+    stats, note = data["stats"], None
+    if isinstance(stats, Mapping) and not (ALLOCATED in stats and RESERVED in stats):
+        stats, note = _stats_from_message(data), "the report's stats are empty (" + (
+            "the allocator reported none" if not stats else "they lack the allocated and reserved bytes") + \
+            "): the figures are its stored OOM message's"
+    diagnosis = classify(stats, total_memory=total_memory if total_memory is not None else data.get("total_memory"),
+                         expandable_segments=expandable_segments if expandable_segments is not None else recorded,
+                         request_bytes=data.get("request_bytes"))
+    if note:
+        diagnosis.notes.insert(0, note)
+    return diagnosis
+
+
+def _stats_from_message(report: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The allocated and reserved bytes of an OOM report's stored message (PyTorch's OOM wording, :mod:`.oom_text`)
+    as memory stats, or the report's own (empty) stats when its message states no figures."""
+    from megatron_bridge_ext.diagnose.oom_text import parse_allocator
+
+    exception = report.get("exception")
+    message = exception.get("message") if isinstance(exception, Mapping) else None
+    event = parse_allocator(message) if isinstance(message, str) else None
+    if event is None or event.reserved is None:
+        return report["stats"]
+    return {ALLOCATED: event.allocated, RESERVED: event.reserved, OOMS: 1}
 
 
 def diagnose_file(path: str, *, total_memory: Optional[int] = None,

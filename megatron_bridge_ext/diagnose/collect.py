@@ -22,9 +22,15 @@ NOTHING = ("no memory report line and no out-of-memory error; expected a trainin
 def diagnose_inputs(paths: list[str], *, sizes: Optional[dict] = None, total_memory: Optional[int] = None,
                     expandable: Optional[bool] = None):
     """Read every input; InputError or LayoutError (one line each) for anything that cannot be read or placed."""
-    facts, json_items, snapshots = [], [], []
+    facts, json_items, snapshots, skipped = [], [], [], []
     for path, explicit in expand(paths):
-        source = open_source(path, explicit)
+        try:
+            source = open_source(path, explicit)
+        except InputError as error:
+            if explicit:
+                raise
+            skipped.append((path, str(error).split(": ", 1)[1].split(";")[0]))
+            continue
         try:
             if source.kind == LOG:
                 found = logs.read_log(source.text_lines(), source.name)
@@ -32,7 +38,11 @@ def diagnose_inputs(paths: list[str], *, sizes: Optional[dict] = None, total_mem
                     raise InputError(f"{source.name}: {NOTHING}")
                 facts.append(found)
             elif source.kind == JSON:
-                json_items.append((source.name, _json(source)))
+                data = _json(source)
+                if not explicit and not _is_stats_or_report(data):
+                    skipped.append((path, "JSON that is neither torch.cuda.memory_stats() nor an OOM report"))
+                    continue
+                json_items.append((source.name, data))
             elif source.kind == PICKLE:
                 snapshots.append(_snapshot(source))
         except (EOFError, OSError) as error:  # a truncated gzip stream, a read error
@@ -40,12 +50,33 @@ def diagnose_inputs(paths: list[str], *, sizes: Optional[dict] = None, total_mem
         finally:
             if source.stream is not None and source.name != "<stdin>":
                 source.stream.close()
-    if len(json_items) == 1 and not facts and not snapshots:
+    if len(json_items) == 1 and not facts and not snapshots and not skipped:
         name, data = json_items[0]
         return _stats_diagnosis(name, data, total_memory, expandable)
     if not (facts or json_items or snapshots) or all(f.empty for f in facts) and not (json_items or snapshots):
-        raise InputError(f"{', '.join(paths)}: {NOTHING}")
-    return _run(facts, json_items, snapshots, sizes or {}, total_memory, expandable)
+        raise InputError(f"{', '.join(paths)}: {NOTHING}" + (f" ({_skipped_note(skipped)})" if skipped else ""))
+    run = _run(facts, json_items, snapshots, sizes or {}, total_memory, expandable)
+    if skipped:
+        run.notes.append(_skipped_note(skipped))
+    return run
+
+
+def _is_stats_or_report(data: dict) -> bool:
+    """A ``torch.cuda.memory_stats()`` dictionary or an OOM report of :class:`~.handler.OOMHandler` (its ``stats``)."""
+    from megatron_bridge_ext.diagnose.classifier import ALLOCATED, RESERVED
+
+    return (ALLOCATED in data and RESERVED in data) or isinstance(data.get("stats"), dict)
+
+
+def _skipped_note(skipped: list) -> str:
+    """The files of a directory that are no artifact of a run's memory, counted by reason, a few named."""
+    by_reason: dict[str, list[str]] = {}
+    for path, reason in skipped:
+        by_reason.setdefault(reason, []).append(path)
+    parts = [f"{len(names)} {reason} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+             for reason, names in by_reason.items()]
+    return f"skipped {len(skipped)} file(s) found in the directories that are not a log, memory stats, an OOM " \
+           "report or a snapshot: " + "; ".join(parts)
 
 
 def _json(source) -> dict:
@@ -105,6 +136,9 @@ def place(run: RunDiagnosis, sizes: dict, labels: Optional[dict] = None) -> RunD
     layout, notes = resolve_layout(sizes, facts, max(ranks) if ranks else None, labels)
     if any("local" in f.prefix_kinds for f in facts):
         notes.append("[<role>N]: prefixes (torchrun --tee) give the local rank: read as the global rank, as on one node")
+    if any(logs.torchrun_rank(f.name) and f.file_rank is not None and not f.prefix_kinds for f in facts):
+        notes.append("torchrun --log-dir folders (attempt_<n>/<local rank>/) give the local rank: read as the global "
+                     "rank, as on one node")
     run.layout, run.layout_notes = layout, notes
     run.coordinates = {r: layout.coordinates(r) for r in range(layout.world)} if layout is not None else {}
     for failure in run.failures:

@@ -7,7 +7,8 @@ first bytes decide the kind:
 * ``\\x80`` followed by a protocol byte 2-5: a pickle (a memory snapshot, :mod:`.snapshot`);
 * ``{``, or ``[`` opening a JSON array (not ``[Rank 0]`` nor a launcher's ``[1,0]<stderr>:``), after white
   space: JSON (``torch.cuda.memory_stats()`` or an OOM report, :mod:`.classifier`);
-* text without NUL bytes that decodes as UTF-8: a log (:mod:`.logs`);
+* text without NUL bytes that decodes as UTF-8: a log (:mod:`.logs`); NUL bytes before the text are a log that
+  was truncated in place while its writer went on (logrotate's ``copytruncate``), read as a log;
 * anything else is refused, naming the file and what was expected.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
@@ -90,6 +92,10 @@ def open_source(path: str, explicit: bool = True) -> Source:
     return Source(name, _kind(name, head), stream, explicit)
 
 
+_CONTROL = re.compile(rb"[\x01-\x07\x0e-\x1a\x1c-\x1f]")
+"""Control bytes no text log holds (tab, newlines, form feed, backspace and the escape of colour codes excepted)."""
+
+
 def _peek(stream: BinaryIO) -> bytes:
     """The first bytes without consuming them (every stream here is a buffered reader)."""
     return stream.peek(PEEK)[:PEEK]
@@ -115,7 +121,8 @@ def _kind(name: str, head: bytes) -> str:
     if text[:1] == b"{" or text[:1] == b"[" and _opens_array(text) \
             and not _prefixed(head):
         return JSON
-    if b"\x00" in head:
+    text_after_nul = head.lstrip(b"\x00")  # a log truncated in place (logrotate's copytruncate) starts with NULs
+    if b"\x00" in text_after_nul or (len(text_after_nul) < len(head) and _CONTROL.search(text_after_nul)):
         raise InputError(f"{name}: binary data that is neither gzip nor a pickle; {EXPECTED}")
     try:
         head.decode("utf-8")

@@ -27,6 +27,10 @@ _PREFIXES = (
     ("global", re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:\s?")),
     ("global", re.compile(r"^\s*(\d+): ")),
 )
+_TIMESTAMP = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\s+")
+"""A collector's timestamp before the line (``kubectl logs --timestamps``: RFC 3339 with nanoseconds and ``Z``)."""
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+"""Terminal colour and cursor codes (ESC [ ... letter) that a logger writes when it believes it prints to a terminal."""
 _NAME_RANK = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _CUES = ("memory (", "out of memory", "Cuda failure", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation",
          "Theoretical memory", "parallel", "world size", "HyperCommGrid", "use_tp_pp_dp_mapping")
@@ -61,16 +65,35 @@ class LogFacts:
         return not (self.reports or self.allocator_ooms or self.external_ooms)
 
 
+_TORCHRUN_DIR = re.compile(r"(?:^|/)attempt_\d+/(\d+)/(?:stdout|stderr|error)\.(?:log|json)$")
+"""torchrun ``--log-dir``'s layout: ``<log dir>/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log`` and
+``error.json`` (torch 2.14.1 torch/distributed/elastic/multiprocessing/api.py L290-292, ``DefaultLogsSpecs.reify``:
+``attempt_{restart_count}`` L313-314 and one folder per local rank)."""
+
+
 def rank_from_name(name: str) -> Optional[int]:
-    """The rank a per-rank log's file name states (``rank3.log``), or None."""
+    """The rank a per-rank log's file name states (``rank3.log``), or torchrun's log folder's local rank, or None."""
     found = _NAME_RANK.findall(name.rsplit("/", 1)[-1])
-    return int(found[-1]) if found else None
+    if found:
+        return int(found[-1])
+    folder = _TORCHRUN_DIR.search(name.replace("\\", "/"))
+    return int(folder.group(1)) if folder else None
+
+
+def torchrun_rank(name: str) -> bool:
+    """Whether ``name``'s rank comes from torchrun's log folder (a local rank)."""
+    return not _NAME_RANK.findall(name.rsplit("/", 1)[-1]) and bool(_TORCHRUN_DIR.search(name.replace("\\", "/")))
 
 
 def strip_prefixes(line: str) -> tuple[str, Optional[int], Optional[str]]:
-    """The line without launcher prefixes, the innermost prefix's rank and its kind (global or local)."""
+    """The line without colour codes, NUL bytes (logrotate's copytruncate leaves the truncated head as NULs), a
+    collector's timestamp and launcher prefixes; the innermost prefix's rank and its kind (global or local)."""
+    line = _ANSI.sub("", line.replace("\x00", "")) if "\x1b" in line or "\x00" in line else line
     rank = kind = None
     while True:
+        stamp = _TIMESTAMP.match(line)
+        if stamp:
+            line = line[stamp.end():]
         for prefix_kind, pattern in _PREFIXES:
             match = pattern.match(line)
             if match:

@@ -295,6 +295,11 @@ def summarize(data: Any, name: str) -> SnapshotSummary:
                          "holds a bool there")
     by_device = {t.device: t for t in traces if t.entries}
     devices = sorted({s.device for s in segments} | set(by_device))
+    if not devices:
+        raise ValueError(f"{name}: the snapshot holds no segment and no trace entry: nothing was allocated when it "
+                         "was taken (before the first CUDA allocation, or after torch.cuda.empty_cache()), and memory "
+                         "history was not recorded. Fix: call torch.cuda.memory._record_memory_history() at start-up "
+                         "and dump the snapshot at the OOM (OOMHandler does both)")
     summaries = tuple(_device(d, [s for s in segments if s.device == d], by_device.get(d), expandable)
                       for d in devices)
     return SnapshotSummary(name, rank_from_name(name), summaries)

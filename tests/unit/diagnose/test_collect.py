@@ -183,3 +183,90 @@ def test_a_healthy_stats_dump_in_a_run_is_a_note_not_a_failure(tmp_path):
     run = diagnose_inputs([str(tmp_path)])
     assert [f.rank for f in run.failures] == [1]
     assert any(n.startswith(f"{tmp_path / 'rank0_stats.json'}: no out-of-memory error is recorded") for n in run.notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Logs and run directories as clusters write them
+# ------------------------------------------------------------------------------------------------
+
+
+def _oom_message():
+    from tests.support.oom_logs import GIB, MIB, allocator_oom
+
+    return allocator_oom(2 * GIB, total=80 * GIB, free=100 * MIB, allocated=60 * GIB, reserved=79 * GIB)
+
+
+def test_a_torchrun_log_dir_with_other_files_beside_names_the_failing_rank_and_its_class(tmp_path):
+    """torchrun --log-dir writes <run id>/attempt_0/<local rank>/{stdout,stderr}.log (stdout.log empty when the
+    script prints to stderr) and error.json; a TensorBoard event file and the run's config.json sit beside them. The
+    files that are no artifact are skipped, counted by reason; the rank comes from the folder (the lines carry none)."""
+    from tests.support.oom_logs import traceback
+
+    run = tmp_path / "logs" / "abc123_0" / "attempt_0"
+    for local_rank in range(4):
+        folder = run / str(local_rank)
+        folder.mkdir(parents=True)
+        (folder / "stdout.log").write_text("")
+        lines = [" iteration 1/ 10 | consumed samples: 8"] + (traceback(_oom_message()) if local_rank == 3 else [])
+        _write(folder / "stderr.log", lines)
+        (folder / "error.json").write_text('{"message": {"message": "OutOfMemoryError"}}')
+    (tmp_path / "logs" / "events.out.tfevents.1733130000.node1").write_bytes(b"\x18\x00\x00\x00\x00\x00\x00\x00\xa3\x7f"
+                                                                             b"K\x22\x08\x00\x00\x00\x00")
+    (tmp_path / "logs" / "config.json").write_text('{"model": {"num_layers": 2}}')
+    result = diagnose_inputs([str(tmp_path / "logs")], sizes={"tp": 2})
+    (failure,) = result.failures
+    assert failure.rank == 3 and failure.coordinates == "PP stage 0, TP 1, CP 0, DP 1"
+    assert failure.verdict.kind == "fragmentation"
+    (skipped,) = [n for n in result.notes if n.startswith("skipped ")]
+    assert skipped.startswith("skipped 10 file(s) found in the directories")
+    assert "4 empty" in skipped and "5 JSON that is neither" in skipped and "1 binary data" in skipped
+    assert any("torchrun --log-dir folders" in n for n in result.layout_notes)
+
+
+@pytest.mark.parametrize("decorate", [
+    lambda line: f"2026-12-02T10:00:39.123456789Z {line}",  # kubectl logs --timestamps
+    lambda line: f"\x1b[31m{line}\x1b[0m",  # a logger's colour codes
+    lambda line: f"2026-12-02T10:00:39.123Z \x1b[1m{line}\x1b[0m",
+], ids=["kubectl-timestamps", "ansi-colour", "both"])
+def test_timestamps_and_colour_codes_before_a_rank_prefix_keep_the_rank(tmp_path, decorate):
+    from tests.support.oom_logs import traceback
+
+    lines = [decorate(f"[rank6]: {line}") for line in traceback(_oom_message())]
+    result = diagnose_inputs([_write(tmp_path / "pod.log", lines)], sizes={"tp": 2, "pp": 2, "dp": 2})
+    (failure,) = result.failures
+    assert failure.rank == 6 and failure.coordinates == "PP stage 1, TP 0, CP 0, DP 1"
+
+
+def test_a_log_truncated_in_place_starting_with_nul_bytes_is_read(tmp_path):
+    """logrotate's copytruncate empties the file while its writer keeps its offset: the next write leaves NUL bytes
+    before it, here more than the reader's first peek."""
+    from tests.support.oom_logs import traceback
+
+    path = tmp_path / "rank2.log"
+    path.write_bytes(b"\x00" * 10000 + ("\n".join(traceback(_oom_message())) + "\n").encode())
+    (failure,) = diagnose_inputs([str(path)]).failures
+    assert failure.rank == 2 and failure.verdict.kind == "fragmentation"
+
+
+def test_an_empty_snapshot_is_one_line_saying_why_and_how_to_take_one(tmp_path):
+    (tmp_path / "x.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": []}))  # _dump_snapshot, idle
+    with pytest.raises(InputError) as error:
+        diagnose_inputs([str(tmp_path / "x.pickle")])
+    text = str(error.value)
+    assert text.startswith(f"{tmp_path / 'x.pickle'}: the snapshot holds no segment and no trace entry")
+    assert "_record_memory_history" in text and "\n" not in text
+
+
+def test_an_oom_report_with_empty_stats_is_diagnosed_from_its_stored_message(tmp_path):
+    """OOMHandler stores the exception's message beside the stats; stats that came back empty leave the message's
+    figures: 79 GiB reserved, 60 GiB allocated, a 2 GiB request: fragmentation."""
+    import json
+
+    report = {"format": 1, "rank": 0, "exception": {"type": "OutOfMemoryError", "message": _oom_message()},
+              "request_bytes": 2 * 2**30, "total_memory": 80 * 2**30, "allocator": {"expandable_segments": False},
+              "stats": {}}
+    (tmp_path / "oom_rank0.json").write_text(json.dumps(report))
+    diagnosis = diagnose_inputs([str(tmp_path / "oom_rank0.json")])
+    assert isinstance(diagnosis, Diagnosis) and diagnosis.kind == "fragmentation"
+    assert diagnosis.metrics["reserved_bytes"] == 79 * 2**30 and diagnosis.metrics["allocated_bytes"] == 60 * 2**30
+    assert diagnosis.notes[0].startswith("the report's stats are empty (the allocator reported none)")
