@@ -81,6 +81,27 @@ LEVERS: tuple[dict[str, str | int], ...] = (
 """The levers against an OOM in the order to try them, cheapest first, each with its published cost."""
 
 
+LORA_RUNS = "runs that train LoRA adapters with sequence parallelism"
+"""Where step 2 acts: without LoRA (full fine-tuning, pretraining, a Megatron-LM run) or without SP there is no LoRA-A
+input to keep as a shard."""
+
+
+def after_allocator() -> dict:
+    """The next lever once memory, not fragmentation, is the problem: step 2 for the runs it applies to, and step 3
+    (``otherwise``) for every other run, since a log or a stats dump does not say whether the run trains LoRA."""
+    return {**LEVERS[1], "applies_to": LORA_RUNS, "otherwise": dict(LEVERS[2])}
+
+
+def step_text(step: dict) -> str:
+    """A next step as one phrase: its action, and what to do instead where it applies to some runs only."""
+    text = step["action"]
+    if step.get("applies_to"):
+        other = step["otherwise"]
+        text = (f"for {step['applies_to']}: {text}; otherwise (full fine-tuning, pretraining, no SP) step "
+                f"{other['step']}, {other['name']}: {other['action']}")
+    return text
+
+
 def sources(levers=LEVERS) -> list[str]:
     """The distinct sources of the levers' figures, in order."""
     return list(dict.fromkeys(str(lever["source"]) for lever in levers if lever["source"]))

@@ -48,6 +48,8 @@ def write_big_log(path: Path, size: int, world: int) -> int:
     with open(path, "w") as f:
         for it in (1, 2):
             for rank in range(world):
+                if (rank // 2) % 2:  # TP 2 x DP 2 x PP 2: Bridge reports on data-parallel rank 0 only
+                    continue
                 f.write(prefixed(rank, bridge_memory_line(rank, it, bridge_stats(GB, (30 + it) * GB, 40 * GB, 41 * GB)))
                         + "\n")
                 lines += 1
@@ -103,7 +105,7 @@ def main() -> int:
     rank_dir = folder / "ranks"
     if not rank_dir.exists():
         write_rank_dir(rank_dir, args.ranks)
-    wall, rss, status = measure([str(rank_dir), "--tp", "8", "--dp", str(args.ranks // 8)])
+    wall, rss, status = measure([str(rank_dir), "--tp", "8", "--pp", str(args.ranks // 8)])  # DP 1: every stage reports
     size = sum(p.stat().st_size for p in rank_dir.iterdir())
     print(f"{args.ranks} rank logs ({size / 1e6:.1f} MB): {wall:.1f} s, peak RSS {rss:.0f} MiB, exit {status}")
     big = folder / "merged.log"

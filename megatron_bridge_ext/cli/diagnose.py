@@ -136,7 +136,8 @@ def _beside_the_estimate(result, plan_args, sizes):
     if not isinstance(result, RunDiagnosis) or not result.reports:
         return _fail("--plan: the inputs hold no memory report line to set beside the estimate; give the training log")
     try:
-        predictions, config_sizes = _estimate(plan_args)
+        iterations = sorted({report.iteration for reports in result.reports.values() for report in reports})
+        predictions, config_sizes = _estimate(plan_args, iterations)
     except Refused as refused:
         return _fail(f"--plan: {refused.one_line()}")
     stated = {k: v for k, v in sizes.items() if v is not None}
@@ -152,8 +153,9 @@ def _beside_the_estimate(result, plan_args, sizes):
     return None
 
 
-def _estimate(plan_args):
-    """The predicted report lines of the config and its parallel sizes (the estimate's phases)."""
+def _estimate(plan_args, iterations: list[int]):
+    """The predicted report lines of the config at the iterations the log's reports were taken after, and the config's
+    parallel sizes (the estimate's phases)."""
     import contextlib
     import logging
 
@@ -177,7 +179,7 @@ def _estimate(plan_args):
              "cp": model.context_parallel_size or 1, "dp": est.settings.dp, "ep": ep}
     if ep > 1:
         sizes["etp"] = etp
-    return predicted_reports(est), sizes
+    return predicted_reports(est, iterations), sizes
 
 
 def _plot(result, path: str, total) -> int:

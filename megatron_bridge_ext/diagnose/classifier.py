@@ -34,7 +34,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from megatron_bridge_ext.evidence import LEVERS, sources
+from megatron_bridge_ext.evidence import LEVERS, after_allocator, sources, step_text
 from megatron_bridge_ext.sizes import GIB as GiB
 from megatron_bridge_ext.sizes import MIB as MiB
 from megatron_bridge_ext.sizes import SOLD_AS, gib_figure, sold_as_note, whole_gb
@@ -103,7 +103,7 @@ class Diagnosis:
         if step["step"] is None:
             lines.append(f"next step: {step['action']}")
         else:
-            lines.append(f"next step ({step['step']} of {len(DECISION_ORDER)}, {step['name']}): {step['action']} "
+            lines.append(f"next step ({step['step']} of {len(DECISION_ORDER)}, {step['name']}): {step_text(step)} "
                          f"[cost: {step['cost']}]")
         lines += [f"note: {n}" for n in self.notes]
         lines.append("decision order:")
@@ -200,7 +200,7 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
         headline = (f"fragmentation: {fmt_bytes(gap)} reserved but unallocated at the OOM ({gap_frac:.1%} of "
                     f"{fmt_bytes(reserved)} reserved; {fmt_bytes(inactive)} in inactive split blocks); "
                     f"expandable segments {state}")
-        next_step = DECISION_ORDER[0] if expandable is not True else DECISION_ORDER[1]
+        next_step = DECISION_ORDER[0] if expandable is not True else after_allocator()
         if expandable is True:
             notes.append("expandable segments are already on: the fragmentation left comes from elsewhere "
                          "(private memory pools, CUDA graphs); reduce the peak next")
@@ -208,7 +208,7 @@ def classify(stats: Mapping[str, Any], *, total_memory: Optional[int] = None, al
         of_total = f" of {fmt_bytes(total_memory)} device memory ({allocated / total_memory:.1%})" if total_memory else ""
         headline = (f"capacity: {fmt_bytes(allocated)} allocated{of_total} at the OOM; only {fmt_bytes(gap)} "
                     f"({gap_frac:.1%}) reserved but unallocated; expandable segments {state}")
-        next_step = DECISION_ORDER[1]
+        next_step = after_allocator()
         if expandable is not True:
             notes.append("expandable segments cost nothing and are worth turning on, but they do not fix a capacity OOM")
         if total_memory and reserved < 0.9 * total_memory:

@@ -141,10 +141,27 @@ def place(run: RunDiagnosis, sizes: dict, labels: Optional[dict] = None) -> RunD
                      "rank, as on one node")
     run.layout, run.layout_notes = layout, notes
     run.coordinates = {r: layout.coordinates(r) for r in range(layout.world)} if layout is not None else {}
+    _check_reporters(run)
     for failure in run.failures:
         if failure.rank is not None and layout is not None:
             failure.coordinates = run.coordinates[failure.rank].text()
     return run
+
+
+def _check_reporters(run: RunDiagnosis) -> None:
+    """LayoutError when ranks printed memory reports that the layout puts on a data-parallel rank other than 0:
+    Bridge prints them on data-parallel rank 0 only (training/utils/train_utils.py L1234,
+    ``torch.distributed.get_rank(group=pg_collection.dp) == 0``), as Megatron-LM does, so such a layout is not the
+    run's."""
+    if run.layout is None:
+        return
+    stray = sorted(r for r in run.reports if r in run.coordinates and run.coordinates[r].dp != 0)
+    if stray:
+        places = ", ".join(f"rank {r} at DP {run.coordinates[r].dp}" for r in stray[:4]) + (", ..." if len(stray) > 4
+                                                                                             else "")
+        raise LayoutError(f"ranks {', '.join(map(str, stray[:8]))} printed memory reports, which Bridge prints on "
+                          f"data-parallel rank 0 only, but {run.layout.text()} puts them elsewhere ({places}): the "
+                          "layout contradicts the log. Fix: give the sizes the run used (--tp/--pp/--cp/--dp)")
 
 
 def _unique_iterations(reports: list) -> list:

@@ -26,7 +26,7 @@ from typing import Optional
 
 from megatron_bridge_ext.diagnose.classifier import GAP_FRACTION, MIN_GAP_BYTES, fmt_bytes
 from megatron_bridge_ext.diagnose.oom_text import AllocatorOOM, ExternalOOM
-from megatron_bridge_ext.evidence import LEVERS
+from megatron_bridge_ext.evidence import LEVERS, after_allocator
 
 FRAGMENTATION, CAPACITY, GRAPH_POOLS, OUTSIDE, UNKNOWN = (
     "fragmentation", "capacity", "CUDA-graph pools", "outside PyTorch's allocator", "unknown")
@@ -73,10 +73,11 @@ class Verdict:
 
 
 def _step(index: int, expandable: Optional[bool]) -> dict:
-    """The next lever; with expandable segments already on, step 1 is spent."""
+    """The next lever; with expandable segments already on, step 1 is spent. Step 2 acts on LoRA runs only, so it
+    comes with the step for the others (:func:`~megatron_bridge_ext.evidence.after_allocator`)."""
     if index == 0 and expandable is True:
         index = 1
-    return dict(LEVERS[index])
+    return after_allocator() if index == 1 else dict(LEVERS[index])
 
 
 def classify_message(event: AllocatorOOM, *, expandable: Optional[bool] = None) -> Verdict:

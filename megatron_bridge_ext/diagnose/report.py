@@ -14,6 +14,7 @@ from typing import Optional
 from megatron_bridge_ext import sizes
 from megatron_bridge_ext.diagnose import events
 from megatron_bridge_ext.diagnose.layout import DEFAULT_ORDER, TP_PP_DP_ORDER, Layout, LayoutError
+from megatron_bridge_ext.evidence import step_text
 
 UNIT = "GiB (2^30 bytes; Bridge's log prints GB = 10^9 bytes)"
 SIZES = ("world", "tp", "pp", "cp", "ep", "etp", "dp")
@@ -34,7 +35,7 @@ class Failure:
             who += f" = {self.coordinates}"
         step = self.verdict.next_step
         numbered = f"step {step['step']} of 5, {step['name']}" if step.get("step") else step["name"]
-        return f"{who}: {self.verdict.kind}: {self.verdict.summary}; next ({numbered}): {step['action']}"
+        return f"{who}: {self.verdict.kind}: {self.verdict.summary}; next ({numbered}): {step_text(step)}"
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "coordinates": self.coordinates, "where": self.where, **self.verdict.to_dict()}

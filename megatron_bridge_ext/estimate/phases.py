@@ -271,10 +271,12 @@ def report_iterations(log_interval: int, train_iters: Optional[int] = None, star
     return out
 
 
-def predicted_reports(estimate_result) -> list[PredictedReport]:
+def predicted_reports(estimate_result, iterations: Optional[list[int]] = None) -> list[PredictedReport]:
     """For each memory report line the installed Bridge prints, the estimate's prediction (see
     :class:`PredictedReport`), for every estimated pipeline stage (first and last; every stage of a hybrid model).
 
+    ``iterations``: the iterations after which reports were taken (a log's lines say them); default: those the config's
+    ``logger.log_interval`` and ``train.train_iters`` make Bridge print (:func:`report_iterations`).
     A fresh run is assumed (a resumed run has its moments from the checkpoint before iteration 1:
     Core's ``init_state_fn``, optimizer/__init__.py L588-596).
     """
@@ -283,7 +285,9 @@ def predicted_reports(estimate_result) -> list[PredictedReport]:
         {estimate_result.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in phases(estimate_result)}}
     graphs = s.reports.cuda_graph_first_iteration
     out = []
-    for iteration in report_iterations(s.reports.log_interval, s.reports.train_iters):
+    if iterations is None:
+        iterations = report_iterations(s.reports.log_interval, s.reports.train_iters)
+    for iteration in iterations:
         for stage, peaks in sorted(per_stage.items()):
             reached = [name for name in (ITERATION_1, FIRST_STEP, STEADY) if name in peaks
                        and (iteration >= 2 or name != STEADY)]

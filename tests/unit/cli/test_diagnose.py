@@ -145,6 +145,16 @@ def test_plan_sets_each_report_beside_the_estimate_of_its_phase(tmp_path, capsys
     assert rows[0]["phase"] != rows[1]["phase"]  # iteration 1's report is not the steady state's
 
 
+def test_plan_predicts_the_iterations_the_log_reports_without_a_log_interval_given(tmp_path, capsys):
+    """The recipe's own logger.log_interval (not 1) would print no report after iterations 1 and 2; each report line
+    says after which iteration it was taken, and that is the iteration predicted."""
+    without_interval = [w for w in PLAN if not w.startswith("logger.log_interval")]
+    assert main(["diagnose", _reports_log(tmp_path), "--json", "--plan", *without_interval]) == 0
+    rows = json.loads(capsys.readouterr().out)["estimate_beside_log"]
+    assert [(r["iteration"], r["phase"] is not None) for r in rows] == [(1, True), (2, True), (1, True), (2, True)]
+    assert rows[1]["phase"] == "steady state"
+
+
 @pytest.mark.parametrize("extra, plan_words, fragment", [
     ([], ["--tp", "2"], "--plan needs the run's config"),
     (["--tp", "4"], PLAN, "--tp 4 contradicts the config of --plan (tp 2)"),

@@ -73,9 +73,18 @@ def test_a_thousand_rank_logs_are_read(tmp_path):
         line = bridge_memory_line(rank, 1, bridge_stats(GB, 2 * GB + rank * 10**6, 3 * GB, 3 * GB)) if rank % 8 == 0 \
             else "iteration 1"
         _write(folder / f"rank{rank:04d}.log", [line])
-    result = diagnose_inputs([str(folder)], sizes={"tp": 8, "dp": 125})
+    result = diagnose_inputs([str(folder)], sizes={"tp": 8, "pp": 125})  # DP 1: TP rank 0 of each stage reports
     assert len(result.reports) == 125 and result.peak()[0] == 992
     assert result.layout.world == 1000
+
+
+def test_a_layout_that_puts_reporting_ranks_off_data_parallel_rank_0_is_refused(tmp_path):
+    """The log's reports come from ranks 0, 1, 4, 5 (DP rank 0 of TP 2 x DP 2 x PP 2); --dp 4 puts 4 and 5 at DP 2,
+    where Bridge prints no report: the layout is not the run's."""
+    with pytest.raises(LayoutError, match=r"ranks 4, 5 printed memory reports, which Bridge prints on data-parallel "
+                                          r"rank 0 only.*\(rank 4 at DP 2, rank 5 at DP 2\)"):
+        diagnose_inputs([_write(tmp_path / "train.log", _run_lines())], sizes={"dp": 4})
+    assert diagnose_inputs([_write(tmp_path / "ok.log", _run_lines())], sizes={"dp": 2}).layout.dp == 2
 
 
 def test_the_layout_may_come_from_the_command_line_only(tmp_path):

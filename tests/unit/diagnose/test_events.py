@@ -97,3 +97,18 @@ def test_only_one_listed_process_using_at_least_the_reserve_is_taken_as_this_one
                                           reserved=77 * GIB, processes=processes))
     assert event.this_process_pid == own
     assert [p for p, _ in event.other_processes] == [p for p, _ in processes if p != own]
+
+
+def test_the_capacity_step_says_which_runs_it_applies_to_and_the_next_lever_for_the_others():
+    """Step 2 keeps LoRA-A's input as a shard: a run without LoRA (full fine-tuning, pretraining, a Megatron-LM log)
+    has none, so the next step names the runs it is for and, for the rest, step 3."""
+    from megatron_bridge_ext.diagnose.report import Failure
+
+    v = _verdict(2 * GIB, total=80 * GIB, free=200 * MIB, allocated=78 * GIB, reserved=78 * GIB + 600 * MIB)
+    assert v.kind == events.CAPACITY and v.next_step["step"] == 2
+    assert v.next_step["applies_to"] == "runs that train LoRA adapters with sequence parallelism"
+    assert v.next_step["otherwise"]["step"] == 3
+    headline = Failure(0, v, "").headline()
+    assert "next (step 2 of 5, LoRA input under sequence parallelism): for runs that train LoRA adapters with " \
+           "sequence parallelism: " in headline
+    assert "otherwise (full fine-tuning, pretraining, no SP) step 3, selective recompute: " in headline
