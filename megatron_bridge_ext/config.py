@@ -176,6 +176,11 @@ def _target_findings(cfg) -> list[Finding]:
     kind = kinds.kind_of(peft) if peft is not None else None
     if kind is None:
         return []
+    bad = [kinds.field_problem(name, getattr(peft, name)) for name in kinds.CHECKED_FIELDS if hasattr(peft, name)]
+    bad = [problem for problem in bad if problem]
+    if bad:
+        return [Finding("peft_field", ERROR, f"peft.{problem.split('=', 1)[0]}", problem.split('. Fix: ')[0],
+                        problem.split('. Fix: ')[1]) for problem in bad]
     targets = list(getattr(peft, "target_modules", None) or [])
     hf = {t: kinds.hf_target_fix(kind, t) for t in targets if kinds.hf_target_fix(kind, t)}
     unknown = [t for t in targets if t not in hf and not kinds.is_megatron_target(kind, t)]

@@ -118,6 +118,17 @@ def built_problem(cfg, args) -> Optional[Finding]:
     problem = expert_flag_problem(args, getattr(model, "num_moe_experts", None))
     if problem:
         return problem
+    if model.sequence_parallel and model.tensor_model_parallel_size <= 1:
+        setting = "--sp" if getattr(args, "sp", None) else "model.sequence_parallel"
+        return _bad(setting, f"turns sequence parallelism on with TP={model.tensor_model_parallel_size}: Megatron Core "
+                    "refuses it (\"Cannot use sequence parallelism without tensor parallelism\", "
+                    "model_parallel_config.py L502-504)", "give --tp 2 or more, or --no-sp")
+    data_seq = getattr(getattr(cfg, "dataset", None), "seq_length", None)
+    if isinstance(data_seq, int) and data_seq != model.seq_length:
+        return _bad("dataset.seq_length", f"is {data_seq} and model.seq_length is {model.seq_length}: Bridge requires "
+                    "them to match (ConfigContainer.validate, training/config.py L1503-1509)",
+                    f"give the training length once with --seq (it sets both), or set both to it, e.g. "
+                    f"model.seq_length={model.seq_length} dataset.seq_length={model.seq_length}")
     if getattr(model, "vocab_size", 1) is None:
         return _bad("model.vocab_size", f"is unset: the recipe leaves it to the tokenizer "
                     f"({_tokenizer_named(cfg)}), which Bridge reads only when training starts",

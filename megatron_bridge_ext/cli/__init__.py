@@ -190,7 +190,12 @@ def _main(argv: list[str] | None) -> int:
         from megatron_bridge_ext.demo import bench
 
         return bench.main(argv[2:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(word.startswith("-") or "=" not in word for word in extra):
+            parser.parse_args(argv)  # argparse's own one-line error for what is neither an option nor an override
+        args.overrides = [*args.overrides, *extra]  # overrides written between or after options, as users write them
     return args.func(args)
 
 

@@ -206,6 +206,12 @@ def resolve_named_fields(cfg, layout: Layout, overrides) -> tuple[Any, list[str]
     if overrides and _dotted(overrides, "mixed_precision"):
         cfg, overrides = _resolve_mixed_precision(cfg, overrides)
     if layout.peft in (None, "none"):
+        if cfg.peft is None and _touches_peft(overrides) and "_target_" not in _peft_keys(overrides):
+            first = next(o for o in overrides if o.lstrip("+~").startswith("peft."))
+            raise _refuse("overrides", f"{first} sets a field of peft, which this config leaves unset (full "
+                          "fine-tuning), so there is no PEFT for it to change",
+                          "add --peft lora (or dora, canonical_lora): the override then changes that field; or name "
+                          "the class first, ++peft._target_=megatron.bridge.peft.lora.LoRA")
         return cfg, overrides
     if _touches_peft(overrides):
         cfg.peft = None  # --peft and the user's peft overrides build one PEFT together (theirs win)
@@ -417,6 +423,8 @@ def _set_layout(cfg, layout: Layout, *, default_dp: Optional[int]) -> bool:
                         ("seq_length", layout.seq)):
         if value is not None:
             setattr(model, attr, value)
+    if layout.seq is not None and hasattr(getattr(cfg, "dataset", None), "seq_length"):
+        cfg.dataset.seq_length = layout.seq  # the training length: Bridge requires the model's and the data's to match
     if layout.sequence_parallel is not None:
         model.sequence_parallel = layout.sequence_parallel
     elif layout.tp is not None or default_dp is not None:  # the user chose TP (or a config.json): SP follows it

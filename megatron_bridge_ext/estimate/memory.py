@@ -28,7 +28,7 @@ from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT,
 from megatron_bridge_ext.estimate.settings import HybridSettings, MoeSettings, PeftSettings, ReportSettings, Settings
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
-from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
+from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
 
 WHAT = "memory estimate"
@@ -213,6 +213,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
             raise NotModelled(WHAT, [_fp4("mixed_precision")])
         mixed.finalize()
         mixed.setup(provider, optimizer, ddp)
+    notes += _sync_distributed_optimizer(optimizer, ddp)
     _apply_comm_overlap(cfg, provider, optimizer, ddp,
                         data_parallel=data_parallel_size or getattr(cfg, "data_parallel_size", None) or 1)
     micro_batch = cfg.train.micro_batch_size
@@ -241,8 +242,27 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if num_microbatches is None:
         global_batch = cfg.train.global_batch_size or micro_batch * dp
         num_microbatches = max(1, global_batch // (micro_batch * dp))
+    schedule = schedule_findings(pp=provider.pipeline_model_parallel_size,
+                                 vpp=provider.virtual_pipeline_model_parallel_size, num_microbatches=num_microbatches,
+                                 group=getattr(provider, "microbatch_group_size_per_vp_stage", None))
+    if schedule:
+        raise Refused(WHAT, schedule)
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
                      dp, num_microbatches, notes, reports)
+
+
+def _sync_distributed_optimizer(optimizer, ddp) -> list[str]:
+    """The distributed optimizer as Bridge's validation leaves it: on for both configs when either has it on
+    (``_validate_and_sync_distributed_optimizer_settings``, training/config.py L1945-1967); a note when they
+    disagreed, since turning one off alone changes nothing in the run."""
+    settings = (bool(getattr(optimizer, "use_distributed_optimizer", False)),
+                bool(getattr(ddp, "use_distributed_optimizer", False)))
+    if not any(settings) or all(settings):
+        return []
+    optimizer.use_distributed_optimizer = ddp.use_distributed_optimizer = True
+    return [f"optimizer.use_distributed_optimizer={settings[0]} and ddp.use_distributed_optimizer={settings[1]}: "
+            "Bridge's validation turns the distributed optimizer on for both (training/config.py L1945-1967), as "
+            "estimated; set both to false for a non-distributed optimizer"]
 
 
 def _apply_comm_overlap(cfg, provider, optimizer, ddp, *, data_parallel: int) -> None:

@@ -114,3 +114,27 @@ def is_megatron_target(kind: str, target: str) -> bool:
     name = target.rpartition(".")[2]
     canonical = set(_FUSED_LAYER) if kind == "canonical_lora" else set()
     return "*" in name or name in MEGATRON_TARGETS or name in canonical
+
+
+def field_problem(name: str, value) -> Optional[str]:
+    """Why a LoRA-family field's value cannot build adapters, as ``"{name}={value!r} ... Fix: ..."``, or None.
+
+    Bridge's dataclasses take any value: ``dim=0`` builds zero-width adapters, ``dim="16"`` fails deep inside
+    Megatron Core, and a ``target_modules`` string is iterated letter by letter (``"linear_qkv"`` as ``l``, ``i``,
+    ...). ``dim`` is LoRA's rank, a whole number of 1 or more; ``alpha`` its scale, a positive number;
+    ``target_modules`` a list of module names."""
+    if name == "dim" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        return f"dim={value!r} is not a whole number of 1 or more (LoRA's rank). Fix: write e.g. dim=16"
+    if name == "alpha" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        return f"alpha={value!r} is not a positive number (LoRA's scale is alpha / dim). Fix: write e.g. alpha=32"
+    if name == "target_modules":
+        if isinstance(value, str):
+            return (f"target_modules={value!r} is one string, which would be read letter by letter. Fix: write a "
+                    f"list, target_modules=[{value!r}]")
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            return f"target_modules={value!r} is not a list of module names. Fix: write e.g. ['linear_qkv', 'linear_proj']"
+    return None
+
+
+CHECKED_FIELDS = ("dim", "alpha", "target_modules")
+"""The fields :func:`field_problem` checks."""

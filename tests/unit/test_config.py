@@ -84,6 +84,31 @@ def test_apply_fills_env_vars_and_keeps_other_user_options(cfg):
     assert any(c.field == "env_vars.PYTORCH_CUDA_ALLOC_CONF" for c in summary.changes)
 
 
+def test_expandable_segments_false_turns_off_what_the_recipes_env_vars_turn_on(cfg):
+    """A recipe that sets expandable_segments:True in env_vars: MemoryConfig(expandable_segments=False) writes False in
+    its place, keeps the other options, and reports the change (it used to report nothing and leave them on)."""
+    cfg.env_vars = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True", "OTHER": "1"}
+    summary = MemoryConfig(expandable_segments=False).apply(cfg)
+    assert cfg.env_vars == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:False", "OTHER": "1"}
+    assert [(c.field, c.old, c.new) for c in summary.changes if c.field.startswith("env_vars")] == [
+        ("env_vars.PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True",
+         "max_split_size_mb:512,expandable_segments:False")]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("dim", 0, "peft.dim"), ("dim", -4, "peft.dim"), ("dim", "16", "peft.dim"),
+    ("target_modules", "linear_qkv", "peft.target_modules"),
+], ids=["dim-0", "dim-negative", "dim-string", "targets-a-string"])
+def test_a_bridge_lora_with_a_field_that_builds_nothing_is_refused_by_validate(cfg, field, value, words):
+    """Bridge's own LoRA takes these values; MemoryConfig.validate names the field instead of spelling a string's
+    letters as module names."""
+    setattr(cfg.peft, field, value)
+    with pytest.raises(Refused) as error:
+        MemoryConfig().validate(cfg)
+    text = error.value.one_line()
+    assert text.startswith(f"{words}:") and "['l', 'i'" not in text
+
+
 @pytest.mark.parametrize(
     "flags, model_fields, expected",
     [

@@ -34,12 +34,32 @@ class AllocatorConfig:
         return bridge_env_findings(cfg, ipc=self.allocator_ipc)[1]
 
     def apply(self, cfg) -> list[Change]:
-        """Write the allocator variables into ``cfg.env_vars`` (Bridge sets them before CUDA starts)."""
+        """Write the allocator variables into ``cfg.env_vars`` (Bridge sets them before CUDA starts); with
+        ``expandable_segments=False``, turn off the ones the config's ``env_vars`` turn on (a recipe's), keeping every
+        other option there."""
         if not self.expandable_segments:
-            return []
+            return _turn_off(cfg)
         from megatron_bridge_ext.levers.allocator.apply import configure_bridge_env
 
         before = dict(getattr(cfg, "env_vars", None) or {})  # Bridge 0.5.1 has no env_vars field
         configure_bridge_env(cfg, ipc=self.allocator_ipc)
         return [Change(f"env_vars.{name}", before.get(name), new)
                 for name, new in cfg.env_vars.items() if before.get(name) != new]
+
+
+def _turn_off(cfg) -> list[Change]:
+    """``expandable_segments:False`` in each allocator variable of ``cfg.env_vars`` that turns them on; the other
+    options of the variable stay as they are."""
+    from megatron_bridge_ext.levers.allocator.options import VARIABLES, AllocConf
+
+    env = getattr(cfg, "env_vars", None) or {}
+    changes = []
+    for name in VARIABLES:
+        if name not in env:
+            continue
+        conf = AllocConf.parse(str(env[name]), name)
+        if conf.flag("expandable_segments"):
+            new = conf.with_option("expandable_segments", "False").render()
+            changes.append(Change(f"env_vars.{name}", env[name], new))
+            env[name] = new
+    return changes

@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
 from megatron_bridge_ext.levers.lora_input import sp_lora  # noqa: E402
 from megatron_bridge_ext.levers.lora_input.config import strategy_in_effect  # noqa: E402
 from megatron_bridge_ext.levers.lora_input.eligibility import Decision, decide_wrapper, is_te_layernorm_linear  # noqa: E402
+from megatron_bridge_ext.peft import kinds  # noqa: E402
 
 
 class SequenceParallelLoRAIn(ColumnParallelLinear):
@@ -128,6 +129,9 @@ class SequenceParallelInput:
         # of an existing object, and an unknown strategy must not silently run as another one.
         if name == "sequence_parallel_input_strategy":
             sp_lora.check_choice(value, f"{type(self).__name__}.{name}", allow_none=True)
+        problem = kinds.field_problem(name, value) if name in kinds.CHECKED_FIELDS else None
+        if problem:
+            raise ValueError(f"{type(self).__name__}.{problem}")
         super().__setattr__(name, value)
 
     @property

@@ -105,6 +105,37 @@ def expert_layout_problem(*, ep: int, etp, tp: int, cp: int, dp, experts, bias: 
                       "or choose a smaller EP or ETP")
 
 
+def schedule_findings(*, pp: int, vpp: Optional[int], num_microbatches: int, group: Optional[int]) -> list[Finding]:
+    """What Megatron Core refuses of a pipeline schedule for a step of ``num_microbatches`` microbatches.
+
+    An interleaved schedule (VPP set) needs PP > 1 (``parallel_state.initialize_model_parallel`` L827-831,
+    "pipeline-model-parallel size should be greater than 1 with interleaved schedule"); its microbatch group
+    (``microbatch_group_size_per_vp_stage``, PP when unset: ``model_parallel_config.py`` L567-568) must lie in
+    [PP, M] and leave a last group of 0 or at least PP microbatches (``pipeline_parallel/schedules.py`` L1133-1152,
+    ``forward_backward_pipelining_with_interleaving``)."""
+    if vpp is None:
+        return []
+    if pp <= 1:
+        return [Finding("parallel_layout", ERROR, "model.virtual_pipeline_model_parallel_size",
+                        f"is {vpp} with PP={pp}: Megatron Core refuses an interleaved schedule without pipeline "
+                        "parallelism", "set model.pipeline_model_parallel_size > 1, or "
+                                       "model.virtual_pipeline_model_parallel_size=null")]
+    group = group or pp
+    if not pp <= group <= num_microbatches:
+        return [Finding("parallel_layout", ERROR, "train.global_batch_size",
+                        f"gives {num_microbatches} microbatch(es) per step, and the interleaved schedule (PP={pp}, "
+                        f"VPP={vpp}) runs them in groups of {group}, which Megatron Core requires to lie between PP "
+                        f"and the microbatches", f"give a global batch of at least {group} microbatches per "
+                                                  "data-parallel replica, or drop the interleaving")]
+    last = num_microbatches % group
+    if 0 < last < pp:
+        return [Finding("parallel_layout", ERROR, "train.global_batch_size",
+                        f"gives {num_microbatches} microbatches per step, leaving a last group of {last} (groups of "
+                        f"{group}), fewer than PP={pp}: Megatron Core's interleaved schedule refuses it",
+                        f"give a multiple of {group} microbatches per data-parallel replica")]
+    return []
+
+
 def _as_setting(name: str, value) -> str:
     return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
 

@@ -759,3 +759,57 @@ def test_dp_one_by_default_is_said_for_a_config_json():
 ], ids=["recipe-without-a-count", "not-divisible", "disagrees-with-dp", "layout-outgrows-the-stated-count", "zero"])
 def test_a_world_size_that_cannot_be_is_one_line(capsys, argv, fragment):
     assert fragment in _one_line_error(capsys, [*argv, "--gpu-memory", "80GiB"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs a run would refuse or read otherwise, refused or said before the estimate
+# ------------------------------------------------------------------------------------------------
+
+QWEN_SEQ = ["--hf-config", QWEN3_8B, "--seq", "4096", "--gpu-memory", "80GiB"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([*QWEN_SEQ, "++peft.dim=64"], "overrides: ++peft.dim=64 sets a field of peft, which this config leaves unset"),
+    ([*QWEN_SEQ, "+peft.dim=64"], "overrides: +peft.dim=64 sets a field of peft"),
+    ([*QWEN_SEQ, "model.virtual_pipeline_model_parallel_size=2"],
+     "model.virtual_pipeline_model_parallel_size: is 2 with PP=1: Megatron Core refuses an interleaved schedule"),
+    ([*QWEN_SEQ, "--pp", "4", "--global-batch", "2", "model.virtual_pipeline_model_parallel_size=3"],
+     "train.global_batch_size: gives 2 microbatch(es) per step, and the interleaved schedule (PP=4, VPP=3) runs them "
+     "in groups of 4"),
+    ([*QWEN_SEQ, "dataset.seq_length=8192"], "dataset.seq_length: is 8192 and model.seq_length is 4096: Bridge "
+                                             "requires them to match"),
+    ([*QWEN_SEQ, "--sp"], "--sp: turns sequence parallelism on with TP=1: Megatron Core refuses it"),
+], ids=["peft-field-without-peft", "peft-append-without-peft", "vpp-without-pp", "fewer-microbatches-than-pp",
+        "dataset-seq-differs", "sp-with-tp-1"])
+def test_what_the_run_would_refuse_is_one_line_before_the_estimate(capsys, argv, fragment):
+    assert fragment in _one_line_error(capsys, argv)
+
+
+def test_overrides_may_stand_between_and_after_the_options(capsys):
+    report = _json_plan(capsys, "--hf-config", QWEN3_8B, "model.num_layers=2", "--seq", "4096", "--tp", "2",
+                        "model.hidden_size=512", "--gpu-memory", "80GiB")
+    settings = report["estimate"]["settings"]
+    assert (settings["num_layers"], settings["hidden"], settings["tp"]) == (2, 512, 2)
+    assert "unrecognized arguments: --bogus" in _argparse_error(capsys, [*QWEN_SEQ, "a=1", "--bogus"])
+
+
+def _argparse_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit):
+        cli.main(["plan", *argv])
+    return capsys.readouterr().err
+
+
+def test_the_optimizer_turned_off_alone_is_estimated_distributed_as_bridge_runs_it(capsys):
+    """Bridge's validation turns the distributed optimizer back on while ddp.use_distributed_optimizer is true (the
+    vanilla container leaves ddp's off and the optimizer's on: synced on as well)."""
+    tiny = ["model.num_layers=2", "--tp", "2", "--dp", "4"]
+    alone = _json_plan(capsys, *QWEN_SEQ, *tiny, "ddp.use_distributed_optimizer=true",
+                       "optimizer.use_distributed_optimizer=false")
+    both = _json_plan(capsys, *QWEN_SEQ, *tiny, "optimizer.use_distributed_optimizer=false",
+                      "ddp.use_distributed_optimizer=false")
+    default = _json_plan(capsys, *QWEN_SEQ, *tiny)
+    states = {name: next(c["bytes"] for c in r["estimate"]["components"] if c["name"] == "optimizer states")
+              for name, r in (("alone", alone), ("both", both), ("default", default))}
+    assert states["alone"] == states["default"] and states["both"] > states["alone"]
+    assert any("Bridge's validation turns the distributed optimizer on for both" in a
+               for a in alone["estimate"]["assumptions"])

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import logging
 
 import pytest
@@ -231,3 +232,19 @@ def test_the_demo_knows_from_the_version_whether_bridge_has_the_regather_flag(ou
 
     has_field = "sequence_parallel_input_regather" in {f.name for f in fields(BridgeLoRA)}
     assert VARIANTS["upstream_regather"].available("lora")[0] is has_field
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(dim=0), "dim=0 is not a whole number of 1 or more"),
+    (dict(dim=-4), "dim=-4 is not a whole number of 1 or more"),
+    (dict(dim="16"), "dim='16' is not a whole number of 1 or more"),
+    (dict(dim=True), "dim=True is not a whole number"),
+    (dict(alpha=0), "alpha=0 is not a positive number"),
+    (dict(target_modules="linear_qkv"), "target_modules='linear_qkv' is one string, which would be read letter by "
+                                        "letter. Fix: write a list, target_modules=['linear_qkv']"),
+    (dict(target_modules=["linear_qkv", 3]), "target_modules=['linear_qkv', 3] is not a list of module names"),
+], ids=["dim-0", "dim-negative", "dim-string", "dim-bool", "alpha-0", "targets-string", "targets-not-names"])
+def test_a_field_that_would_build_nothing_is_refused_at_construction(ours, fields, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        ours(**fields)
+    assert ours(dim=8, alpha=16, target_modules=("linear_qkv",)).dim == 8

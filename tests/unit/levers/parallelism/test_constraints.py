@@ -45,3 +45,30 @@ def test_expert_sizes_fill_in_what_core_and_bridge_fill_in(fields, expected):
     import types
 
     assert constraints.expert_sizes(types.SimpleNamespace(**fields)) == expected
+
+
+@pytest.mark.parametrize("pp, vpp, microbatches, group, refused", [
+    (4, None, 1, None, None),  # 1F1B takes any count
+    (1, 2, 8, None, "without pipeline parallelism"),
+    (4, 2, 3, None, "runs them in groups of 4"),  # fewer microbatches than PP
+    (4, 2, 4, None, None),  # exactly PP
+    (4, 2, 6, None, "leaving a last group of 2"),  # 6 % 4 = 2 < PP
+    (4, 2, 8, None, None),
+    (4, 2, 10, 5, None),  # groups of 5: 10 % 5 = 0
+    (4, 2, 9, 5, None),  # last group of 4 = PP
+    (4, 2, 8, 5, "leaving a last group of 3"),
+    (4, 2, 8, 3, "runs them in groups of 3"),  # a group below PP
+], ids=["1f1b", "vpp-without-pp", "fewer-than-pp", "exactly-pp", "remainder-below-pp", "multiple", "group-5",
+        "remainder-equal-pp", "remainder-3-of-group-5", "group-below-pp"])
+def test_the_interleaved_schedule_takes_only_what_core_takes(pp, vpp, microbatches, group, refused):
+    """Megatron Core 0.19: parallel_state.initialize_model_parallel L827-831 (VPP needs PP > 1) and
+    forward_backward_pipelining_with_interleaving, schedules.py L1133-1152 (group in [PP, M]; M % group is 0 or
+    at least PP)."""
+    from megatron_bridge_ext.levers.parallelism.constraints import schedule_findings
+
+    findings = schedule_findings(pp=pp, vpp=vpp, num_microbatches=microbatches, group=group)
+    if refused is None:
+        assert findings == []
+    else:
+        (finding,) = findings
+        assert refused in finding.message
