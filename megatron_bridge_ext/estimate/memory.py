@@ -25,7 +25,8 @@ from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_
                                                 set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
-from megatron_bridge_ext.estimate.settings import HybridSettings, MoeSettings, PeftSettings, ReportSettings, Settings
+from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
+                                                   ReportSettings, Settings)
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes
@@ -791,7 +792,17 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         recompute_granularity=p.recompute_granularity, recompute_modules=tuple(p.recompute_modules or []),
         attention=attention, transformer_impl=impl, device=device,
         distributed_optimizer=bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
-        peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe)
+        peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe,
+        mla=_mla_settings(p))
+
+
+def _mla_settings(provider) -> Optional[MlaSettings]:
+    """A multi-latent attention model's latent ranks and head widths; None without it."""
+    if not features.mla.used(provider):
+        return None
+    return MlaSettings(q_lora_rank=provider.q_lora_rank, kv_lora_rank=provider.kv_lora_rank,
+                       qk_head_dim=provider.qk_head_dim, qk_pos_emb_head_dim=provider.qk_pos_emb_head_dim,
+                       v_head_dim=provider.v_head_dim)
 
 
 def _fp8_text(provider) -> Optional[str]:

@@ -213,14 +213,16 @@ def te_layout(attention_spec) -> None:
 @contextlib.contextmanager
 def te_modules() -> Iterator[None]:
     """While the model is built: Core's MLA layer takes :class:`DuplicatedLinear` for ``TELinear`` (so that it asks
-    for the ``duplicated`` mode, multi_latent_attention.py L528-529), and the Transformer Engine backend names
-    :class:`NormColumnParallelLinear` as its fused norm-linear (so that Core's resolver fuses the query and
-    key-value norms as under TE). Everything is put back on exit."""
+    for the ``duplicated`` mode, multi_latent_attention.py L528-529), and Core's query and key-value norm resolver
+    reads Transformer Engine's backend, whatever the config's ``transformer_impl``, with
+    :class:`NormColumnParallelLinear` as its fused norm-linear (so that it fuses the norms as under TE,
+    ``mla_qk_norm_config.py`` L43-48). Everything is put back on exit."""
     from megatron.core.extensions import transformer_engine_spec_provider as te_spec
-    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer import mla_qk_norm_config, multi_latent_attention
 
     replaced = {(multi_latent_attention, "TELinear"): DuplicatedLinear,
-                (te_spec, "TELayerNormColumnParallelLinear"): NormColumnParallelLinear}
+                (te_spec, "TELayerNormColumnParallelLinear"): NormColumnParallelLinear,
+                (mla_qk_norm_config, "get_backend"): lambda transformer_impl: te_spec.TESpecProvider()}
     saved = {key: getattr(*key) for key in replaced}
     for (module, name), value in replaced.items():
         setattr(module, name, value)
