@@ -180,6 +180,8 @@ def measured(point: GridPoint) -> dict:
 
         distributed.init_from_env(tensor_parallel=point.tp, expert_parallel=point.ep, expert_tensor_parallel=1)
     model = tiny_model.build_gpt(shape, **RECOMPUTE[point.recompute])
+    if point.mla and type(model.decoder.layers[0].self_attention).__name__ != "MLASelfAttention":
+        raise AssertionError(f"{point.name}: the real run built no multi-latent attention")
     peft = point.peft(shape)
     if peft is not None:
         model = tiny_model.apply_peft(model, peft)
@@ -226,6 +228,8 @@ def estimated(point: GridPoint, imbalance: float = 1.0) -> dict:
     # Core's local attention cannot take multi-latent attention: the real run has the fused stand-in's CPU twin
     est = estimate(cfg, attention="fused" if point.mla else "local", transformer_impl="local", device="cpu",
                    moe_imbalance=imbalance)
+    if point.mla and est.settings.mla is None:
+        raise AssertionError(f"{point.name}: the estimate traced no multi-latent attention")
     return {"total": saved_per_microbatch(est), "by_category": est.activations_per_microbatch,
             "by_layer": est.activations_per_layer,
             "routed": est.settings.moe.routed_tokens_per_layer if est.settings.moe else 0,
