@@ -133,7 +133,7 @@ def _latent_core(s: Settings) -> None:
 
 @pytest.mark.parametrize("q_lora_rank", [None, 48])
 def test_mla_up_proj_recomputes_the_up_projections_on_every_attention_layer(q_lora_rank):
-    s = replace(MLA_S, mla=latent(q_lora_rank, 32, 16, 8, 24))
+    s = replace(MLA_S, mla=latent(q_lora_rank, 32, 16, 8, 12))  # keys 24 wide, values 12
     layer = _counted(lambda: _up_projections(s, s.hidden if q_lora_rank is None else q_lora_rank))
     assert recompute_cost.recompute_flops_per_layer("mla_up_proj", s) == layer
     assert recompute_cost.recompute_flops(s, ["mla_up_proj"]) == layer * 3 * 2  # 3 layers, 2 microbatches
