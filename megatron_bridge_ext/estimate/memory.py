@@ -42,8 +42,8 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
 
 
 class NotModelled(Refused):
-    """The estimate cannot model this config (hybrid Mamba, MLA, MTP, FP4, CP, MoE token dropping); the config itself
-    may train.
+    """The estimate cannot model this config (a hybrid model's other layers, MLA's variants, MTP, FP4, CP, MoE token
+    dropping); the config itself may train.
 
     Raised after the layout checks pass, so that a caller can still show an estimate that models it
     (Bridge's) where a :class:`Refused` for a broken config stops everything.
