@@ -33,6 +33,8 @@ RECOMPUTE = {
     "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
     "mla_up_proj": dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
 }
+GPT_RECOMPUTE = ("none", "core_attn", "mlp", "full", "moe")
+"""The recompute choices of the dense grid (``mla_up_proj`` needs multi-latent attention: MLA_GRID)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def _grid() -> list[GridPoint]:
     # TP 2 with SP: every LoRA-A strategy with every recompute choice; heads, MLP and dtype rotate.
     strategies = [None, "off", "regather", "shard_local"]
     for i, lora in enumerate(strategies):
-        for j, recompute in enumerate(RECOMPUTE):
+        for j, recompute in enumerate(GPT_RECOMPUTE):
             k = i + j
             points.append(GridPoint(2, True, lora, recompute, (MHA, GQA)[k % 2], bool(k // 2 % 2), ("float32", "bfloat16")[i % 2]))
     for lora in (None, "off", "shard_local"):
