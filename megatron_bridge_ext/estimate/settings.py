@@ -149,7 +149,7 @@ class MlaSettings:
     qk_head_dim: int
     """Query and key width per head without RoPE (JSON ``mla_qk_head_dim``)."""
     qk_pos_emb_head_dim: int
-    """Query and key width per head with RoPE, shared by the heads on the key side (JSON ``mla_qk_pos_emb_head_dim``)."""
+    """Query and key width per head with RoPE, one key part shared by the heads (JSON ``mla_qk_pos_emb_head_dim``)."""
     v_head_dim: int
     """Value width per head (JSON ``mla_v_head_dim``)."""
 

@@ -63,7 +63,7 @@ class SavedActivations:
     stays counted, so the figures are what the graphs built retained, not a live peak. A storage
     the forward released by resizing it to nothing while the graph still references it does not
     count: Megatron Core's ``CheckpointWithoutOutput`` discards its outputs so after the modules
-    that consume them saved them (``tensor_parallel/random.py`` L845-848, selective recompute of
+    that consume them saved them (``tensor_parallel/random.py`` L847-848, selective recompute of
     ``layernorm`` and ``mla_up_proj``), and recomputes them in backward. The meter looks for such
     storages when its context ends and when it is read, so it must be read before backward
     restores them, or left first.

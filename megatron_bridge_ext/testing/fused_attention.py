@@ -22,7 +22,7 @@ import torch
 
 
 def _attention(query, key, value, scale: float):
-    """[s, b, heads, d_qk] x2 and [s, b, heads, d_v] -> output [s, b, heads * d_v] and fp32 log-sum-exp [b, heads, s]."""
+    """q, k [s, b, heads, d_qk] and v [s, b, heads, d_v] -> output [s, b, heads * d_v], fp32 lse [b, heads, s]."""
     q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))  # [b, heads, s, d]
     scores = q @ k.transpose(-1, -2) * scale
     causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)

@@ -5,26 +5,26 @@ Core's layer (``transformer/multi_latent_attention.py``) projects the layer inpu
 ``q_lora_rank`` (``linear_q_down_proj``), a norm, and up (``linear_q_up_proj``); keys and values down to
 ``kv_lora_rank + qk_pos_emb_head_dim`` (``linear_kv_down_proj``), the latent part normed and projected up to
 heads x (qk_head_dim + v_head_dim) (``linear_kv_up_proj``), the positional part rotated and shared by every head
-(L738-784, L893-977). Core attention then takes keys of ``qk_head_dim + qk_pos_emb_head_dim`` and values of
+(``get_query_key_value_tensors``, L665-991). Core attention then takes keys of ``qk_head_dim + qk_pos_emb_head_dim`` and values of
 ``v_head_dim`` per head (:mod:`..standins`), and ``linear_proj`` maps heads x v_head_dim back to h. The estimate runs
 that code on fake tensors; what it changes while tracing:
 
-* The Transformer Engine spec (``gpt_layer_specs.py`` L296-303, what Bridge's providers build) gives the down
-  projections TE's ``TELinear`` in ``duplicated`` mode (multi_latent_attention.py L528-529, L568-569: the whole
+* The Transformer Engine spec (``gpt_layer_specs.py`` L295-318, what Bridge's providers build) gives the down
+  projections TE's ``TELinear`` in ``duplicated`` mode (multi_latent_attention.py L525-526, L572-573: the whole
   weight on every TP rank, the sequence shard in, no communication), which cannot run here:
   :class:`DuplicatedLinear` stands in with its parameter and its saved set. Core's local spec (what the local
   backend builds) has column-parallel down projections instead, whose output Core gathers over TP and scatters
-  back over the sequence (L692-706, L770-786): a different parameter count per rank and, under sequence
+  back over the sequence (L650-654, L737-746): a different parameter count per rank and, under sequence
   parallelism, saves that keep the gathered latent alive (the scatter returns a slice of it, ``mappings.py`` L79).
-* With ``qk_layernorm`` Core's resolver (``mla_qk_norm_config.py`` L138-167) fuses the query and key-value norms
+* With ``qk_layernorm`` Core's resolver (``mla_qk_norm_config.py`` L132-168) fuses the query and key-value norms
   into the up projections (TE's ``TELayerNormColumnParallelLinear``): :class:`NormColumnParallelLinear` stands in,
   Core's local norm followed by its column-parallel linear, which keep what TE's fused module keeps
   (:mod:`..te`). Without ``q_lora_rank`` the resolver fuses a norm over the hidden size into ``linear_q_proj``
-  (L143-146), which Core's local spec cannot build (L170-171 refuses its query norm).
+  (L147-150), which Core's local spec cannot build (L172-173 refuses its query norm).
 * Core's local ``DotProductAttention`` takes no ``k_channels`` / ``v_channels`` (``dot_product_attention.py``
-  L42-51, against L205-216 here): Core cannot build multi-latent attention on it, so only the fused attention
+  L42-51, against L207-218 here): Core cannot build multi-latent attention on it, so only the fused attention
   stand-in is traced.
-* ``recompute_modules`` with ``mla_up_proj`` (L170-173, L979-983, L452-455): the up projections and RoPE run inside
+* ``recompute_modules`` with ``mla_up_proj`` (L171-174, L972-977, L454-457): the up projections and RoPE run inside
   Core's ``CheckpointWithoutOutput`` without grad, which keeps its inputs (the latents, the positional key part, the
   rotary frequencies; ``tensor_parallel/random.py`` L702-704); after core attention the query, key and value it
   made are released (their storages resized to nothing, L847-848) and recomputed in backward. The saved-tensor
@@ -123,7 +123,7 @@ def trace_findings(model, *, attention: str, transformer_impl: str, fused: str) 
     if transformer_impl != TRANSFORMER_ENGINE and model.q_lora_rank is None and model.qk_layernorm:
         out.append(_not_modelled("model.qk_layernorm",
                                  "Core's local spec cannot build a query norm without q_lora_rank "
-                                 "(mla_qk_norm_config.py L170-171)",
+                                 "(mla_qk_norm_config.py L172-173)",
                                  "estimate on Transformer Engine's spec (transformer_impl='transformer_engine')"))
     return out
 
@@ -200,7 +200,7 @@ class NormColumnParallelLinear(torch.nn.Module):
 
 def te_layout(attention_spec) -> None:
     """Give Core's local MLA attention spec (``get_gpt_layer_local_submodules``) Transformer Engine's layout of
-    ``get_gpt_layer_with_transformer_engine_submodules`` (L296-303): duplicated down projections, no standalone
+    ``get_gpt_layer_with_transformer_engine_submodules`` (L295-318): duplicated down projections, no standalone
     query and key-value norms (with ``qk_layernorm`` Core's resolver fuses them into the up projections, under
     :func:`te_modules`)."""
     from megatron.core.transformer.identity_op import IdentityOp
@@ -213,7 +213,7 @@ def te_layout(attention_spec) -> None:
 @contextlib.contextmanager
 def te_modules() -> Iterator[None]:
     """While the model is built: Core's MLA layer takes :class:`DuplicatedLinear` for ``TELinear`` (so that it asks
-    for the ``duplicated`` mode, multi_latent_attention.py L528-529), and Core's query and key-value norm resolver
+    for the ``duplicated`` mode, multi_latent_attention.py L525-526), and Core's query and key-value norm resolver
     reads Transformer Engine's backend, whatever the config's ``transformer_impl``, with
     :class:`NormColumnParallelLinear` as its fused norm-linear (so that it fuses the norms as under TE,
     ``mla_qk_norm_config.py`` L43-48). Everything is put back on exit."""

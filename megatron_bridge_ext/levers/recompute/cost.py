@@ -14,8 +14,8 @@ BASIS = "formula: forward GEMM FLOPs of the recomputed modules x layers x microb
 MOE_BASIS = ("formula: forward GEMM FLOPs of the recomputed modules x their layers (dense layers for mlp, MoE layers "
              "for moe, moe_act and shared_experts) x microbatches; moe repeats the router (T*h*E), the routed experts "
              "(T*k tokens through fc1 and fc2 of width moe_ffn) and the shared experts, T = s*b/t tokens on the rank; "
-             "moe_act and layernorm repeat no GEMM; moe also repeats its forward dispatch and combine; mla_up_proj repeats "
-             "multi-latent attention's up projections on the whole sequence")
+             "moe_act and layernorm repeat no GEMM; moe also repeats its forward dispatch and combine; mla_up_proj "
+             "repeats multi-latent attention's up projections on the whole sequence")
 MLP_MODULES = ("mlp",)
 """Modules recomputed on dense layers only (Core's TransformerLayer skips ``mlp`` recompute on an MoE layer)."""
 MOE_LAYER_MODULES = ("moe", "moe_act", "shared_experts")

@@ -106,7 +106,7 @@ def test_te_layout_keeps_the_shard_where_the_local_scatter_keeps_the_gathered_qu
 
 def test_te_layout_without_a_query_latent_norms_the_hidden_state_in_the_query_projection():
     """Core's resolver fuses a norm over the hidden size into linear_q_proj when q_lora_rank is None
-    (mla_qk_norm_config.py L143-146): with qk_layernorm the query and key-value norms each keep their fp32 rstd [T]
+    (mla_qk_norm_config.py L147-150): with qk_layernorm the query and key-value norms each keep their fp32 rstd [T]
     and their normalised input (RMSNorm's x / rms), and each up projection keeps the norm's output instead of its
     input (T = s/t x b tokens; the norms' inputs are kept without them too)."""
     tokens = SEQ // 2 * BATCH
@@ -120,7 +120,7 @@ def test_te_layout_without_a_query_latent_norms_the_hidden_state_in_the_query_pr
 def test_mla_up_proj_keeps_the_latents_and_releases_query_key_and_value(q_lora):
     """TE's layout at TP 2 with SP: recomputing the up projections drops what they and RoPE keep (each norm's rstd
     and normalised input, each linear's input, cos and sin for the query and the key) and the query, key and value
-    core attention kept (Core releases them, multi_latent_attention.py L452-455), and keeps the checkpoint's
+    core attention kept (Core releases them, multi_latent_attention.py L454-457), and keeps the checkpoint's
     inputs that nothing kept before: the gathered positional key part [s, b, rope] and the rotary frequencies
     [s, 1, 1, rope] in fp32 (the latents were kept by the norms already)."""
     tokens, local_heads = SEQ // 2 * BATCH, HEADS // 2
