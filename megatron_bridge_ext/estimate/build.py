@@ -21,6 +21,7 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from megatron_bridge_ext.estimate.features import mla
 from megatron_bridge_ext.estimate.mamba import mamba_kernels, rebind_parameters
 
 FUSED = "fused"
@@ -74,39 +75,49 @@ def set_layer_kinds(provider, kinds: list) -> None:
         provider.moe_layer_freq = list(kinds) * pp
 
 
-def layer_spec(provider, attention: str):
-    """Megatron Core's local GPT layer spec for ``provider``'s norms and experts, with the attention kind asked for.
+def layer_spec(provider, attention: str, *, transformer_impl: str):
+    """Megatron Core's local GPT layer spec for ``provider``'s norms, attention and experts, with the attention kind
+    asked for.
 
     With experts it is Core's local MoE spec: the router, the config's token dispatcher and SequentialMLP
     experts (the local backend has no grouped GEMM, whatever ``moe_grouped_gemm`` asks; the estimate
     says so in its assumptions). With dense and MoE layers mixed (``moe_layer_freq``), a block spec of the
     two in the model's pattern, as Core's ``get_gpt_decoder_block_spec`` makes it on the local backend.
+    With multi-latent attention, Core's ``MLASelfAttention``, in Transformer Engine's layout of its projections
+    when ``transformer_impl`` is ``transformer_engine`` (:func:`..features.mla.te_layout`).
     """
     pattern = moe_layer_pattern(provider)
+    te = transformer_impl == mla.TRANSFORMER_ENGINE
     if len(set(pattern)) > 1:
-        return _mixed_block_spec(provider, attention)
-    return _local_layer_spec(provider, attention, moe=1 in pattern)
+        return _mixed_block_spec(provider, attention, te=te)
+    return _local_layer_spec(provider, attention, moe=1 in pattern, te=te)
 
 
-def _local_layer_spec(provider, attention: str, *, moe: bool):
+def _local_layer_spec(provider, attention: str, *, moe: bool, te: bool = False, latent: bool = True):
+    """``latent``: build multi-latent attention where the model has it (a hybrid stack's attention layers do not)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     experts = provider.num_moe_experts if moe else None
+    latent = latent and mla.used(provider)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=bool(getattr(provider, "moe_grouped_gemm",
                                                                                         False)) if experts else False,
-                                    qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization)
+                                    qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization,
+                                    multi_latent_attention=latent)
     if attention == FUSED:
         from megatron_bridge_ext.estimate.standins import FusedAttentionStandIn
 
         spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
+    if latent and te:
+        mla.te_layout(spec.submodules.self_attention)
     return spec
 
 
-def _mixed_block_spec(provider, attention: str):
+def _mixed_block_spec(provider, attention: str, *, te: bool):
     """The decoder block spec of a model with dense and MoE layers: a callable of the config, as Bridge's provider
     takes its ``transformer_layer_spec``, that builds this stage's slice of the pattern (Core's layer offset and
     layer count, the final norm of a single-layer spec)."""
-    specs = {0: _local_layer_spec(provider, attention, moe=False), 1: _local_layer_spec(provider, attention, moe=True)}
+    specs = {0: _local_layer_spec(provider, attention, moe=False, te=te),
+             1: _local_layer_spec(provider, attention, moe=True, te=te)}
 
     def block_spec(config, vp_stage=None):
         from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
@@ -145,7 +156,7 @@ def hybrid_stack_spec(provider, attention: str):
     from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
                                                              TransformerLayerSubmodules)
 
-    dense = _local_layer_spec(provider, attention, moe=False).submodules
+    dense = _local_layer_spec(provider, attention, moe=False, latent=False).submodules
     norm = dense.input_layernorm
     mixer = ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
                                                                           out_proj=RowParallelLinear))
@@ -157,33 +168,36 @@ def hybrid_stack_spec(provider, attention: str):
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)))
     if getattr(provider, "num_moe_experts", None):
-        moe = _local_layer_spec(provider, attention, moe=True).submodules
+        moe = _local_layer_spec(provider, attention, moe=True, latent=False).submodules
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
 
 
 def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, device: str,
-                     dtype: torch.dtype) -> torch.nn.Module:
+                     dtype: torch.dtype, transformer_impl: str) -> torch.nn.Module:
     """This rank's GPTModel in training mode, with ``peft`` applied, every parameter fake on ``device``.
 
     ``provider`` is a finalized copy the caller owns (it is changed: spec, initialisation flags).
+    ``transformer_impl``: ``transformer_engine`` builds multi-latent attention in TE's layout (:func:`layer_spec`).
     Must run inside :func:`..fake.fake_parallel_world`.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnBackend
 
     hybrid = is_hybrid(provider)
+    latent_te = mla.used(provider) and transformer_impl == mla.TRANSFORMER_ENGINE
     if hybrid:
         provider.hybrid_stack_spec = hybrid_stack_spec(provider, attention)
     else:
-        provider.transformer_layer_spec = layer_spec(provider, attention)
+        provider.transformer_layer_spec = layer_spec(provider, attention, transformer_impl=transformer_impl)
     provider.attention_backend = AttnBackend.auto  # the spec chooses the attention; "local" would replace the stand-in
     provider.use_cpu_initialization = True
     provider.perform_initialization = False
     provider.gradient_accumulation_fusion = False
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    with mode, (mamba_kernels() if hybrid else contextlib.nullcontext()):
+    with mode, (mamba_kernels() if hybrid else contextlib.nullcontext()), \
+            (mla.te_modules() if latent_te else contextlib.nullcontext()):
         model = provider.provide()
     if peft is not None:
         model = _apply_peft(model, copy.deepcopy(peft))

@@ -25,7 +25,8 @@ from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_
                                                 set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
-from megatron_bridge_ext.estimate.settings import HybridSettings, MoeSettings, PeftSettings, ReportSettings, Settings
+from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
+                                                   ReportSettings, Settings)
 from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
@@ -41,8 +42,8 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
 
 
 class NotModelled(Refused):
-    """The estimate cannot model this config (hybrid Mamba, MLA, MTP, FP4, CP, MoE token dropping); the config itself
-    may train.
+    """The estimate cannot model this config (a hybrid model's other layers, MLA's variants, MTP, FP4, CP, MoE token
+    dropping); the config itself may train.
 
     Raised after the layout checks pass, so that a caller can still show an estimate that models it
     (Bridge's) where a :class:`Refused` for a broken config stops everything.
@@ -221,7 +222,8 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
     if problems:
         raise Refused(WHAT, problems)
-    not_modelled = (_unsupported(provider) + _unhonoured(optimizer, ddp)) if modelled_only else []
+    not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
+                    + _unhonoured(optimizer, ddp)) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
@@ -337,7 +339,8 @@ _NEED_TE = ("apply_rope_fusion", "moe_permute_fusion")
 
 def _local_spec_kernels(provider) -> list[str]:
     """Turn off, on the copy that is traced, kernel flags the local spec refuses; say what that changes."""
-    notes = []
+    rope = features.mla.turn_off_rope_fusion(provider)
+    notes = [rope] if rope else []
     for flag, note in _TE_KERNEL_FLAGS:
         if getattr(provider, flag, False) and (flag not in _NEED_TE or not _have_te()):
             setattr(provider, flag, False)
@@ -393,6 +396,12 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     problems = _te_problems(prepared, impl)
     if problems:
         raise Refused(WHAT, problems)
+    problems = features.mla.layout_findings(prepared.provider, transformer_impl=impl)
+    if problems:
+        raise Refused(WHAT, problems)
+    problems = features.mla.trace_findings(prepared.provider, attention=attention, transformer_impl=impl, fused=FUSED)
+    if problems:
+        raise NotModelled(WHAT, problems)
     pp = prepared.provider.pipeline_model_parallel_size
     stages = [0] if pp == 1 else [0, pp - 1]
     if is_hybrid(prepared.provider):  # its segments need not hold equal layers: every stage is a candidate
@@ -522,7 +531,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         if reduced:
             set_layer_kinds(stage_provider, reduced.pattern)
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
-                                 dtype=prepared.dtype)
+                                 dtype=prepared.dtype, transformer_impl=impl)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
         fp8 = precision.fp8_of(stage_provider)
         traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
@@ -536,7 +545,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             moe_layers = sum(reduced.pattern[source] in MOE_KINDS for source in reduced.sources)
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
-        recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, mode, device) \
+        recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
             if provider.recompute_granularity == "full" else 0
     in_flight = microbatches_in_flight(pp=pp, vpp=provider.virtual_pipeline_model_parallel_size,
                                        num_microbatches=prepared.num_microbatches, stage=stage,
@@ -721,16 +730,16 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
     return out
 
 
-def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str) -> int:
+def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mode, device: str) -> int:
     """What one layer saves when full recompute runs it again in backward: layer 0 of a one-layer-per-stage
     build without recompute (the first layer of a frozen-embedding PEFT model saves a little less than later
     ones; the difference is its LoRA-A input gradient path, not its saved inputs). With layers of several kinds
     (dense and MoE, a hybrid model's), the largest."""
-    return max(_one_layer_bytes(provider, prepared, attention, mode, device, kind)
+    return max(_one_layer_bytes(provider, prepared, attention, impl, mode, device, kind)
                for kind in dict.fromkeys(layer_kinds(provider)))
 
 
-def _one_layer_bytes(provider, prepared: Prepared, attention: str, mode, device: str, kind) -> int:
+def _one_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mode, device: str, kind) -> int:
     """What layer 0 of a one-layer-per-stage build of layers of ``kind`` (:func:`..build.layer_kinds`) saves,
     without recompute."""
     one_layer = copy.deepcopy(provider)
@@ -739,7 +748,7 @@ def _one_layer_bytes(provider, prepared: Prepared, attention: str, mode, device:
     one_layer.virtual_pipeline_model_parallel_size = None
     one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None
     model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
-                             dtype=prepared.dtype)
+                             dtype=prepared.dtype, transformer_impl=impl)
     sp_tp = provider.tensor_model_parallel_size if provider.sequence_parallel else 1
     traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
                               hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
@@ -803,7 +812,17 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         recompute_granularity=p.recompute_granularity, recompute_modules=tuple(p.recompute_modules or []),
         attention=attention, transformer_impl=impl, device=device,
         distributed_optimizer=bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
-        peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe)
+        peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe,
+        mla=_mla_settings(p))
+
+
+def _mla_settings(provider) -> Optional[MlaSettings]:
+    """A multi-latent attention model's latent ranks and head widths; None without it."""
+    if not features.mla.used(provider):
+        return None
+    return MlaSettings(q_lora_rank=provider.q_lora_rank, kv_lora_rank=provider.kv_lora_rank,
+                       qk_head_dim=provider.qk_head_dim, qk_pos_emb_head_dim=provider.qk_pos_emb_head_dim,
+                       v_head_dim=provider.v_head_dim)
 
 
 def _fp8_text(provider) -> Optional[str]:
@@ -849,4 +868,5 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append("interleaved pipeline: a stage's model chunks traced as one model; a chunk is 1/VPP of it")
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
-    return out + prepared.notes
+    latent = features.mla.assumption(prepared.provider, impl)
+    return out + ([latent] if latent else []) + prepared.notes

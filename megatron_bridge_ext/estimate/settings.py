@@ -3,7 +3,8 @@
 :class:`Settings` is built once by :mod:`.memory` and read by attribute everywhere (the roofline, the levers'
 costs and advice, the planner, the commands): a misspelt name is an ``AttributeError`` where it is written, not
 a None far from it. The parts a config may not have are None when absent: :class:`PeftSettings` (full
-fine-tuning), :class:`HybridSettings` (a GPT model), :class:`MoeSettings` (a dense model).
+fine-tuning), :class:`HybridSettings` (a GPT model), :class:`MoeSettings` (a dense model), :class:`MlaSettings`
+(a model without multi-latent attention).
 
 :meth:`Settings.to_json` is the flat dict ``mbx plan --json`` prints under ``estimate.settings`` (its keys and their
 order are part of that output); :meth:`Settings.from_json` reads it back.
@@ -138,6 +139,34 @@ class MoeSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class MlaSettings:
+    """A multi-latent attention model's latent ranks and head widths (Megatron Core's ``MLATransformerConfig``)."""
+
+    q_lora_rank: Optional[int]
+    """The query's latent; None: the query projected directly from the hidden state (JSON ``mla_q_lora_rank``)."""
+    kv_lora_rank: int
+    """The keys' and values' latent (JSON ``mla_kv_lora_rank``)."""
+    qk_head_dim: int
+    """Query and key width per head without RoPE (JSON ``mla_qk_head_dim``)."""
+    qk_pos_emb_head_dim: int
+    """Query and key width per head with RoPE, one key part shared by the heads (JSON ``mla_qk_pos_emb_head_dim``)."""
+    v_head_dim: int
+    """Value width per head (JSON ``mla_v_head_dim``)."""
+
+    @property
+    def q_head_dim(self) -> int:
+        """Query and key width per head, as core attention takes them."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    def to_json(self) -> dict[str, Any]:
+        return {f"mla_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> MlaSettings:
+        return cls(**{f.name: d[f"mla_{f.name}"] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """One estimate's settings: the layout of the estimated rank, the model's shapes, the training choices, and the
     parts a config may lack (None when absent). :meth:`to_json` gives the flat dict of ``mbx plan --json``."""
@@ -204,16 +233,19 @@ class Settings:
     """When Bridge prints memory and what it defers."""
     moe: Optional[MoeSettings]
     """The experts; None for a dense model."""
+    mla: Optional[MlaSettings]
+    """Multi-latent attention's sizes; None for a model without it."""
 
     def to_json(self) -> dict[str, Any]:
         """The flat dict of ``mbx plan --json``: the layout and shapes, the PEFT keys, a hybrid model's, the report
-        settings, an MoE model's, in that order (lists where this holds tuples)."""
+        settings, an MoE model's, multi-latent attention's, in that order (lists where this holds tuples)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _PARTS}
         out["recompute_modules"] = list(self.recompute_modules)
         out.update(self.peft.to_json() if self.peft else NO_PEFT_JSON)
         out.update(self.hybrid.to_json() if self.hybrid else {})
         out.update(self.reports.to_json())
         out.update(self.moe.to_json() if self.moe else {})
+        out.update(self.mla.to_json() if self.mla else {})
         return out
 
     @classmethod
@@ -225,7 +257,8 @@ class Settings:
         out = cls(**core, peft=PeftSettings.from_json(d) if d["peft"] is not None else None,
                   hybrid=HybridSettings.from_json(d) if "hybrid_layers" in d else None,
                   reports=ReportSettings.from_json(d),
-                  moe=MoeSettings.from_json(d) if "num_moe_experts" in d else None)
+                  moe=MoeSettings.from_json(d) if "num_moe_experts" in d else None,
+                  mla=MlaSettings.from_json(d) if "mla_kv_lora_rank" in d else None)
         unknown = [k for k in d if k not in out.to_json()]
         if unknown:
             raise ValueError(f"estimate settings: unknown key(s) {', '.join(unknown)}; the keys are those of "
@@ -233,5 +266,5 @@ class Settings:
         return out
 
 
-_PARTS = ("peft", "hybrid", "reports", "moe")
+_PARTS = ("peft", "hybrid", "reports", "moe", "mla")
 """The fields of :class:`Settings` that are parts of their own (each with its own keys in :meth:`Settings.to_json`)."""

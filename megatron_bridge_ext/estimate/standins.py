@@ -8,6 +8,13 @@ probabilities, which no such user keeps. The estimate therefore traces the local
 this module in place of ``core_attention`` (``attention="fused"``, the default) and says so in its
 assumptions; ``attention="local"`` traces Core's own unfused attention instead.
 
+Multi-latent attention (:mod:`.features.mla`) hands it keys wider than its values: q and k of
+``qk_head_dim + qk_pos_emb_head_dim`` per head, v of ``v_head_dim``. Transformer Engine's fused
+attention takes the two widths apart (``DotProductAttention``'s ``kv_channels`` pair, TE v2.17.1
+``dot_product_attention.py`` L424-429) and its output has the value's width per head; cuDNN's
+``FusedAttnFunc`` keeps ``(q, k, v, out)`` and its fp32 softmax statistics [b, heads, sq, 1]
+(``backends.py`` L1538 and L1560-1569, ``cpp_extensions/fused_attn.py`` L247-254).
+
 It is a model of the kernels' saved set, for tracing on fake tensors only: no numerics.
 """
 
@@ -22,16 +29,17 @@ from megatron.core.transformer.module import MegatronModule
 
 
 class _FusedAttentionSaves(torch.autograd.Function):
-    """Causal attention that saves q, k, v (contiguous), out [sq, b, np*hn] and fp32 lse [b, np, sq]."""
+    """Causal attention that saves q, k, v (contiguous), out [sq, b, np * hn_v] and fp32 lse [b, np, sq]: the output
+    has the value's head width, which multi-latent attention makes narrower than the query's."""
 
     @staticmethod
     def forward(ctx, query, key, value):
         if not isinstance(query, FakeTensor):
             raise RuntimeError("FusedAttentionStandIn models a fused kernel's saved tensors on fake tensors only; "
                                "it computes no attention")
-        sq, b, heads, head_dim = query.shape
+        sq, b, heads, _ = query.shape
         value = value.contiguous()  # the kernels take a contiguous V; Q and K arrive contiguous from RoPE
-        out = query.new_empty(sq, b, heads * head_dim)
+        out = query.new_empty(sq, b, heads * value.shape[-1])
         lse = torch.empty(b, heads, sq, dtype=torch.float32, device=query.device)
         ctx.save_for_backward(query, key, value, out, lse)
         return out
@@ -44,10 +52,12 @@ class _FusedAttentionSaves(torch.autograd.Function):
 
 class FusedAttentionStandIn(MegatronModule):
     """Takes the place of ``DotProductAttention`` in the local layer spec (causal self-attention); it takes
-    the same constructor arguments and ignores them: the saved set depends on the shapes only."""
+    the constructor arguments of Core's ``TEDotProductAttention`` (multi-latent attention passes the key and value
+    widths, ``k_channels`` and ``v_channels``) and ignores them: the saved set depends on the shapes only."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
 

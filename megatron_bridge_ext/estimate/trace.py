@@ -206,8 +206,9 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
                                    requires_grad=True)
             model.set_input_tensor(received)
         with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
-            model(ids, positions, None, labels=labels)
-    result = meter.result()
+            output = model(ids, positions, None, labels=labels)
+    result = meter.result()  # while the output keeps the graph and its saved storages alive
+    del output
     by_category, by_layer = split(result)
     buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     persistent = sum(t.numel() * t.element_size() for t in getattr(buffer, "buffer", {}).values())

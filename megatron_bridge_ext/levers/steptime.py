@@ -158,10 +158,28 @@ def element_size(s: Settings) -> int:
 
 
 def attention_linear_flops(s: Settings) -> int:
-    """Forward FLOPs of one layer's attention linears per microbatch on a TP rank: QKV and the output projection."""
+    """Forward FLOPs of one layer's attention linears per microbatch on a TP rank: QKV and the output projection
+    (multi-latent attention's projections: :func:`latent_attention_linear_flops`)."""
+    if s.mla is not None:
+        return latent_attention_linear_flops(s)
     tokens = s.seq_length * s.micro_batch
     q, kv = s.heads * s.kv_channels, 2 * s.query_groups * s.kv_channels
     return (2 * tokens * s.hidden * (q + kv) + 2 * tokens * q * s.hidden) // s.tp
+
+
+def latent_attention_linear_flops(s: Settings) -> int:
+    """Forward FLOPs of one multi-latent attention layer's linears per microbatch on a TP rank: the down projections
+    (h -> q_lora_rank, h -> kv_lora_rank + qk_pos_emb_head_dim), the up projections
+    (:func:`.recompute.cost.mla_up_projection_flops`) and the output projection. Transformer Engine's down
+    projections hold the whole weight on every rank and take the rank's own tokens, its sequence shard under SP and
+    every token without it; the local spec's are column-parallel on the gathered sequence."""
+    from megatron_bridge_ext.levers.recompute.cost import mla_up_projection_flops
+
+    m, tokens = s.mla, s.seq_length * s.micro_batch
+    down = 2 * tokens * s.hidden * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    split = s.tp if s.sequence_parallel or s.transformer_impl != "transformer_engine" else 1
+    proj = 2 * tokens * s.heads * m.v_head_dim * s.hidden // s.tp
+    return down // split + mla_up_projection_flops(s) + proj
 
 
 def mamba_linear_flops(s: Settings) -> int:
@@ -275,7 +293,7 @@ def trainable_params(s: Settings, moe: Optional[dict] = None) -> int:
 
     h, ffn, t = s.hidden, s.ffn * (2 if s.gated_linear_unit else 1), s.tp
     q, kv = s.heads * s.kv_channels, 2 * s.query_groups * s.kv_channels
-    attention = {"linear_qkv": (h, q + kv), "linear_proj": (q, h)}
+    attention = {"linear_qkv": (h, q + kv), "linear_proj": (q, h)} if s.mla is None else _latent_linears(s)
     mlp = {"linear_fc1": (h, ffn), "linear_fc2": (s.ffn, h)}
     mamba = {}
     if s.hybrid is not None and s.hybrid.mamba is not None:
@@ -291,7 +309,27 @@ def trainable_params(s: Settings, moe: Optional[dict] = None) -> int:
         return sum(s.peft.lora_dim * sum(sum(shape) for name, shape in shapes.items() if name in targets) * n
                    for shapes, n in parts) // t
     ends = (s.stage == 0) + (s.stage == s.pp - 1)  # embedding on the first stage, output on the last
-    return (sum(sum(i * o for i, o in shapes.values()) * n for shapes, n in parts) + ends * s.vocab_size * h) // t
+    sharded = sum(sum(i * o for i, o in shapes.values()) * n for shapes, n in parts) + ends * s.vocab_size * h
+    whole = _duplicated_parameters(s) * counts.attention  # Transformer Engine's duplicated down projections
+    return (sharded - whole) // t + whole
+
+
+def _latent_linears(s: Settings) -> dict[str, tuple[int, int]]:
+    """Multi-latent attention's linears as (input, output) sizes of the whole layer (before TP)."""
+    m, h = s.mla, s.hidden
+    query = ({"linear_q_proj": (h, s.heads * m.q_head_dim)} if m.q_lora_rank is None else
+             {"linear_q_down_proj": (h, m.q_lora_rank), "linear_q_up_proj": (m.q_lora_rank, s.heads * m.q_head_dim)})
+    return {**query, "linear_kv_down_proj": (h, m.kv_lora_rank + m.qk_pos_emb_head_dim),
+            "linear_kv_up_proj": (m.kv_lora_rank, s.heads * (m.qk_head_dim + m.v_head_dim)),
+            "linear_proj": (s.heads * m.v_head_dim, h)}
+
+
+def _duplicated_parameters(s: Settings) -> int:
+    """Parameters of a layer's down projections that Transformer Engine keeps whole on every TP rank (multi-latent
+    attention under full fine-tuning; adapters never target them here)."""
+    if s.mla is None or s.transformer_impl != "transformer_engine" or s.peft is not None:
+        return 0
+    return s.hidden * ((s.mla.q_lora_rank or 0) + s.mla.kv_lora_rank + s.mla.qk_pos_emb_head_dim)
 
 
 def dp_bytes(s: Settings, moe: Optional[dict] = None) -> int:

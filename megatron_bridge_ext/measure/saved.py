@@ -46,6 +46,12 @@ class _SeenStorage:
 
     ref: weakref.ref
     modules: set[str]
+    nbytes: int = 0
+    """The bytes it was counted with (0 for a parameter's storage)."""
+    first: str = ""
+    """The module that saved it first, whose category it counts in."""
+    released: bool = False
+    """Released by resizing it to nothing while the graph still references it, and taken off the counts."""
 
 
 @dataclasses.dataclass
@@ -54,7 +60,13 @@ class SavedActivations:
 
     Each storage counts with its full ``nbytes`` (a saved view keeps its whole base alive), as
     of when it was saved. Counts accumulate since the last reset: a storage freed meanwhile
-    stays counted, so the figures are what the graphs built retained, not a live peak.
+    stays counted, so the figures are what the graphs built retained, not a live peak. A storage
+    the forward released by resizing it to nothing while the graph still references it does not
+    count: Megatron Core's ``CheckpointWithoutOutput`` discards its outputs so after the modules
+    that consume them saved them (``tensor_parallel/random.py`` L847-848, selective recompute of
+    ``layernorm`` and ``mla_up_proj``), and recomputes them in backward. The meter looks for such
+    storages when its context ends and when it is read, so it must be read before backward
+    restores them, or left first.
 
     * ``total_bytes``: every activation storage once.
     * ``by_category``: ``total_bytes`` split by the category of the FIRST module that saved each
@@ -136,6 +148,7 @@ class SavedActivationMeter:
         self._hooks.__exit__(*exc_info)
         self._hooks = None
         self._modules.remove()
+        self._take_off_released()
 
     def reset(self) -> None:
         """Forget everything counted so far (``steps`` is kept)."""
@@ -144,6 +157,7 @@ class SavedActivationMeter:
 
     def result(self) -> SavedActivations:
         """A copy of the counts since the last reset."""
+        self._take_off_released()
         return dataclasses.replace(
             self._result,
             by_category=dict(self._result.by_category),
@@ -174,12 +188,31 @@ class SavedActivationMeter:
         module = self._modules.current()
         seen = self._seen.get(key)
         if seen is None or seen.ref() is None:
-            seen = self._seen[key] = _SeenStorage(weakref.ref(storage), set())
+            counted = 0 if key in self._parameter_keys else storage.nbytes()
+            seen = self._seen[key] = _SeenStorage(weakref.ref(storage), set(), counted, module)
             self._add_storage(key, module, storage.nbytes())
         if key not in self._parameter_keys and module not in seen.modules:
             self._add_alone(seen.modules, module, storage.nbytes())
             seen.modules.add(module)
             self._add_module(module, storage.nbytes())
+
+    def _take_off_released(self) -> None:
+        """Take every counted storage that is still referenced but now holds nothing off each count it is in: the
+        total and its first module's category, each module's figure, its module's own part when one module saved
+        it alone."""
+        for seen in self._seen.values():
+            storage = seen.ref()
+            if seen.released or not seen.nbytes or storage is None or storage.nbytes():
+                continue
+            seen.released = True
+            modules = sorted(seen.modules)
+            self._result.total_bytes -= seen.nbytes
+            self._result.by_category[self._category(seen.first)] -= seen.nbytes
+            for module in modules:
+                self._result.by_module[module] -= seen.nbytes
+                self._result.by_category_per_module[self._category(module)] -= seen.nbytes
+            if len(modules) == 1:
+                self._result.by_module_alone[modules[0]] -= seen.nbytes
 
     def _category(self, module: str) -> str:
         categories = self._result.module_categories

@@ -43,12 +43,23 @@ def settings_line(s: Settings, *, peft_defaulted: bool = False) -> str:
     return (f"TP={s.tp} PP={s.pp}{vpp}{_experts_sizes(s)} "
             f"DP={s.dp} SP={'on' if s.sequence_parallel else 'off'}, seq {s.seq_length}, micro-batch "
             f"{s.micro_batch}, {s.num_microbatches} microbatch(es)/step, {_precision(s)}, {peft}, recompute "
-            f"{recompute}, attention {s.attention}, {s.transformer_impl}{_hybrid_layers(s)}{_experts_load(s)}")
+            f"{recompute}, attention {s.attention}{_latent_attention(s)}, {s.transformer_impl}{_hybrid_layers(s)}"
+            f"{_experts_load(s)}")
 
 
 def _precision(s: Settings) -> str:
     """The parameters' dtype, and the FP8 recipe when the linears run in FP8."""
     return f"{s.dtype} with {s.fp8}" if s.fp8 else s.dtype
+
+
+def _latent_attention(s: Settings) -> str:
+    """A multi-latent attention model's latent ranks and head widths, by their config names."""
+    m = s.mla
+    if not m:
+        return ""
+    query = "None (the query projected directly)" if m.q_lora_rank is None else m.q_lora_rank
+    return (f" multi-latent (q_lora_rank={query}, kv_lora_rank={m.kv_lora_rank}, qk_head_dim={m.qk_head_dim}, "
+            f"qk_pos_emb_head_dim={m.qk_pos_emb_head_dim}, v_head_dim={m.v_head_dim})")
 
 
 def _hybrid_layers(s: Settings) -> str:

@@ -65,6 +65,23 @@ class TinyGPTShape:
     moe_layer_freq: int | list[int] = 1
     """Core's ``moe_layer_freq``: which layers are MoE (1 in a list) and which dense (0), e.g. ``[0, 1]``; an int
     N makes every N-th layer MoE. With dense layers the decoder is Core's block spec of the local spec."""
+    mla: bool = False
+    """Multi-latent attention (Core's ``MLASelfAttention`` of the local spec, RMSNorm) in place of grouped-query
+    attention; ``kv_heads`` is then unused. Core's local ``DotProductAttention`` cannot take its key and value widths:
+    its core attention is :class:`~megatron_bridge_ext.testing.fused_attention.CpuFusedAttention`."""
+    q_lora_rank: int | None = None
+    """Multi-latent attention's query latent (None: the query projected directly from the hidden state)."""
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 16
+    """The query and key width per head without RoPE."""
+    qk_pos_emb_head_dim: int = 8
+    """The query and key width per head with RoPE."""
+    v_head_dim: int = 12
+    qk_layernorm: bool = False
+    """Multi-latent attention's query and key-value latent norms (Core's local spec cannot build a query norm
+    without ``q_lora_rank``)."""
+    rope_type: str = "yarn"
+    """Multi-latent attention's RoPE: ``yarn`` (DeepSeek-V3's) or ``rope``."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -126,7 +143,19 @@ def transformer_config(shape: TinyGPTShape, **overrides):
     )
     fields.update(_moe_fields(shape))
     fields.update(overrides)  # e.g. attention_dropout, recompute settings
+    if shape.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**{**fields, **_mla_fields(shape)})
     return TransformerConfig(**fields)
+
+
+def _mla_fields(shape: TinyGPTShape) -> dict:
+    """Megatron Core's multi-latent attention fields for ``shape``."""
+    return dict(multi_latent_attention=True, q_lora_rank=shape.q_lora_rank, kv_lora_rank=shape.kv_lora_rank,
+                qk_head_dim=shape.qk_head_dim, qk_pos_emb_head_dim=shape.qk_pos_emb_head_dim,
+                v_head_dim=shape.v_head_dim, qk_layernorm=shape.qk_layernorm, rope_type=shape.rope_type,
+                normalization="RMSNorm", num_query_groups=shape.heads)
 
 
 def _moe_fields(shape: TinyGPTShape) -> dict:
@@ -170,14 +199,15 @@ def tiny_config(shape, peft=None, **config_overrides):
 
     bridge_peft_without_te.import_bridge_peft()
     from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.models.mla_provider import MLAModelProvider
     from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     core = transformer_config(shape, **config_overrides)
-    fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+    fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(type(core)) if f.init}
     fields["transformer_impl"] = "local"  # the demo builds Megatron Core's local layer spec
-    provider = GPTModelProvider(**fields, vocab_size=shape.vocab, seq_length=shape.seq,
-                                share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    provider = (MLAModelProvider if shape.mla else GPTModelProvider)(
+        **fields, vocab_size=shape.vocab, seq_length=shape.seq, share_embeddings_and_output_weights=False,
+        position_embedding_type="rope")
     if has_dense_layers(shape):
         provider.transformer_layer_spec = _decoder_block_spec
     cfg = vanilla_gpt_pretrain_config()
@@ -215,14 +245,32 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
 
 def _local_spec(shape: TinyGPTShape, config):
     """Megatron Core's local layer spec: dense, or MoE with one linear per expert (no grouped GEMM); with dense
-    and MoE layers mixed, Core's decoder block spec of those two local specs."""
+    and MoE layers mixed, Core's decoder block spec of those two local specs. With multi-latent attention, the
+    local spec's ``MLASelfAttention`` with :class:`~megatron_bridge_ext.testing.fused_attention.CpuFusedAttention`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    if shape.mla:
+        return _mla_spec(shape, config)
     if not shape.experts:
         return get_gpt_layer_local_spec()
     if has_dense_layers(shape):
         return _decoder_block_spec(config)
     return get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False)
+
+
+def _mla_spec(shape: TinyGPTShape, config):
+    """The local spec with multi-latent attention (dense or MoE layers of one kind)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_bridge_ext.testing.fused_attention import CpuFusedAttention
+
+    if has_dense_layers(shape):
+        raise ValueError("the tiny multi-latent model has layers of one kind (moe_layer_freq=1)")
+    spec = get_gpt_layer_local_spec(num_experts=shape.experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=shape.qk_layernorm, multi_latent_attention=True,
+                                    normalization=config.normalization)
+    spec.submodules.self_attention.submodules.core_attention = CpuFusedAttention
+    return spec
 
 
 def _decoder_block_spec(config, vp_stage=None):

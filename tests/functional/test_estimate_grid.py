@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.support.dist_checks import assert_no_problems
-from tests.support.estimate_grid import MOE_GRID, points_for, problems, run
+from tests.support.estimate_grid import MLA_GRID, MOE_GRID, points_for, problems, run
 
 pytestmark = [pytest.mark.functional]
 
@@ -59,6 +59,21 @@ def test_moe_estimate_equals_the_meter_on_the_real_run():
     try:
         rows = run(MOE_GRID)
         assert len(rows) == len(MOE_GRID)
+        assert_no_problems(problems(rows), dist.group.WORLD)
+    finally:
+        distributed.init_from_env(tensor_parallel=2)
+
+
+def test_mla_estimate_equals_the_meter_on_the_real_run():
+    """Multi-latent attention (Core's MLASelfAttention of the local spec): the query projected directly and through
+    its latent, TP 1 and 2, SP on and off, mla_up_proj and full recompute, LoRA, an MoE model; core attention the
+    fused stand-in's CPU twin in the real run (tests/support/estimate_grid.py, MLA_GRID)."""
+    from megatron_bridge_ext.testing import distributed
+
+    _bridge_config_container()
+    try:
+        rows = run(MLA_GRID)
+        assert len(rows) == len(MLA_GRID)
         assert_no_problems(problems(rows), dist.group.WORLD)
     finally:
         distributed.init_from_env(tensor_parallel=2)

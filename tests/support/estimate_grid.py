@@ -31,7 +31,10 @@ RECOMPUTE = {
     "mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "mla_up_proj": dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
 }
+GPT_RECOMPUTE = ("none", "core_attn", "mlp", "full", "moe")
+"""The recompute choices of the dense grid (``mla_up_proj`` needs multi-latent attention: MLA_GRID)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class GridPoint:
     shared_ffn: int = 0  # a shared-expert MLP of this width beside the routed experts (0: none)
     shared_overlap: bool = False
     moe_layer_freq: tuple = ()  # 1 MoE, 0 dense, per layer (empty: every layer MoE)
+    mla: bool = False  # multi-latent attention (4 heads, kv_lora_rank 16; qk/rope/v head dims 16/8/12)
+    q_lora: Optional[int] = None  # its query latent (then with the query and key-value latent norms)
+    rope: str = "yarn"  # its RoPE
 
     @property
     def name(self) -> str:
@@ -58,6 +64,7 @@ class GridPoint:
         moe = f"-moe{self.experts}top{self.topk}ep{self.ep}{self.dispatcher}" if self.experts else ""
         moe += f"-shared{self.shared_ffn}{'overlap' if self.shared_overlap else ''}" if self.shared_ffn else ""
         moe += f"-freq{''.join(map(str, self.moe_layer_freq))}" if self.moe_layer_freq else ""
+        moe += f"-mla{self.q_lora or 'noq'}{self.rope}" if self.mla else ""
         return (f"tp{self.tp}-{'sp' if self.sp else 'nosp'}-{kind}{self.lora or 'full_ft'}-{self.recompute}-"
                 f"{self.heads}-{'swiglu' if self.swiglu else 'gelu'}-{self.dtype}{moe}")
 
@@ -68,8 +75,10 @@ class GridPoint:
         moe = dict(experts=self.experts, topk=self.topk, ep=self.ep, etp=1, dispatcher=self.dispatcher,
                    shared_ffn=self.shared_ffn, shared_overlap=self.shared_overlap,
                    moe_layer_freq=list(self.moe_layer_freq) or 1) if self.experts else {}
+        mla = dict(mla=True, q_lora_rank=self.q_lora, qk_layernorm=self.q_lora is not None,
+                   rope_type=self.rope) if self.mla else {}
         return TinyGPTShape(tp=self.tp, sequence_parallel=self.sp, heads=heads, kv_heads=kv_heads, swiglu=self.swiglu,
-                            dtype=self.dtype, peft=self.kind, **moe)
+                            dtype=self.dtype, peft=self.kind, **moe, **mla)
 
     def peft(self, shape):
         if self.lora is None:
@@ -85,7 +94,7 @@ def _grid() -> list[GridPoint]:
     # TP 2 with SP: every LoRA-A strategy with every recompute choice; heads, MLP and dtype rotate.
     strategies = [None, "off", "regather", "shard_local"]
     for i, lora in enumerate(strategies):
-        for j, recompute in enumerate(RECOMPUTE):
+        for j, recompute in enumerate(GPT_RECOMPUTE):
             k = i + j
             points.append(GridPoint(2, True, lora, recompute, (MHA, GQA)[k % 2], bool(k // 2 % 2), ("float32", "bfloat16")[i % 2]))
     for lora in (None, "off", "shard_local"):
@@ -139,6 +148,22 @@ MOE_GRID: list[GridPoint] = [
 ]
 """Mixture-of-experts points on the suite's two ranks: EP 1 and 2, TP 1 and 2, LoRA and full fine-tuning."""
 
+MLA_GRID: list[GridPoint] = [
+    # Multi-latent attention on Core's local spec (column-parallel down projections), its core attention the CPU
+    # twin of the estimate's fused stand-in (megatron_bridge_ext.testing.fused_attention): the query projected
+    # directly and through its latent (with the query and key-value norms), TP 1 and 2, SP on and off, YaRN and
+    # plain RoPE, mla_up_proj and full recompute, LoRA on the linears the model has, an MoE model.
+    GridPoint(1, False, None, "none", MHA, True, "float32", mla=True),
+    GridPoint(1, False, None, "mla_up_proj", MHA, True, "bfloat16", mla=True, q_lora=24, rope="rope"),
+    GridPoint(2, True, None, "none", MHA, False, "float32", mla=True),
+    GridPoint(2, True, None, "none", MHA, True, "bfloat16", mla=True, q_lora=24),
+    GridPoint(2, True, None, "mla_up_proj", MHA, True, "float32", mla=True, q_lora=24),
+    GridPoint(2, False, None, "mla_up_proj", MHA, True, "bfloat16", mla=True, q_lora=24),
+    GridPoint(2, True, "off", "full", MHA, True, "bfloat16", mla=True, q_lora=24),
+    GridPoint(2, True, None, "mla_up_proj", MHA, True, "bfloat16", experts=2, topk=2, ep=2, mla=True, q_lora=24),
+]
+"""Multi-latent attention points on the suite's two ranks."""
+
 
 def points_for(tp: int) -> list[GridPoint]:
     return [p for p in GRID if p.tp == tp]
@@ -152,11 +177,13 @@ def measured(point: GridPoint) -> dict:
     from megatron_bridge_ext.testing import tiny_model
 
     shape = point.shape()
-    if point.experts:
+    if point.experts or point.mla:
         from megatron_bridge_ext.testing import distributed
 
         distributed.init_from_env(tensor_parallel=point.tp, expert_parallel=point.ep, expert_tensor_parallel=1)
     model = tiny_model.build_gpt(shape, **RECOMPUTE[point.recompute])
+    if point.mla and type(model.decoder.layers[0].self_attention).__name__ != "MLASelfAttention":
+        raise AssertionError(f"{point.name}: the real run built no multi-latent attention")
     peft = point.peft(shape)
     if peft is not None:
         model = tiny_model.apply_peft(model, peft)
@@ -200,7 +227,11 @@ def estimated(point: GridPoint, imbalance: float = 1.0) -> dict:
 
     shape = point.shape()
     cfg = tiny_config(shape, point.peft(shape), **RECOMPUTE[point.recompute])
-    est = estimate(cfg, attention="local", transformer_impl="local", device="cpu", moe_imbalance=imbalance)
+    # Core's local attention cannot take multi-latent attention: the real run has the fused stand-in's CPU twin
+    est = estimate(cfg, attention="fused" if point.mla else "local", transformer_impl="local", device="cpu",
+                   moe_imbalance=imbalance)
+    if point.mla and est.settings.mla is None:
+        raise AssertionError(f"{point.name}: the estimate traced no multi-latent attention")
     return {"total": saved_per_microbatch(est), "by_category": est.activations_per_microbatch,
             "by_layer": est.activations_per_layer,
             "routed": est.settings.moe.routed_tokens_per_layer if est.settings.moe else 0,

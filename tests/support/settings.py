@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_bridge_ext.estimate.settings import MoeSettings, PeftSettings, ReportSettings, Settings
+from megatron_bridge_ext.estimate.settings import MlaSettings, MoeSettings, PeftSettings, ReportSettings, Settings
 
 REPORTS = ReportSettings(log_interval=1, train_iters=None, cuda_graph_first_iteration=None, wgrad_deferral_limit=None)
 """Bridge's reporting defaults: memory printed from iteration 1, no CUDA graphs, no deferred wgrad."""
@@ -15,7 +15,7 @@ GPT_STAGE = Settings(
     dtype="bfloat16", fp8=None, stage=0, layers_on_stage=2, hidden=1024, ffn=4096, heads=8, query_groups=8,
     kv_channels=128, num_layers=2, gated_linear_unit=False, vocab_size=32000, recompute_granularity=None,
     recompute_modules=(), attention="local", transformer_impl="local", device="cpu", distributed_optimizer=True,
-    peft=None, hybrid=None, reports=REPORTS, moe=None)
+    peft=None, hybrid=None, reports=REPORTS, moe=None, mla=None)
 """A dense GPT of 2 layers on one stage, TP 2 with SP, full fine-tuning, no recompute."""
 
 
@@ -40,3 +40,11 @@ def experts(layers_on_stage: int, *, experts: int = 8, topk: int = 2, ffn: int =
     return MoeSettings(experts=experts, topk=topk, ffn=ffn, ep=ep, etp=etp, local_experts=experts // ep,
                        dispatcher=dispatcher, imbalance=imbalance, layers_on_stage=layers_on_stage,
                        routed_tokens_per_layer=routed_tokens_per_layer, shared_ffn=shared_ffn)
+
+
+def latent(q_lora_rank=1536, kv_lora_rank: int = 512, qk_head_dim: int = 128, qk_pos_emb_head_dim: int = 64,
+           v_head_dim: int = 128) -> MlaSettings:
+    """Multi-latent attention's sizes (DeepSeek-V3's by default; ``q_lora_rank=None``: the query projected
+    directly)."""
+    return MlaSettings(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_head_dim=qk_head_dim,
+                       qk_pos_emb_head_dim=qk_pos_emb_head_dim, v_head_dim=v_head_dim)

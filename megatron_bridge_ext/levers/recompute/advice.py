@@ -21,6 +21,8 @@ RECOMPUTE_CANDIDATES = ("core_attn", "layernorm", "mlp")
 """The modules the plan tries on every model, in this order before sorting by FLOPs per byte saved."""
 MOE_CANDIDATES = ("moe_act", "moe", "shared_experts")
 """The modules it adds for a mixture-of-experts model (``shared_experts`` only where the model has them)."""
+MLA_CANDIDATES = ("mla_up_proj",)
+"""The module it adds for a multi-latent attention model: its up projections and RoPE (Core's ``MLASelfAttention``)."""
 INSIDE_MOE = ("moe_act", "shared_experts")
 """Modules that ``moe`` recompute already covers: it checkpoints the whole MoE layer, these included."""
 NOT_MEASURED = {
@@ -33,11 +35,14 @@ NOT_MEASURED = {
 def candidates_for(s: Settings, moe: Optional[dict]) -> list[str]:
     """The modules worth measuring on this stage: layernorm not under Transformer Engine without MoE layers (TE
     fuses the norms into the linears; an MoE layer's norm before the router stays apart), mlp where there are dense
-    layers, the MoE modules where there are MoE layers (shared_experts where the model has them)."""
+    layers, mla_up_proj where the model has multi-latent attention, the MoE modules where there are MoE layers
+    (shared_experts where the model has them)."""
     dense, moe_layers = stage_layer_kinds(s, moe)
     out = [m for m in RECOMPUTE_CANDIDATES
            if not (m == "layernorm" and s.transformer_impl == "transformer_engine" and not moe_layers)
            and not (m == "mlp" and not dense)]
+    if s.mla is not None:
+        out += list(MLA_CANDIDATES)
     if moe_layers:
         out += [m for m in MOE_CANDIDATES if m != "shared_experts" or moe["shared_ffn"]]
     return out

@@ -33,3 +33,46 @@ def test_impossible_parallel_sizes_name_the_setting():
 
     with pytest.raises(Refused, match="TP=3 does not divide"):
         estimate(cfg)
+
+
+def _latent_config(q_lora_rank=24, peft=None, **fields):
+    """The tiny multi-latent attention model at TP 2 (kv_lora_rank 16, RoPE 8 wide), its config fields changed."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(tp=2, heads=4, kv_heads=4, mla=True, q_lora_rank=q_lora_rank, qk_layernorm=True)
+    cfg = tiny_config(shape, peft)
+    for name, value in fields.items():
+        setattr(cfg.model, name, value)
+    return cfg
+
+
+def test_multi_latent_attention_refuses_what_it_cannot_trace_and_what_the_layout_cannot_split():
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.estimate.memory import NotModelled
+
+    with pytest.raises(NotModelled, match="attention: unfused attention is not modelled with multi-latent"):
+        estimate(_latent_config(), attention="local", transformer_impl="transformer_engine", device="cpu")
+    with pytest.raises(Refused, match="model.q_lora_rank: TP=2 does not divide 25") as refused:
+        estimate(_latent_config(q_lora_rank=25), attention="fused", transformer_impl="local", device="cpu")
+    assert not isinstance(refused.value, NotModelled)  # a layout problem, not a feature left out
+
+
+def test_adapters_on_the_latent_projections_are_refused_before_anything_is_built():
+    from megatron.bridge.peft.lora import LoRA
+
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.estimate.memory import NotModelled
+
+    peft = LoRA(target_modules=["linear_proj", "linear_kv_up_proj"], dim=8, alpha=16)
+    with pytest.raises(NotModelled, match="peft.target_modules: adapters on multi-latent attention's "
+                                          "linear_kv_up_proj"):
+        estimate(_latent_config(peft=peft), attention="fused", device="cpu")
+
+
+def test_fused_yarn_rope_on_multi_latent_attention_is_traced_unfused_and_said():
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.estimate.features.mla import ROPE_FUSION_NOTE
+
+    est = estimate(_latent_config(apply_rope_fusion=True), attention="fused", device="cpu")
+    assert ROPE_FUSION_NOTE in est.assumptions
+    assert not any(a.startswith("apply_rope_fusion: RoPE fusion needs Transformer Engine") for a in est.assumptions)

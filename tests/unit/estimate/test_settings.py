@@ -32,6 +32,7 @@ HYBRID = ["hybrid_layers", "mamba"]
 REPORTS = ["log_interval", "train_iters", "cuda_graph_first_iteration", "wgrad_deferral_limit"]
 MOE = ["num_moe_experts", "moe_router_topk", "moe_ffn", "ep", "etp", "local_experts", "moe_token_dispatcher",
        "moe_imbalance", "moe_layers_on_stage", "routed_tokens_per_layer", "moe_shared_ffn"]
+MLA = ["mla_q_lora_rank", "mla_kv_lora_rank", "mla_qk_head_dim", "mla_qk_pos_emb_head_dim", "mla_v_head_dim"]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,15 @@ def hybrid():
     return memory.estimate(configs.from_hf_config(NANO, layout, overrides))
 
 
+@pytest.fixture(scope="module")
+def latent():
+    """The tiny multi-latent attention model (q_lora_rank 24, kv_lora_rank 16, head widths 16 + 8 and 12), TP 2."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(tp=2, heads=4, kv_heads=4, mla=True, q_lora_rank=24, qk_layernorm=True)
+    return memory.estimate(tiny_config(shape), attention="fused", transformer_impl="transformer_engine", device="cpu")
+
+
 def test_a_dense_full_fine_tuning_estimate_serialises_todays_keys_in_order(dense):
     out = dense.settings.to_json()
     assert list(out) == LAYOUT_AND_SHAPES + FULL_FINE_TUNING + REPORTS
@@ -98,8 +108,14 @@ def test_a_hybrid_estimate_serialises_its_layers_and_mamba_sizes_before_the_repo
     assert out["moe_shared_ffn"] == 48
 
 
-def test_the_estimates_dict_carries_the_flat_settings_and_they_read_back(dense, moe_lora, hybrid):
-    for est in (dense, moe_lora, hybrid):
+def test_a_multi_latent_estimate_serialises_its_latent_sizes_last(latent):
+    out = latent.settings.to_json()
+    assert list(out) == LAYOUT_AND_SHAPES + FULL_FINE_TUNING + REPORTS + MLA
+    assert [out[key] for key in MLA] == [24, 16, 16, 8, 12]
+
+
+def test_the_estimates_dict_carries_the_flat_settings_and_they_read_back(dense, moe_lora, hybrid, latent):
+    for est in (dense, moe_lora, hybrid, latent):
         flat = est.as_dict()["settings"]
         assert flat == est.settings.to_json()
         assert Settings.from_json(json.loads(json.dumps(flat))) == est.settings

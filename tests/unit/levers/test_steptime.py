@@ -246,3 +246,35 @@ def test_layernorm_recompute_reads_one_norm_per_non_mamba_layer_of_a_hybrid_stag
     assert steptime.recompute_hbm_bytes(s) == 2 * (T // 2) * H * 2 * 2
     gpt = settings(layers_on_stage=4, recompute_granularity="selective", recompute_modules=("layernorm",))
     assert steptime.recompute_hbm_bytes(gpt) == 2 * (T // 2) * H * 2 * 8
+
+
+# Multi-latent attention: q_lora_rank 256, kv_lora_rank 128, per head qk 64 + rope 32 and v 64, 8 heads.
+Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD = 256, 128, 64, 32, 64
+
+
+def latent_settings(**changes) -> Settings:
+    return settings(**{"mla": support.latent(Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD),
+                       "transformer_impl": "transformer_engine", **changes})
+
+
+@pytest.mark.parametrize("sequence_parallel, impl, split", [
+    (True, "transformer_engine", 2), (False, "transformer_engine", 1), (False, "local", 2)])
+def test_latent_attention_linears_by_hand(sequence_parallel, impl, split):
+    """On TP 2: the down projections whole on a rank's own tokens in Transformer Engine's layout (its sequence shard
+    under SP, every token without: not split), column-parallel on the gathered sequence on the local spec; the up
+    projections and the output projection split over TP; 2 FLOPs per multiply-add."""
+    down = 2 * T * H * (Q_LORA + KV_LORA + ROPE) // split
+    up = 2 * T * (Q_LORA * 8 * (NOPE + ROPE) + KV_LORA * 8 * (NOPE + V_HEAD)) // 2
+    proj = 2 * T * 8 * V_HEAD * H // 2
+    s = latent_settings(sequence_parallel=sequence_parallel, transformer_impl=impl)
+    assert steptime.attention_linear_flops(s) == down + up + proj
+
+
+def test_latent_attention_trains_its_down_projections_whole_on_every_rank():
+    """Full fine-tuning on DP 2 with the distributed optimizer, TP 2: the down projections' parameters whole on each
+    rank in Transformer Engine's layout, every other linear (the up and output projections, the MLP, the embedding and
+    the output layer) split over TP."""
+    split = (Q_LORA * 8 * (NOPE + ROPE) + KV_LORA * 8 * (NOPE + V_HEAD) + 8 * V_HEAD * H + 2 * H * FFN) * L
+    whole = H * (Q_LORA + KV_LORA + ROPE) * L
+    trainable = (split + 2 * V * H) // 2 + whole
+    assert steptime.dp_bytes(latent_settings(dp=2)) == (4 + 2) * trainable // 2

@@ -368,6 +368,43 @@ def test_saves_during_backward_recompute_are_not_counted():
     assert meter.result().total_bytes == n * d_in * FP32
 
 
+class _ReleasesItsOutput(nn.Module):
+    """Saves ``exp``'s output, which a consumer saves too, then releases it as Megatron Core's CheckpointWithoutOutput
+    discards its outputs (``untyped_storage().resize_(0)``, tensor_parallel/random.py L847-848)."""
+
+    def forward(self, x):
+        out = x.exp()  # saves its output
+        kept = out.sin()  # saves the same storage
+        out.untyped_storage().resize_(0)
+        return kept
+
+
+class _Keeper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.released, self.kept = _ReleasesItsOutput(), nn.Sigmoid()
+
+    def forward(self, x):
+        return self.released(x), self.kept(x)  # sigmoid saves its own output
+
+
+@pytest.mark.parametrize("read_inside", [True, False])
+def test_a_storage_the_forward_releases_is_not_counted(read_inside):
+    n, d = 4, 8
+    model, x = _Keeper(), torch.randn(n, d, requires_grad=True)
+    with SavedActivationMeter(model) as meter:
+        outputs = model(x)
+        inside = meter.result() if read_inside else None
+    result = inside if read_inside else meter.result()
+    assert outputs[0].untyped_storage().nbytes() > 0  # kept's own storage: sin's output is not the released one
+    assert result.total_bytes == n * d * FP32  # sigmoid's output only
+    assert result.by_module["released"] == 0 and result.by_module["kept"] == n * d * FP32
+    assert result.by_category == {"other": n * d * FP32}
+    assert result.by_category_per_module == {"other": n * d * FP32}
+    assert result.by_module_alone.get("released", 0) == 0 and result.by_module_alone["kept"] == n * d * FP32
+    assert meter.result().total_bytes == n * d * FP32  # taken off once, however often it is read
+
+
 def test_hooks_are_removed_on_exit():
     from torch.nn.modules import module as nn_module
 

@@ -18,7 +18,7 @@ from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.step import Cost
 from megatron_bridge_ext.render import plan as render_plan
 from tests.support import render as hand
-from tests.support.settings import experts, lora
+from tests.support.settings import experts, latent, lora
 
 pytestmark = [pytest.mark.unit]
 
@@ -156,6 +156,10 @@ def test_a_plan_without_our_estimate_says_why_and_gives_no_verdict():
     ({"moe": experts(4, experts=64, ep=4, etp=1, imbalance=1.5, topk=8, dispatcher="alltoall")},
      ["TP=2 PP=1 EP=4 ETP=1 DP=2", ", 64 experts (top-8, 16 on this rank, alltoall dispatcher), expert load 1.5 x "
       "balanced on this rank's experts"]),
+    ({"mla": latent()}, ["attention fused multi-latent (q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, "
+                         "qk_pos_emb_head_dim=64, v_head_dim=128), local"]),
+    ({"mla": latent(None, 512, 128, 64, 128)},
+     ["multi-latent (q_lora_rank=None (the query projected directly), kv_lora_rank=512"]),
 ])
 def test_the_config_line_says_each_setting(changes, parts):
     line = render_plan.settings_line(replace(hand.SETTINGS, **changes))

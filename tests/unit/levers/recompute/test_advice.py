@@ -12,7 +12,7 @@ from megatron_bridge_ext.estimate.report import STATIC, Component, MemoryEstimat
 from megatron_bridge_ext.levers.recompute import advice
 from megatron_bridge_ext.levers.step import State
 from megatron_bridge_ext.planner import Planner
-from tests.support.settings import gpt_stage
+from tests.support.settings import gpt_stage, latent
 
 pytestmark = [pytest.mark.unit]
 
@@ -122,3 +122,9 @@ def test_what_moe_already_recomputes_is_not_added_after_it():
     assert labels == [("recompute_modules=['moe']", True), ("recompute_modules=['moe', 'shared_experts']", False)]
     skipped = [o for o in planner.options if o.label == labels[1][0]][0]
     assert skipped.reason == "'moe' recompute already recomputes shared_experts (the whole MoE layer)"
+
+
+def test_mla_up_proj_is_a_candidate_only_with_multi_latent_attention():
+    s = gpt_stage(transformer_impl="transformer_engine")
+    assert "mla_up_proj" not in advice.candidates_for(s, None)
+    assert "mla_up_proj" in advice.candidates_for(gpt_stage(transformer_impl="transformer_engine", mla=latent()), None)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_bridge_ext.levers.parallelism import cost as parallelism_cost
 from megatron_bridge_ext.estimate.settings import Settings
 from megatron_bridge_ext.levers.recompute import cost as recompute_cost
-from tests.support.settings import gpt_stage
+from tests.support.settings import gpt_stage, latent
 
 pytestmark = [pytest.mark.unit]
 
@@ -99,3 +101,41 @@ def test_moe_recompute_repeats_the_forward_dispatch():
     both_ways = parallelism_cost.dispatch_bytes_per_layer(MOE_S, moe, ep=4, etp=1, element=2)  # forward + backward
     assert recompute_cost.recompute_dispatch_bytes(MOE_S, ["moe"], moe, 2) == both_ways // 2 * 3 * 3
     assert recompute_cost.recompute_dispatch_bytes(MOE_S, ["moe_act", "shared_experts"], moe, 2) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-latent attention: its up projections and its core, against torch's FLOP counter on the rank's GEMMs.
+
+MLA_S = gpt_stage(seq_length=256, micro_batch=2, hidden=64, tp=2, heads=8, sequence_parallel=True, layers_on_stage=3,
+                  num_microbatches=2)
+
+
+def _up_projections(s: Settings, query_in: int) -> None:
+    """The rank's query and key-value up projections (4 of 8 heads) on the gathered sequence."""
+    import torch
+
+    m, tokens, heads = s.mla, s.seq_length * s.micro_batch, s.heads // s.tp
+    torch.empty(tokens, query_in, device="meta") @ torch.empty(query_in, heads * m.q_head_dim, device="meta")
+    torch.empty(tokens, m.kv_lora_rank, device="meta") @ torch.empty(m.kv_lora_rank, heads * (m.qk_head_dim
+                                                                                             + m.v_head_dim),
+                                                                     device="meta")
+
+
+def _latent_core(s: Settings) -> None:
+    """Q K^T over qk_head_dim + qk_pos_emb_head_dim and probabilities x V over v_head_dim, per rank's heads."""
+    import torch
+
+    m, b, seq, heads = s.mla, s.micro_batch, s.seq_length, s.heads // s.tp
+    q = torch.empty(b * heads, seq, m.q_head_dim, device="meta")
+    scores = q @ torch.empty(b * heads, m.q_head_dim, seq, device="meta")
+    scores @ torch.empty(b * heads, seq, m.v_head_dim, device="meta")
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 48])
+def test_mla_up_proj_recomputes_the_up_projections_on_every_attention_layer(q_lora_rank):
+    s = replace(MLA_S, mla=latent(q_lora_rank, 32, 16, 8, 12))  # keys 24 wide, values 12
+    layer = _counted(lambda: _up_projections(s, s.hidden if q_lora_rank is None else q_lora_rank))
+    assert recompute_cost.recompute_flops_per_layer("mla_up_proj", s) == layer
+    assert recompute_cost.recompute_flops(s, ["mla_up_proj"]) == layer * 3 * 2  # 3 layers, 2 microbatches
+    assert recompute_cost.recompute_flops_per_layer("core_attn", s) == _counted(lambda: _latent_core(s))
+    assert recompute_cost.recompute_flops_per_layer("mla_up_proj", MLA_S) == 0  # no multi-latent attention
