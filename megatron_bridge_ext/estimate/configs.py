@@ -207,11 +207,12 @@ def resolve_named_fields(cfg, layout: Layout, overrides) -> tuple[Any, list[str]
         cfg, overrides = _resolve_mixed_precision(cfg, overrides)
     if layout.peft in (None, "none"):
         if cfg.peft is None and _touches_peft(overrides) and "_target_" not in _peft_keys(overrides):
-            first = next(o for o in overrides if o.lstrip("+~").startswith("peft."))
-            raise _refuse("overrides", f"{first} sets a field of peft, which this config leaves unset (full "
+            first = _dotted(overrides, "peft")[0]
+            raise _refuse("overrides", f"{first.input_line} sets a field of peft, which this config leaves unset (full "
                           "fine-tuning), so there is no PEFT for it to change",
                           "add --peft lora (or dora, canonical_lora): the override then changes that field; or name "
-                          "the class first, ++peft._target_=megatron.bridge.peft.lora.LoRA")
+                          "the class first: ++peft._target_=megatron.bridge.peft.lora.LoRA "
+                          f"++{first.key_or_group}=VALUE")
         return cfg, overrides
     if _touches_peft(overrides):
         cfg.peft = None  # --peft and the user's peft overrides build one PEFT together (theirs win)

@@ -454,6 +454,7 @@ def test_apply_on_our_own_lora_changes_only_the_strategy(cfg):
 
     ours = LoRA(dim=16, alpha=32, target_modules=["linear_qkv"], sequence_parallel_input_strategy="regather")
     cfg.peft = ours
+    cfg.env_vars = {}  # no allocator setting for expandable_segments=False to turn off
     summary = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(cfg)
     assert cfg.peft is ours and ours.strategy_in_effect == "shard_local"
     assert [(c.field, c.old, c.new) for c in summary.changes] == [
@@ -496,6 +497,7 @@ def test_apply_to_our_own_dora_changes_only_the_strategy(cfg):
     from megatron_bridge_ext.peft import DoRA
 
     cfg.peft = ours = DoRA(dim=16, sequence_parallel_input_strategy="regather")
+    cfg.env_vars = {}  # no allocator setting for expandable_segments=False to turn off
     summary = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(cfg)
     assert cfg.peft is ours and ours.strategy_in_effect == "shard_local"
     assert [(c.field, c.old, c.new) for c in summary.changes] == [

@@ -236,7 +236,7 @@ QWEN3_8B = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "qwe
 def _layout(**kwargs):
     from megatron_bridge_ext.estimate import configs
 
-    return configs.Layout(tp=2, seq=1024, **kwargs)
+    return configs.Layout(tp=2, seq=1024, dp=1, **kwargs)  # DP 1 stated: a 1-GPU recipe at TP 2 needs a world size
 
 
 def _walk_every_lever(layout, overrides, recipe, hf_config):
@@ -260,7 +260,10 @@ def _pasted(layout, overrides, recipe, hf_config, built, option):
     by_overrides = built.peft_overrides is not None
     base = configs.build(dataclasses.replace(layout, peft=None) if by_overrides else layout, [], recipe=recipe,
                          hf_config=hf_config).cfg
+    if base.model.should_pad_vocab:  # the build took the vocabulary from the tokenizer: the recipe leaves it unset
+        base.model.vocab_size, base.model.should_pad_vocab = None, False
     cfg = process_config_with_overrides(base, cli_overrides=[*overrides, *option.overrides])
+    configs.tokenizer_vocabulary(cfg, hf_config)  # Bridge's setup, after the overrides (training/setup.py L294-299)
     if option.peft_note:
         MemoryConfig(**option.flags).apply(cfg)
     return cfg
@@ -351,10 +354,10 @@ def test_sequence_parallelism_follows_tp_where_tp_is_given(layout, expected, not
     from megatron_bridge_ext.estimate import configs
 
     overrides = [] if layout else ["model.tensor_model_parallel_size=2"]  # the recipe's TP 2, its SP off
-    built = configs.build(configs.Layout(**layout), overrides, recipe=WITH_LORA)
+    built = configs.build(configs.Layout(dp=1, **layout), overrides, recipe=WITH_LORA)
     assert built.cfg.model.tensor_model_parallel_size == 2
     assert built.cfg.model.sequence_parallel is expected
-    assert bool(built.notes) is noted
+    assert any(note.startswith("SP on") for note in built.notes) is noted
 
 
 def test_each_option_is_priced_in_step_time_against_the_config_as_is():

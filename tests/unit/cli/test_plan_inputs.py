@@ -101,8 +101,10 @@ def test_a_nullable_size_may_be_unset_by_an_override_and_others_may_not():
 
 
 def _built(*, vocab_size, experts=None, tokenizer_model="nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16"):
-    """The two fields of a built config that :func:`plan_config.built_problem` reads, as a recipe leaves them."""
-    return SimpleNamespace(model=SimpleNamespace(vocab_size=vocab_size, num_moe_experts=experts),
+    """The fields of a built config that :func:`plan_config.built_problem` reads, as a recipe leaves them (a TP-1
+    layout without sequence parallelism, no dataset)."""
+    return SimpleNamespace(model=SimpleNamespace(vocab_size=vocab_size, num_moe_experts=experts, sequence_parallel=False,
+                                                 tensor_model_parallel_size=1, seq_length=4096),
                            tokenizer=SimpleNamespace(tokenizer_type="HuggingFaceTokenizer",
                                                      tokenizer_model=tokenizer_model))
 
