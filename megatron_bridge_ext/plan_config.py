@@ -118,9 +118,8 @@ def built_problem(cfg, args) -> Optional[Finding]:
     problem = expert_flag_problem(args, getattr(model, "num_moe_experts", None))
     if problem:
         return problem
-    if model.sequence_parallel and model.tensor_model_parallel_size <= 1:
-        setting = "--sp" if getattr(args, "sp", None) else "model.sequence_parallel"
-        return _bad(setting, f"turns sequence parallelism on with TP={model.tensor_model_parallel_size}: Megatron Core "
+    if model.sequence_parallel and model.tensor_model_parallel_size <= 1:  # --sp (the build turns a config's off)
+        return _bad("--sp", f"turns sequence parallelism on with TP={model.tensor_model_parallel_size}: Megatron Core "
                     "refuses it (\"Cannot use sequence parallelism without tensor parallelism\", "
                     "model_parallel_config.py L502-504)", "give --tp 2 or more, or --no-sp")
     data_seq = getattr(getattr(cfg, "dataset", None), "seq_length", None)

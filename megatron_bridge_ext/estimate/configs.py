@@ -178,12 +178,23 @@ def build(layout: Layout, overrides: list[str] = (), *, recipe: Optional[str] = 
     notes = [data_parallel(cfg, layout, function)] + read
     notes += [n for n in [hf_config and unknown_model_type(read_hf_config(hf_config))] if n]
     notes += [n for n in [tokenizer_vocabulary(cfg, hf_config)] if n]
+    notes += [n for n in [_sequence_parallel_without_tp(cfg.model, layout)] if n]
     notes += ["SP on: the default with TP > 1 (--no-sp turns it off)"] if sp_by_default and cfg.model.sequence_parallel \
         else []
     from megatron_bridge_ext.estimate import precision
 
     notes += precision.replaced_by_mixed_precision(cfg, overrides)
     return Built(cfg, layout_peft if reachable else None, notes)
+
+
+def _sequence_parallel_without_tp(model, layout: Layout) -> Optional[str]:
+    """Sequence parallelism a recipe or an override sets at TP 1, turned off as Bridge's ``finalize`` turns it off
+    (``models/transformer_config.py`` L179-180), and a note saying so; ``--sp`` with TP 1 is refused instead
+    (:func:`megatron_bridge_ext.plan_config.built_problem`): the user asked for it."""
+    if not model.sequence_parallel or model.tensor_model_parallel_size > 1 or layout.sequence_parallel:
+        return None
+    model.sequence_parallel = False
+    return "SP off: the config sets sequence_parallel at TP 1, which Bridge turns off when it finalizes the model"
 
 
 NAMED_FIELDS = ("mixed_precision", "peft")

@@ -360,6 +360,15 @@ def test_sequence_parallelism_follows_tp_where_tp_is_given(layout, expected, not
     assert any(note.startswith("SP on") for note in built.notes) is noted
 
 
+def test_sequence_parallelism_a_config_sets_at_tp_1_is_turned_off_as_bridge_turns_it_off():
+    """Bridge's finalize drops SP at TP 1 (a recipe such as Step-3.5's sets both), so the plan does, and says so."""
+    from megatron_bridge_ext.estimate import configs
+
+    built = configs.build(configs.Layout(dp=1), ["model.sequence_parallel=true"], recipe=WITH_LORA)
+    assert built.cfg.model.tensor_model_parallel_size == 1 and built.cfg.model.sequence_parallel is False
+    assert any(note.startswith("SP off: the config sets sequence_parallel at TP 1") for note in built.notes)
+
+
 def test_each_option_is_priced_in_step_time_against_the_config_as_is():
     """Expandable segments change no time; adding mlp to layernorm recompute adds its forward GEMMs at the H100's
     dense bf16 peak (the default device): SwiGLU fc1 h -> 2 ffn/t and fc2 ffn/t -> h, 2 FLOPs per multiply-add,
