@@ -42,8 +42,8 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
 
 
 class NotModelled(Refused):
-    """The estimate cannot model this config (a hybrid model's other layers, MLA's variants, MTP, FP4, CP, MoE token
-    dropping); the config itself may train.
+    """The estimate cannot model this config (a hybrid model's other layers, MLA's and CP's variants, MTP, FP4,
+    MoE token dropping); the config itself may train.
 
     Raised after the layout checks pass, so that a caller can still show an estimate that models it
     (Bridge's) where a :class:`Refused` for a broken config stops everything.
@@ -92,6 +92,11 @@ class Prepared:
     """What :func:`.phases.predicted_reports` reads of the run (when Bridge prints memory, when CUDA-graph pools
     appear) and the output layer's wgrad deferral limit."""
 
+    @property
+    def local_seq(self) -> int:
+        """The tokens of a sequence one rank's layers run on: s / CP (:mod:`.features.context_parallel`)."""
+        return self.seq // (self.provider.context_parallel_size or 1)
+
 
 def _training_dtype(model) -> torch.dtype:
     """The dtype ``Float16Module`` casts the model to (fp32 when neither bf16 nor fp16)."""
@@ -131,8 +136,9 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
          f"TP={tp} does not divide the FFN size {model.ffn_hidden_size}"),
         (model.vocab_size and not getattr(model, "should_pad_vocab", False) and model.vocab_size % tp,
          "model.tensor_model_parallel_size", f"TP={tp} does not divide the vocabulary {model.vocab_size}"),
-        (model.sequence_parallel and tp > 1 and model.seq_length % tp, "model.seq_length",
-         f"sequence {model.seq_length} is not divisible by TP={tp} (sequence parallelism splits it)"),
+        (model.sequence_parallel and tp > 1 and (model.seq_length // model.context_parallel_size) % tp,
+         "model.seq_length", f"sequence {model.seq_length} / CP={model.context_parallel_size} is not divisible by "
+                             f"TP={tp} (sequence parallelism splits a CP rank's tokens)"),
         (model.num_layers % pp and not (model.num_layers_in_first_pipeline_stage
                                         or model.num_layers_in_last_pipeline_stage) and not _piped(model),
          "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {model.num_layers} layers"),
@@ -158,6 +164,7 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     for failed, setting, message in checks:
         if failed:
             refuse("parallel_layout", setting, message, "choose sizes that divide it")
+    out += features.context_parallel.layout_findings(model)
     if getattr(model, "num_moe_experts", None) and tp > 1 and not model.sequence_parallel:
         refuse("parallel_layout", "model.sequence_parallel",
                f"is off with TP={tp} on an MoE model: Megatron Core's MoE layer refuses to train so "
@@ -400,6 +407,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     if problems:
         raise Refused(WHAT, problems)
     problems = features.mla.trace_findings(prepared.provider, attention=attention, transformer_impl=impl, fused=FUSED)
+    problems += features.context_parallel.trace_findings(prepared.provider, attention=attention, fused=FUSED)
     if problems:
         raise NotModelled(WHAT, problems)
     pp = prepared.provider.pipeline_model_parallel_size
@@ -522,7 +530,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
             routing.balanced_routing(load), routing.in_order_streams(), \
-            (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()):
+            (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
+            (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
@@ -534,7 +543,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                  dtype=prepared.dtype, transformer_impl=impl)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
         fp8 = precision.fp8_of(stage_provider)
-        traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
+        traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
@@ -557,7 +566,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     modelled = fp8 is not None and not te_fp8.refused(fp8)  # TE's quantised shard replaces the bf16 one
     contract = te.TeContract(0, 0, 0, 0)
     if impl == TE and prepared.peft is not None:
-        contract = te.norm_output_contract(traced.lora_a_saved, seq=prepared.seq, micro_batch=prepared.micro_batch,
+        contract = te.norm_output_contract(traced.lora_a_saved, seq=prepared.local_seq,
+                                           micro_batch=prepared.micro_batch,
                                            hidden=provider.hidden_size, tp=tp, sequence_parallel=sp,
                                            element_size=element,
                                            quantised=lambda base: modelled and in_fp8(layer_of(base)))
@@ -566,7 +576,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         fp8_acts = te_fp8.contract(traced, fp8, _fp8_shapes(provider, prepared, sp), in_fp8,
                                    norm_linears=not _recomputes_layernorm(provider))
     components += _activations(traced, in_flight, contract, fp8_acts)
-    shard_shape = f"[{prepared.seq // tp if sp else prepared.seq}, {prepared.micro_batch}, {provider.hidden_size}]"
+    tokens = prepared.local_seq // tp if sp else prepared.local_seq
+    shard_shape = f"[{tokens}, {prepared.micro_batch}, {provider.hidden_size}]"
     if contract.layers:
         components.append(te.te_component(contract, in_flight, shard_shape=shard_shape))
     if fp8_acts is not None and fp8_acts.lora_shards:
@@ -581,7 +592,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                               dense_layers=unmodelled.MLP in kinds if hybrid else layers > moe_layers,
                               mamba_layers=hybrid and unmodelled.MAMBA in kinds)
     deferred = phases.wgrad_deferral_component(provider, limit=prepared.reports.wgrad_deferral_limit,
-                                               seq=prepared.seq, micro_batch=prepared.micro_batch,
+                                               seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                                                vocab_local=vocab_local, element=element,
                                                num_microbatches=prepared.num_microbatches)
     components += [deferred] if deferred else []
@@ -659,7 +670,7 @@ def _recomputes_layernorm(provider) -> bool:
 
 def _fp8_shapes(provider, prepared: Prepared, sp: bool) -> te_fp8.Shapes:
     tp = provider.tensor_model_parallel_size
-    return te_fp8.Shapes(seq=prepared.seq, micro_batch=prepared.micro_batch, hidden=provider.hidden_size,
+    return te_fp8.Shapes(seq=prepared.local_seq, micro_batch=prepared.micro_batch, hidden=provider.hidden_size,
                          proj_in=provider.num_attention_heads * provider.kv_channels // tp,
                          ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp)
 
@@ -689,7 +700,7 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
     """The loss's logits and one layer's backward (``routed``: the tokens the local experts of an MoE layer
     received; ``dense_layers``: the stage has layers with a dense MLP; ``mamba_layers``: a hybrid model's Mamba
     layers, whose scan backward is :func:`..mamba.backward_bytes`)."""
-    s, b, h = prepared.seq, prepared.micro_batch, provider.hidden_size
+    s, b, h = prepared.local_seq, prepared.micro_batch, provider.hidden_size
     tp = provider.tensor_model_parallel_size
     out = []
     if vocab_local:
@@ -720,6 +731,8 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
                            f"mamba_ssm's ssd_combined.py): gradients [{b}, {s}, {m.in_proj}] + [{b}, {s}, {m.inner}] + "
                            f"2 x [{b}, {s}, {m.conv}], and the chunk states' fp32 recompute and gradients "
                            f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"))
+    exchange = features.context_parallel.transient(provider, local_seq=s, micro_batch=b, element=element)
+    candidates += [exchange] if exchange else []
     mlp_grads, basis = max(candidates)
     if recomputed_layer:
         out.append(Component(TRANSIENT, "recomputed layer in backward", recomputed_layer + mlp_grads,
@@ -750,7 +763,7 @@ def _one_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mo
     model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
                              dtype=prepared.dtype, transformer_impl=impl)
     sp_tp = provider.tensor_model_parallel_size if provider.sequence_parallel else 1
-    traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
+    traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                               hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                               sequence_parallel_tp=sp_tp)
     return traced.by_layer[0]
@@ -869,4 +882,5 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
     latent = features.mla.assumption(prepared.provider, impl)
-    return out + ([latent] if latent else []) + prepared.notes
+    cp = features.context_parallel.assumption(prepared.provider)
+    return out + [a for a in (latent, cp) if a] + prepared.notes

@@ -15,6 +15,9 @@ attention takes the two widths apart (``DotProductAttention``'s ``kv_channels`` 
 ``FusedAttnFunc`` keeps ``(q, k, v, out)`` and its fp32 softmax statistics [b, heads, sq, 1]
 (``backends.py`` L1538 and L1560-1569, ``cpp_extensions/fused_attn.py`` L247-254).
 
+With context parallelism (``context_parallel_size`` > 1) it saves what Transformer Engine's CP kernel for the layer's
+``cp_comm_type`` saves instead (:mod:`.features.context_parallel`).
+
 It is a model of the kernels' saved set, for tracing on fake tensors only: no numerics.
 """
 
@@ -60,7 +63,14 @@ class FusedAttentionStandIn(MegatronModule):
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
+        from megatron_bridge_ext.estimate.features.context_parallel import Kernel
+
+        self.cp_kernel = Kernel.of(config, cp_comm_type)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if self.cp_kernel is not None:
+            from megatron_bridge_ext.estimate.features import context_parallel
+
+            return context_parallel.attention(query, key, value, self.cp_kernel)
         return _FusedAttentionSaves.apply(query, key, value)
