@@ -249,6 +249,7 @@ def _interleaved(keep_at_start: int):
                 num_layers_at_end_in_bf16=0)
     cfg.model.num_layers, cfg.model.pipeline_model_parallel_size = 8, 2
     cfg.model.virtual_pipeline_model_parallel_size = 2
+    cfg.model.microbatch_group_size_per_vp_stage = 2  # Core's default, PP (the tiny config's PP 1 set it to 1)
     cfg.train.global_batch_size = 4 * cfg.train.micro_batch_size
     return cfg
 
@@ -268,7 +269,9 @@ def test_fp8_layers_of_an_interleaved_stage_are_read_by_their_global_numbers():
     """The first 3 of 8 layers in bf16: the reported stage's FP8 layers are those of its global numbers (stage 0:
     4 and 5; stage 1: 3, 6 and 7), where reading a stage's layers as contiguous would give stage 0 one (3) and
     stage 1 four."""
-    est = _estimate(_interleaved(3))
+    from megatron_bridge_ext.estimate import estimate
+
+    est = estimate(_interleaved(3), data_parallel_size=1, num_microbatches=4)  # the interleaved schedule's least
     fp8_layers = {0: 2, 1: 3}[est.stage]
     assert f"of the {fp8_layers} FP8 layers' dense linears" in est.component("weights: FP8 linear weights").basis
     assert _bytes(est, "weights: FP8 linear weights") == fp8_layers * TENSORWISE_LAYER
