@@ -1,10 +1,10 @@
 """``estimate(cfg)``: the PEFT-aware memory of the most loaded rank of a Bridge training config.
 
-For the first and the last pipeline stage (the others hold neither embedding nor loss, and fewer
-microbatches than the first), the rank's real model is built from the config on fake tensors
-(:mod:`.build`), its parameters are counted (:mod:`.static`), and one microbatch runs through it
-under the saved-activation meter (:mod:`.trace`). Activations are multiplied by the microbatches
-the pipeline schedule keeps in flight; buffers the forward left allocated are measured; the
+For each pipeline stage that can be the most loaded under the config's split (:mod:`.pipeline`: the first
+of each group of stages holding the same layers, embedding and loss), the rank's real model is built from the
+config on fake tensors (:mod:`.build`), its parameters are counted (:mod:`.static`), and one microbatch runs
+through it under the saved-activation meter (:mod:`.trace`). Each chunk's activations are multiplied by the
+forwards of that chunk the pipeline schedule keeps in flight; buffers the forward left allocated are measured; the
 transients at the backward peak are formulas. Nothing runs on a device and the model's weights are
 never allocated (only a PEFT's adapters, small, while it creates them).
 """
