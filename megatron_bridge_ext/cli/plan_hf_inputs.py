@@ -49,17 +49,29 @@ def hf_problem(args):
     checks = [
         ("model.num_attention_heads", heads % tp, "model.tensor_model_parallel_size",
          f"TP={tp} does not divide the {heads} attention heads"),
-        ("model.num_query_groups", groups % tp, "model.tensor_model_parallel_size",
-         f"TP={tp} does not divide the {groups} query groups"),
+        ("model.num_query_groups", groups % tp and tp % groups, "model.tensor_model_parallel_size",
+         f"TP={tp} neither divides the {groups} query groups nor is a multiple of them (transformer_config.py "
+         "L1338-1345; with TP a multiple, Megatron Core gives each rank one key/value head)"),
         ("model.seq_length", sp and tp > 1 and args.seq and args.seq % tp, "model.seq_length",
          f"sequence {args.seq} is not divisible by TP={tp} (sequence parallelism splits it)"),
-        ("model.num_layers", isinstance(layers, int) and layers % pp, "model.pipeline_model_parallel_size",
-         f"PP={pp} does not divide the {layers} layers"),
+        ("model.num_layers", isinstance(layers, int) and layers % pp and not _split_elsewhere(args),
+         "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {layers} layers"),
     ]
     for field, failed, setting, message in checks:
         if failed and not overridden(args.overrides, field, setting):
             return _bad(setting, message, "choose sizes that divide it")
     return None
+
+
+SPLIT_FIELDS = ("model.pipeline_model_parallel_layout", "model.account_for_embedding_in_pipeline_split",
+                "model.account_for_loss_in_pipeline_split", "model.num_layers_in_first_pipeline_stage",
+                "model.num_layers_in_last_pipeline_stage")
+"""The fields that split the layers over the stages otherwise than evenly: set by a recipe or an override, the split
+is left to the estimate's check of the built model (:func:`megatron_bridge_ext.estimate.pipeline.split_problems`)."""
+
+
+def _split_elsewhere(args) -> bool:
+    return bool(args.recipe) or any(overridden(args.overrides, field) for field in SPLIT_FIELDS)
 
 
 def _override_int(overrides, key: str):

@@ -52,25 +52,29 @@ def layer_kinds(provider) -> list:
 
 def stage_layer_kinds(provider, stage: int) -> list:
     """The kinds of pipeline stage ``stage``'s layers: a hybrid model's segment of its pattern
-    (:func:`..unmodelled.pipeline_segments`), a GPT model's even share of :func:`layer_kinds` (uneven first and last
-    stages are traced whole, never by kind)."""
+    (:func:`..unmodelled.pipeline_segments`), a GPT model's layers as Core splits them
+    (:func:`..pipeline.stage_layers`: chunk after chunk under an interleaved split)."""
+    from megatron_bridge_ext.estimate.pipeline import stage_layers
     from megatron_bridge_ext.estimate.unmodelled import pipeline_segments
 
     segments = pipeline_segments(provider)
     if segments is not None:
         return list(segments[stage])
-    size = provider.num_layers // provider.pipeline_model_parallel_size
-    return layer_kinds(provider)[stage * size:(stage + 1) * size]
+    kinds = layer_kinds(provider)
+    return [kinds[layer] for layer in stage_layers(provider, stage)]
 
 
 def set_layer_kinds(provider, kinds: list) -> None:
     """Make ``provider`` (a copy) build layers of ``kinds`` (as :func:`layer_kinds` gives them), one stage's worth
-    repeated over its pipeline stages (a hybrid model's as segments between ``|`` marks)."""
+    repeated over its pipeline stages in an even split without interleaving (a hybrid model's as segments between
+    ``|`` marks); the embedding stays on the first stage and the loss on the last."""
     pp = provider.pipeline_model_parallel_size
     provider.num_layers = len(kinds) * pp
+    provider.pipeline_model_parallel_layout = provider.virtual_pipeline_model_parallel_size = None
+    provider.account_for_embedding_in_pipeline_split = provider.account_for_loss_in_pipeline_split = False
+    provider.num_layers_in_first_pipeline_stage = provider.num_layers_in_last_pipeline_stage = None
     if is_hybrid(provider):
         provider.hybrid_layer_pattern, provider.hybrid_override_pattern = "|".join(["".join(kinds)] * pp), None
-        provider.num_layers_in_first_pipeline_stage = provider.num_layers_in_last_pipeline_stage = None
     elif getattr(provider, "num_moe_experts", None):
         provider.moe_layer_freq = list(kinds) * pp
 

@@ -287,10 +287,17 @@ def hf_config_object(data: dict):
     if "torch_dtype" in data and "dtype" not in data:  # the older spelling, which transformers now warns about
         data["dtype"] = data.pop("torch_dtype")
     if unknown_model_type(data):
-        config = PretrainedConfig.from_dict(data)
-        config.model_type = data["model_type"]
+        # The base class standardises RoPE fields at construction and reads max_position_embeddings, which it has
+        # not set yet (transformers 5: modeling_rope_utils.standardize_rope_params): build it without them, then
+        # set every field as the file states it.
+        config = PretrainedConfig.from_dict({k: v for k, v in data.items() if k not in RAW_ROPE_FIELDS})
+        for name, value in data.items():
+            setattr(config, name, value)
         return config
     return AutoConfig.for_model(**data)
+
+
+RAW_ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 
 
 def unknown_model_type(data: dict) -> Optional[str]:

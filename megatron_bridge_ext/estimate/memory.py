@@ -1,10 +1,10 @@
 """``estimate(cfg)``: the PEFT-aware memory of the most loaded rank of a Bridge training config.
 
-For the first and the last pipeline stage (the others hold neither embedding nor loss, and fewer
-microbatches than the first), the rank's real model is built from the config on fake tensors
-(:mod:`.build`), its parameters are counted (:mod:`.static`), and one microbatch runs through it
-under the saved-activation meter (:mod:`.trace`). Activations are multiplied by the microbatches
-the pipeline schedule keeps in flight; buffers the forward left allocated are measured; the
+For each pipeline stage that can be the most loaded under the config's split (:mod:`.pipeline`: the first
+of each group of stages holding the same layers, embedding and loss), the rank's real model is built from the
+config on fake tensors (:mod:`.build`), its parameters are counted (:mod:`.static`), and one microbatch runs
+through it under the saved-activation meter (:mod:`.trace`). Each chunk's activations are multiplied by the
+forwards of that chunk the pipeline schedule keeps in flight; buffers the forward left allocated are measured; the
 transients at the backward peak are formulas. Nothing runs on a device and the model's weights are
 never allocated (only a PEFT's adapters, small, while it creates them).
 """
@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import (configs, features, mamba, phases, precision, routing, static, te, te_fp8,
-                                          unmodelled)
+from megatron_bridge_ext.estimate import (configs, features, mamba, phases, pipeline, precision, routing, static, te,
+                                          te_fp8, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
                                                 set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
@@ -63,15 +63,11 @@ def microbatches_in_flight(*, pp: int, vpp: Optional[int], num_microbatches: int
     ``warmup = pp - stage - 1``; the interleaved schedule counts model chunks,
     ``warmup = 2 (pp - stage - 1) + (vpp - 1) * group_size`` (group size defaults to pp), each chunk
     a ``1 / vpp`` share of the stage. Both are capped by the microbatches of the step. For stage 0
-    this is Korthikanti et al.'s ``pp (1 + (pp - 1) / (pp vpp))``.
+    this is Korthikanti et al.'s ``pp (1 + (pp - 1) / (pp vpp))``. Per chunk: :func:`.pipeline.chunk_forwards`.
     """
-    if pp == 1:
-        return 1.0
-    if not vpp or vpp == 1:
-        return float(min(pp - stage, num_microbatches))
-    group = group_size or pp
-    warmup = 2 * (pp - stage - 1) + (vpp - 1) * group
-    return min(warmup + 1, num_microbatches * vpp) / vpp
+    forwards = pipeline.chunk_forwards(pp=pp, vpp=vpp, num_microbatches=num_microbatches, stage=stage,
+                                       group_size=group_size)
+    return sum(forwards) / len(forwards)
 
 
 @dataclass
@@ -131,7 +127,9 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     groups = model.num_query_groups or heads
     checks = [
         (heads % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {heads} attention heads"),
-        (groups % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {groups} query groups"),
+        (groups % tp and tp % groups, "model.tensor_model_parallel_size",
+         f"TP={tp} neither divides the {groups} query groups nor is a multiple of them (transformer_config.py "
+         "L1338-1345; with TP a multiple, Megatron Core gives each rank one key/value head)"),
         (model.ffn_hidden_size and model.ffn_hidden_size % tp, "model.tensor_model_parallel_size",
          f"TP={tp} does not divide the FFN size {model.ffn_hidden_size}"),
         (model.vocab_size and not getattr(model, "should_pad_vocab", False) and model.vocab_size % tp,
@@ -139,19 +137,9 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
         (model.sequence_parallel and tp > 1 and (model.seq_length // model.context_parallel_size) % tp,
          "model.seq_length", f"sequence {model.seq_length} / CP={model.context_parallel_size} is not divisible by "
                              f"TP={tp} (sequence parallelism splits a CP rank's tokens)"),
-        (model.num_layers % pp and not (model.num_layers_in_first_pipeline_stage
-                                        or model.num_layers_in_last_pipeline_stage) and not _piped(model),
-         "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {model.num_layers} layers"),
     ]
-    segments = unmodelled.pipeline_segments(model) if _piped(model) else None
-    if segments is not None and len(segments) != pp:
-        checks.append((True, "model.hybrid_layer_pattern",
-                       f"its {len(segments)} pipeline segments ('|' marks) are not PP={pp} (Megatron Core gives each "
-                       "stage one segment)"))
-    vpp = model.virtual_pipeline_model_parallel_size
-    if vpp and vpp > 1:
-        checks.append(((model.num_layers // pp) % vpp, "model.virtual_pipeline_model_parallel_size",
-                       f"VPP={vpp} does not divide the {model.num_layers // pp} layers of a stage"))
+    if is_hybrid(model):
+        checks += _hybrid_split_checks(model, pp)
     dim = getattr(peft, "dim", None)
     if dim and tp > 1:
         checks.append((dim % tp, "peft.dim", f"LoRA rank {dim} is not divisible by TP={tp} (Bridge shards LoRA-A on it)"))
@@ -165,11 +153,31 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
         if failed:
             refuse("parallel_layout", setting, message, "choose sizes that divide it")
     out += features.context_parallel.layout_findings(model)
+    if not is_hybrid(model):
+        out += pipeline.split_problems(model)
     if getattr(model, "num_moe_experts", None) and tp > 1 and not model.sequence_parallel:
         refuse("parallel_layout", "model.sequence_parallel",
                f"is off with TP={tp} on an MoE model: Megatron Core's MoE layer refuses to train so "
                "(moe/moe_layer.py, MoELayer.forward)", "set model.sequence_parallel=True")
     return out
+
+
+def _hybrid_split_checks(model, pp: int) -> list:
+    """A hybrid model's stages: its segments (``|`` marks), or an even split unless the first or last stage's count
+    is given (:func:`..unmodelled.pipeline_segments`)."""
+    checks = [(model.num_layers % pp and not (model.num_layers_in_first_pipeline_stage
+                                              or model.num_layers_in_last_pipeline_stage) and not _piped(model),
+               "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {model.num_layers} layers")]
+    segments = unmodelled.pipeline_segments(model) if _piped(model) else None
+    if segments is not None and len(segments) != pp:
+        checks.append((True, "model.hybrid_layer_pattern",
+                       f"its {len(segments)} pipeline segments ('|' marks) are not PP={pp} (Megatron Core gives each "
+                       "stage one segment)"))
+    vpp = model.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1:
+        checks.append(((model.num_layers // pp) % vpp, "model.virtual_pipeline_model_parallel_size",
+                       f"VPP={vpp} does not divide the {model.num_layers // pp} layers of a stage"))
+    return checks
 
 
 def _piped(model) -> bool:
@@ -410,12 +418,9 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     problems += features.context_parallel.trace_findings(prepared.provider, attention=attention, fused=FUSED)
     if problems:
         raise NotModelled(WHAT, problems)
-    pp = prepared.provider.pipeline_model_parallel_size
-    stages = [0] if pp == 1 else [0, pp - 1]
-    if is_hybrid(prepared.provider):  # its segments need not hold equal layers: every stage is a candidate
-        stages = list(range(pp))
+    stages = candidate_stages(prepared.provider)
     results = [_estimate_stage(prepared, stage, attention=attention, impl=impl, device=device,
-                               imbalance=float(moe_imbalance)) for stage in stages]
+                               imbalance=float(moe_imbalance), candidates=stages) for stage in stages]
     best = max(results, key=lambda r: r.peak_bytes)
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
     best.stage_phase_peaks = {r.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in r.phases} for r in results}
@@ -451,6 +456,22 @@ def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
     return []
 
 
+def candidate_stages(provider) -> list[int]:
+    """The pipeline stages estimated: every stage of a hybrid model (its segments need not hold equal layers), else
+    the first stage of each group that holds the same chunks (:func:`.pipeline.candidate_stages`): a layer's kind,
+    its number where its build depends on it (:data:`LAYER_NUMBER_FIELDS`), whether it runs in FP8."""
+    pp = provider.pipeline_model_parallel_size
+    if is_hybrid(provider):
+        return list(range(pp))
+    kinds = layer_kinds(provider)
+    if not _uniform_dense(provider, ignore=("fp8",)):
+        kinds = list(range(provider.num_layers))
+    fp8 = precision.fp8_of(provider)
+    if fp8 is not None:
+        kinds = [(kind, fp8.layer_in_fp8(number)) for number, kind in enumerate(kinds)]
+    return pipeline.candidate_stages(provider, kinds)
+
+
 TRACED_LAYERS = 2
 """Layers of a stage of identical MoE layers it is traced with (:func:`traced_layers`): the first, and one that stands
 for the rest."""
@@ -474,21 +495,15 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
     first saves what a later layer of the same kind (dense, MoE, or a hybrid model's Mamba, attention, MLP, MoE:
     the same spec) saves: its input is the previous layer's fresh output whatever that layer's kind. So the stage
     is traced as its first layer, then one layer of each kind that follows, in the order they first follow (at
-    least :data:`TRACED_LAYERS` layers), and each later layer repeats the last traced layer of its kind. The
-    shortcut needs an even pipeline split without embedding or loss in it (a hybrid model's stage is its segment of
-    the pattern, whatever its length), no interleaving and no full recompute (whose checkpoints the decoder keeps
-    outside the layers).
+    least :data:`TRACED_LAYERS` layers), and each later layer repeats the last traced layer of its kind. Any
+    pipeline split Core accepts is read so (:func:`..build.stage_layer_kinds`: a stage's layers, chunk after chunk
+    under an interleaved split, the embedding and loss where Core builds them); not under full recompute (whose
+    checkpoints the decoder keeps outside the layers).
     """
-    pp = provider.pipeline_model_parallel_size
     hybrid = is_hybrid(provider)
-    even = hybrid or not (provider.num_layers_in_first_pipeline_stage or provider.num_layers_in_last_pipeline_stage
-                          or getattr(provider, "account_for_embedding_in_pipeline_split", False)
-                          or getattr(provider, "account_for_loss_in_pipeline_split", False)
-                          or provider.num_layers % pp)
-    layers = stage_layer_kinds(provider, stage) if even else []
+    layers = stage_layer_kinds(provider, stage)
     if (not (getattr(provider, "num_moe_experts", None) or hybrid or _uniform_dense(provider))
-            or len(layers) <= TRACED_LAYERS or not even
-            or (provider.virtual_pipeline_model_parallel_size or 1) > 1 or provider.recompute_granularity == "full"):
+            or len(layers) <= TRACED_LAYERS or provider.recompute_granularity == "full"):
         return None
     pattern = [layers[0]] + list(dict.fromkeys(layers[1:]))
     pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
@@ -503,11 +518,11 @@ sliding window or RoPE skipped every few layers, layers offloaded to the CPU, FP
 in bf16 and the FP8 weights counted per global layer): such a stage is traced whole."""
 
 
-def _uniform_dense(provider) -> bool:
+def _uniform_dense(provider, ignore: tuple = ()) -> bool:
     """A dense model whose layers are one spec built alike, so its later layers save what its second saves (traced
     with :data:`TRACED_LAYERS` layers, as an MoE stage is, instead of every layer: the plan traces a config once
-    per option)."""
-    return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS)
+    per option). ``ignore``: fields of :data:`LAYER_NUMBER_FIELDS` left out."""
+    return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS if name not in ignore)
 
 
 MOE_KINDS = (1, unmodelled.MOE)
@@ -515,7 +530,7 @@ MOE_KINDS = (1, unmodelled.MOE)
 
 
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,
-                    imbalance: float = BALANCED) -> MemoryEstimate:
+                    imbalance: float = BALANCED, candidates: tuple = ()) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -535,10 +550,11 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
-        stage_provider.virtual_pipeline_model_parallel_size = None  # a stage's chunks traced as one model
         reduced = traced_layers(provider, stage)
         if reduced:
             set_layer_kinds(stage_provider, reduced.pattern)
+        elif not hybrid and not pipeline.is_plain(provider):
+            _one_chunk_per_stage(stage_provider, provider)
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
                                  dtype=prepared.dtype, transformer_impl=impl)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
@@ -556,9 +572,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
             if provider.recompute_granularity == "full" else 0
-    in_flight = microbatches_in_flight(pp=pp, vpp=provider.virtual_pipeline_model_parallel_size,
-                                       num_microbatches=prepared.num_microbatches, stage=stage,
-                                       group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
+    in_flight = _in_flight(provider, prepared, stage, layers)
     element = static.dtype_bytes(prepared.dtype)
     global_layers = global_layer_numbers(provider, stage, model)
     components, step = _static(prepared, counts, precision.fp8_weights(model, fp8, global_layers) if fp8 else None, fp8)
@@ -576,6 +590,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         fp8_acts = te_fp8.contract(traced, fp8, _fp8_shapes(provider, prepared, sp), in_fp8,
                                    norm_linears=not _recomputes_layernorm(provider))
     components += _activations(traced, in_flight, contract, fp8_acts)
+    in_flight = in_flight.mean
     tokens = prepared.local_seq // tp if sp else prepared.local_seq
     shard_shape = f"[{tokens}, {prepared.micro_batch}, {provider.hidden_size}]"
     if contract.layers:
@@ -599,7 +614,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     settings = _settings(prepared, attention=attention, impl=impl, device=device, stage=stage, layers=layers,
                          moe=_moe_settings(provider, imbalance=imbalance, routed=routed, moe_layers=moe_layers))
     return MemoryEstimate(stage=stage, components=components, settings=settings, step=step,
-                          assumptions=_assumptions(prepared, attention, impl, device, contract)
+                          assumptions=_assumptions(prepared, attention, impl, device, contract, candidates)
                           + te_fp8.assumptions(fp8_acts)
                           + _moe_assumptions(provider, imbalance, routed),
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
@@ -636,27 +651,15 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
 
 
 def global_layer_numbers(provider, stage: int, model) -> list[int]:
-    """The 0-based global number of each traced layer of ``stage``.
+    """The 0-based global number of each layer of ``stage``, in the order the stage is traced.
 
-    With an interleaved pipeline the stage's model chunks are traced as one model, chunk v's layers after chunk
-    v-1's, where Core numbers chunk v's layers from its own offset: Core's ``get_transformer_layer_offset`` and
-    ``get_num_layers_to_build`` for ``vp_stage=v`` on pipeline rank ``stage`` (uneven first and last stages
-    included). Without interleaving, the traced layers' own numbers.
+    A stage's model chunks are traced as one model, chunk v's layers after chunk v-1's, where Core numbers chunk
+    v's layers from its own offset (:func:`.pipeline.stage_layers`, any split Core accepts). A hybrid model's
+    stage (one chunk): the traced layers' own numbers.
     """
-    layers = model.decoder.layers
-    vpp = provider.virtual_pipeline_model_parallel_size or 1
-    if vpp == 1:
-        return [layer.layer_number - 1 for layer in layers]
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    out = []
-    for chunk in range(vpp):
-        offset = get_transformer_layer_offset(provider, vp_stage=chunk, pp_rank=stage)
-        out += range(offset, offset + get_num_layers_to_build(provider, vp_stage=chunk, pp_rank=stage))
-    if len(out) != len(layers):
-        raise RuntimeError(f"stage {stage} traced {len(layers)} layers where its {vpp} chunks hold {len(out)}")
-    return out
+    if is_hybrid(provider):
+        return [layer.layer_number - 1 for layer in model.decoder.layers]
+    return pipeline.stage_layers(provider, stage)
 
 
 def _fp8_layers(global_layers: list[int], fp8: Optional[precision.Fp8]):
@@ -675,9 +678,38 @@ def _fp8_shapes(provider, prepared: Prepared, sp: bool) -> te_fp8.Shapes:
                          ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp)
 
 
-def _activations(traced, in_flight: float, contract: te.TeContract,
+def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipeline.InFlight:
+    """The forwards each model chunk of ``stage`` holds and the chunk of each of its ``layers`` traced layers (one
+    chunk for a hybrid model, whose provider refuses interleaving)."""
+    forwards = pipeline.chunk_forwards(pp=provider.pipeline_model_parallel_size,
+                                       vpp=provider.virtual_pipeline_model_parallel_size,
+                                       num_microbatches=prepared.num_microbatches, stage=stage,
+                                       group_size=getattr(provider, "microbatch_group_size_per_vp_stage", None))
+    if is_hybrid(provider):
+        return pipeline.InFlight(tuple(forwards), (0,) * layers)
+    chunks = pipeline.stage_chunks(provider)[stage]
+    return pipeline.InFlight(tuple(forwards), tuple(v for v, chunk in enumerate(chunks) for _ in chunk.layers))
+
+
+def _one_chunk_per_stage(stage_provider, provider) -> None:
+    """Build ``stage_provider`` (a copy of ``provider``) with each stage's chunks as one chunk of the same layers
+    (:func:`.pipeline.flatten`), its MoE layers where they are in the real split."""
+    stages = pipeline.stage_chunks(provider)
+    pipeline.flatten(stage_provider, [sum(len(chunk.layers) for chunk in chunks) for chunks in stages],
+                     mtp=[sum(chunk.mtp for chunk in chunks) for chunks in stages])
+    if getattr(provider, "num_moe_experts", None):
+        kinds = layer_kinds(provider)
+        stage_provider.moe_layer_freq = [kinds[layer] for chunks in stages for chunk in chunks for layer in chunk.layers]
+
+
+def _activations(traced, in_flight: pipeline.InFlight, contract: te.TeContract,
                  fp8_acts: Optional[te_fp8.Fp8Activations] = None) -> list[Component]:
+    """Each category's saves times the forwards in flight of the chunk that saved them; the contracts' per-layer
+    corrections times the layers' mean."""
     out = []
+    weighted = dict.fromkeys(CATEGORIES, 0.0)
+    for (category, layer), nbytes in traced.by_category_and_layer.items():
+        weighted[category] += nbytes * in_flight.weight(category, layer)
     for category in CATEGORIES:
         per = traced.by_category[category]
         shared = contract.shared_bytes if category == LORA_INPUTS else 0
@@ -689,8 +721,8 @@ def _activations(traced, in_flight: float, contract: te.TeContract,
                           "share under Transformer Engine (contract)")
             if fp8_net:
                 basis += te_fp8.basis(fp8_acts, category)
-            out.append(Component(ACTIVATIONS, category, round((per - shared + fp8_net) * in_flight),
-                                 f"{basis} x {in_flight:g} in flight"))
+            out.append(Component(ACTIVATIONS, category, round(weighted[category] + (fp8_net - shared) * in_flight.mean),
+                                 f"{basis} x {in_flight.text()}"))
     return out
 
 
@@ -855,9 +887,12 @@ def _hybrid_settings(provider, stage: int) -> Optional[HybridSettings]:
     return HybridSettings(layers=unmodelled.layer_counts("".join(stage_layer_kinds(provider, stage))), mamba=whole)
 
 
-def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, contract: te.TeContract) -> list[str]:
+def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, contract: te.TeContract,
+                 candidates: tuple = ()) -> list[str]:
     out = [
-        "rank: TP rank 0 of the most loaded pipeline stage (first or last; TP ranks hold the same shapes)",
+        "rank: TP rank 0 of the most loaded pipeline stage (TP ranks hold the same shapes); stages estimated: "
+        f"{', '.join(map(str, candidates)) or '0'} (the first of each group of stages holding the same layers, "
+        "embedding and loss under the config's pipeline split: a later one keeps no more microbatches in flight)",
         "activations traced on Megatron Core's local layer spec on fake "
         f"{'CUDA' if device == 'cuda' else 'CPU'} tensors (the {device} ops' saved tensors)",
         ("attention: a stand-in that keeps what fused (flash/cuDNN) attention keeps: q, k, v, output, fp32 "
@@ -878,7 +913,10 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append("tied embeddings: one stage's output layer uses the embedding's weight (counted once); with PP > 1 "
                    "the last stage keeps its own copy, as Megatron Core does")
     if (prepared.provider.virtual_pipeline_model_parallel_size or 1) > 1:
-        out.append("interleaved pipeline: a stage's model chunks traced as one model; a chunk is 1/VPP of it")
+        out.append("interleaved pipeline: a stage's model chunks traced as one model; what each chunk's layers save "
+                   "counts once per forward of that chunk in flight (Core's schedule table), the embedding's with the "
+                   "first chunk, the loss's with the last; layers whose build depends on their number are built by "
+                   "their place in the stage")
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
     latent = features.mla.assumption(prepared.provider, impl)

@@ -76,3 +76,26 @@ def test_fused_yarn_rope_on_multi_latent_attention_is_traced_unfused_and_said():
     est = estimate(_latent_config(apply_rope_fusion=True), attention="fused", device="cpu")
     assert ROPE_FUSION_NOTE in est.assumptions
     assert not any(a.startswith("apply_rope_fusion: RoPE fusion needs Transformer Engine") for a in est.assumptions)
+
+
+def test_tp_a_multiple_of_the_query_groups_is_accepted_as_core_accepts_it():
+    """Core takes TP a divisor or a multiple of the query groups (transformer_config.py L1338-1345); with TP a
+    multiple, each rank computes its share of the key/value projection and gathers it (attention.py L353-379,
+    L1839-1858): the weights per rank shrink with the groups, they are not replicated."""
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    def weights(kv_heads):
+        cfg = tiny_config(TinyGPTShape(tp=1, layers=2, heads=4, kv_heads=kv_heads, hidden=64, ffn=128, seq=32))
+        cfg.model.tensor_model_parallel_size, cfg.model.sequence_parallel = 4, True
+        est = estimate(cfg, device="cpu", attention="fused", transformer_impl="local")
+        return est.component("weights: transformer layers").bytes
+
+    layers, head_dim, hidden, tp, fp32 = 2, 64 // 4, 64, 4, 4
+    assert weights(4) - weights(2) == layers * 2 * (4 - 2) * head_dim * hidden // tp * fp32  # k and v of 2 groups
+    cfg = configs.from_hf_config(QWEN3_8B, configs.Layout(tp=16, seq=8192))  # 32 heads, 8 query groups
+    assert not [p for p in parallel_problems(cfg.model, micro_batch=1) if "query groups" in p.message]
+    cfg = configs.from_hf_config(QWEN3_8B, configs.Layout(tp=1, seq=8192))
+    cfg.model.tensor_model_parallel_size, cfg.model.num_query_groups = 4, 6  # neither divides the other
+    problems = [p for p in parallel_problems(cfg.model, micro_batch=1) if "query groups" in p.message]
+    assert problems and problems[0].setting == "model.tensor_model_parallel_size"
