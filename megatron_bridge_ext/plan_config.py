@@ -126,8 +126,8 @@ def built_problem(cfg, args) -> Optional[Finding]:
     if isinstance(data_seq, int) and data_seq != model.seq_length:
         return _bad("dataset.seq_length", f"is {data_seq} and model.seq_length is {model.seq_length}: Bridge requires "
                     "them to match (ConfigContainer.validate, training/config.py L1503-1509)",
-                    f"give the training length once with --seq (it sets both), or set both to it, e.g. "
-                    f"model.seq_length={model.seq_length} dataset.seq_length={model.seq_length}")
+                    f"give the training length once with --seq, which sets both: --seq {data_seq} (the dataset's) "
+                    f"or --seq {model.seq_length} (the model's)")
     if getattr(model, "vocab_size", 1) is None:
         return _bad("model.vocab_size", f"is unset: the recipe leaves it to the tokenizer "
                     f"({_tokenizer_named(cfg)}), which Bridge reads only when training starts",
