@@ -521,7 +521,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     load = routing.RoutedLoad(imbalance)
     hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load), routing.in_order_streams(), \
+            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
             (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
@@ -869,4 +869,5 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
     latent = features.mla.assumption(prepared.provider, impl)
-    return out + ([latent] if latent else []) + prepared.notes
+    kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
+    return out + ([latent] if latent else []) + kernels + prepared.notes
