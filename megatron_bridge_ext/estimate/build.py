@@ -21,7 +21,7 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from megatron_bridge_ext.estimate.features import mla
+from megatron_bridge_ext.estimate.features import mla, recipe_attention
 from megatron_bridge_ext.estimate.mamba import mamba_kernels, rebind_parameters
 
 FUSED = "fused"
@@ -111,8 +111,13 @@ def _local_layer_spec(provider, attention: str, *, moe: bool, te: bool = False, 
         from megatron_bridge_ext.estimate.standins import FusedAttentionStandIn
 
         spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
+    elif recipe_attention.interleaved_windows(provider):
+        spec.submodules.self_attention.submodules.core_attention = recipe_attention.layer_window_attention()
     if latent and te:
         mla.te_layout(spec.submodules.self_attention)
+    own = None if latent else recipe_attention.self_attention_module(provider)
+    if own is not None:
+        spec.submodules.self_attention.module = own
     return spec
 
 

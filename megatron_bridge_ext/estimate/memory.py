@@ -544,7 +544,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     load = routing.RoutedLoad(imbalance)
     hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load), routing.in_order_streams(), \
+            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
             (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
             (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
@@ -790,6 +790,7 @@ def _one_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mo
     one_layer = copy.deepcopy(provider)
     set_layer_kinds(one_layer, [kind])
     one_layer.num_layers_in_first_pipeline_stage = one_layer.num_layers_in_last_pipeline_stage = None
+    one_layer.pipeline_model_parallel_layout = None
     one_layer.virtual_pipeline_model_parallel_size = None
     one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None
     model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
@@ -921,4 +922,5 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append(mamba.ASSUMPTION)
     latent = features.mla.assumption(prepared.provider, impl)
     cp = features.context_parallel.assumption(prepared.provider)
-    return out + [a for a in (latent, cp) if a] + prepared.notes
+    kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
+    return out + [a for a in (latent, cp) if a] + kernels + prepared.notes

@@ -9,14 +9,36 @@ attention, multi-token prediction, the ``flex`` dispatcher and FP8 on their expe
 
 from __future__ import annotations
 
-from megatron_bridge_ext.estimate.features import (context_parallel, dispatcher, fp8_experts, latent_moe, mla, mtp,
-                                                   token_dropping)
+import contextlib
+from typing import Iterator
+
+from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, fp8_experts,
+                                                   latent_moe, mla, mtp, router, softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
 FEATURES = (mla, mtp, context_parallel, dispatcher, token_dropping, latent_moe, fp8_experts)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
+KERNELS = (softmax, cross_entropy, router)
+"""The feature modules that stand in for a GPU kernel Core calls, each with ``kernels()`` (a context in which Core
+finds the stand-in), ``used(model)`` and ``NOTE`` (what the estimate says it traced)."""
 
 
 def findings(model) -> list[Finding]:
     """What the features of ``model`` that the estimate does not model say, one finding each (empty: all modelled)."""
     return [finding for feature in FEATURES for finding in feature.findings(model)]
+
+
+@contextlib.contextmanager
+def kernels() -> Iterator[None]:
+    """While a rank's model is traced, Core finds every kernel stand-in of :data:`KERNELS` where it calls the kernel."""
+    with contextlib.ExitStack() as stack:
+        for feature in KERNELS:
+            stack.enter_context(feature.kernels())
+        yield
+
+
+def kernel_notes(model, *, unfused_attention: bool) -> list[str]:
+    """What the estimate says of each kernel of ``model`` it traced by a stand-in (the softmax only in unfused
+    attention: the fused attention stand-in has none)."""
+    return [feature.NOTE for feature in KERNELS
+            if feature.used(model) and (unfused_attention or feature is not softmax)]

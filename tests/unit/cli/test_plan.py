@@ -812,3 +812,23 @@ def test_the_optimizer_turned_off_alone_is_estimated_distributed_as_bridge_runs_
     assert states["alone"] == states["default"] and states["both"] > states["alone"]
     assert any("Bridge's validation turns the distributed optimizer on for both" in a
                for a in alone["estimate"]["assumptions"])
+
+
+QWEN3_8B_RECIPE = "megatron.bridge.recipes.qwen.h100.qwen3:qwen3_8b_pretrain_16gpu_h100_bf16_config"
+
+
+def test_readme_qwen3_8b_recipe_plans_with_local_attention(capsys):
+    """The README's Qwen3-8B recipe with ``--attention local``: Core's unfused attention normalises its scores with
+    Apex's fused softmax (masked_softmax_fusion, s = 4096) and the recipe's loss is TE's cross entropy, both by
+    stand-ins. Each layer keeps the kernel's bf16 probabilities [b, heads / t, s, s] (2 B an element) and less than
+    torch's fp32 ones (4 B) would be."""
+    report = _json_plan(capsys, "--recipe", QWEN3_8B_RECIPE, "--hf-config", QWEN3_8B, "--gpu-memory", "80GiB",
+                        "--attention", "local")
+    estimate = report["estimate"]
+    s = estimate["settings"]
+    assert s["attention"] == "local" and s["dtype"] == "bfloat16"
+    probs = s["micro_batch"] * s["heads"] // s["tp"] * s["seq_length"] ** 2
+    per_layer = estimate["activations_per_microbatch"]["attention"] / s["layers_on_stage"]
+    assert 2 * probs < per_layer < 4 * probs
+    notes = " ".join(estimate["assumptions"])
+    assert "estimate.features.softmax" in notes and "estimate.features.cross_entropy" in notes
