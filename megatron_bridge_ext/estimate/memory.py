@@ -884,4 +884,5 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append(mamba.ASSUMPTION)
     latent = features.mla.assumption(prepared.provider, impl)
     cp = features.context_parallel.assumption(prepared.provider)
-    return out + [a for a in (latent, cp) if a] + prepared.notes
+    flex = features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype))
+    return out + [a for a in (latent, cp, flex) if a] + prepared.notes

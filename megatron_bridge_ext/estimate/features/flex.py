@@ -35,6 +35,7 @@ import torch
 
 from megatron_bridge_ext.estimate.routing import RoutedLoad, _host_tensor
 from megatron_bridge_ext.findings import ERROR, Finding
+from megatron_bridge_ext.sizes import GIB
 
 DEEPEP = "deepep"
 NVL_PEERS = 8
@@ -331,3 +332,20 @@ def deepep_kernels(load: RoutedLoad, model) -> Iterator[None]:
         for owner, name, value in saved:
             setattr(owner, name, value)
         _Dispatching.manager = None
+
+
+def assumption(model, element: int) -> Optional[str]:
+    """The flex dispatcher on DeepEP as traced, and DeepEP's buffer, which the margin must hold (it is outside
+    PyTorch's allocator); None without it."""
+    if not used(model):
+        return None
+    group, sms = ranks(model), num_sms(model)
+    buffer = deepep_buffer(ranks=group, hidden=model.hidden_size, element=element, sms=sms)
+    rdma = (f" + {buffer.num_rdma_bytes / GIB:.2f} GiB RDMA buffer by NVSHMEM (its symmetric heap besides)"
+            if buffer.num_rdma_bytes else "")
+    return (f"flex dispatcher on DeepEP: stand-ins for its fused dispatch and combine keep the handle's tensors "
+            f"(DeepEP v1.2.1, {sms} SMs); a token reaches a rank once whichever of its top-k experts it holds "
+            f"(estimate.features.flex); DeepEP's buffer for the TP x EP group of {group} is outside PyTorch's "
+            f"allocator, so neither in this estimate nor in torch's max_memory_allocated, yet on the device: "
+            f"{buffer.cuda_malloc_bytes / GIB:.2f} GiB by cudaMalloc (NVLink buffer and 32 MiB workspace){rdma}; "
+            "the margin must hold it")
