@@ -21,13 +21,15 @@ def findings(model) -> list[Finding]:
                          f"the {dispatcher!r} token dispatcher is not modelled by the estimate")]
     backend = getattr(model, "moe_flex_dispatcher_backend", None)
     if backend != flex.DEEPEP:
-        return [_refused("model.moe_flex_dispatcher_backend",
-                         f"the flex dispatcher's {backend!r} backend is not modelled by the estimate (its "
-                         "kernels' saved handle and buffers are not sized; DeepEP's are)",
-                         "model.moe_flex_dispatcher_backend=deepep")]
+        return [Finding("unsupported_model", ERROR, "model.moe_flex_dispatcher_backend",
+                        f"the flex dispatcher's {backend!r} backend is not modelled by the estimate (what its "
+                        "kernels keep for backward and its buffers are not sized; DeepEP's are)",
+                        "estimate the same experts on DeepEP: add the override "
+                        "model.moe_flex_dispatcher_backend=deepep")]
     return flex.findings(model)
 
 
-def _refused(setting: str, message: str, override: str = "model.moe_token_dispatcher_type=alltoall") -> Finding:
+def _refused(setting: str, message: str) -> Finding:
     return Finding("unsupported_model", ERROR, setting, message,
-                   f"estimate the same experts with another dispatcher: add the override {override}")
+                   "estimate the same experts with Core's all-to-all dispatcher: add the override "
+                   "model.moe_token_dispatcher_type=alltoall")
