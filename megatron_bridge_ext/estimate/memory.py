@@ -546,7 +546,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
             routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
             (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
-            (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()):
+            (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
+            (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
@@ -922,5 +923,6 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append(mamba.ASSUMPTION)
     latent = features.mla.assumption(prepared.provider, impl)
     cp = features.context_parallel.assumption(prepared.provider)
+    flex = features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype))
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
-    return out + [a for a in (latent, cp) if a] + kernels + prepared.notes
+    return out + [a for a in (latent, cp, flex) if a] + kernels + prepared.notes

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, fp8_experts,
+from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, flex, fp8_experts,
                                                    latent_moe, mla, mtp, router, softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 

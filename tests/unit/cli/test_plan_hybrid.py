@@ -1,6 +1,6 @@
 """``mbx plan`` on Bridge's Nemotron 3 Nano recipes (a hybrid Mamba / attention / MoE model) and on configs that
-capture CUDA graphs: the recipes as shipped get a named refusal of their ``flex`` dispatcher with Bridge's figure or
-why it failed; with Core's all-to-all dispatcher, a per-rank estimate whose Mamba layers are traced.
+capture CUDA graphs: the recipes as shipped get a named refusal of their ``flex`` dispatcher's HybridEP backend with
+Bridge's figure or why it failed; with Core's all-to-all dispatcher, a per-rank estimate whose Mamba layers are traced.
 
 The layer counts and Mamba sizes expected here are the model card's (23 Mamba-2 layers of 64 heads of 64, 8 groups,
 state 128; 23 MoE layers, 6 attention layers, hidden 2688 of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16), not read
@@ -23,9 +23,9 @@ NANO_CONFIG = os.path.join(DATA, "nemotron-3-nano-30b-a3b", "config.json")
 RECIPES = "megatron.bridge.recipes.nemotronh.nemotron_3_nano"
 PRETRAIN = f"{RECIPES}:nemotron_3_nano_pretrain_config"
 PEFT = f"{RECIPES}:nemotron_3_nano_peft_config"
-FLEX_LINE = ("our estimate: not modelled: model.moe_token_dispatcher_type: the 'flex' token dispatcher is not modelled "
-             "by the estimate (its DeepEP / HybridEP kernels do not run here). Fix: estimate the same experts with "
-             "Core's all-to-all dispatcher: add the override model.moe_token_dispatcher_type=alltoall")
+FLEX_LINE = ("our estimate: not modelled: model.moe_flex_dispatcher_backend: the flex dispatcher's 'hybridep' backend is "
+             "not modelled by the estimate (what its kernels keep for backward and its buffers are not sized; DeepEP's "
+             "are). Fix: estimate the same experts on DeepEP: add the override model.moe_flex_dispatcher_backend=deepep")
 ALLTOALL = "model.moe_token_dispatcher_type=alltoall"
 MAMBA_LAYERS, HEADS, HEAD_DIM, GROUPS, STATE = 23, 64, 64, 8, 128
 VANILLA = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
@@ -66,7 +66,7 @@ def test_with_its_vocabulary_bridges_figure_stands_beside_the_refusal_with_its_c
     report = json.loads(out)
     assert report["estimate"] is None and report["bridge_estimate_error"] is None
     [refusal] = report["estimate_refused"]
-    assert refusal["setting"] == "model.moe_token_dispatcher_type"
+    assert refusal["setting"] == "model.moe_flex_dispatcher_backend"
     assert report["bridge_estimate"]["total_bytes"] > 0
     assert report["bridge_estimate"]["caveats"] == [
         "Bridge's formula reads no hybrid pattern: it counts all 52 layers as attention + MoE layers, where this "
@@ -75,14 +75,16 @@ def test_with_its_vocabulary_bridges_figure_stands_beside_the_refusal_with_its_c
     assert "CUDA graph memory pools" in graphs
 
 
-def test_the_peft_recipe_reads_its_config_from_the_local_file_and_captures_no_graphs(capsys):
-    status, out, _ = _plan(capsys, "--recipe", PEFT, "--hf-config", NANO_CONFIG, "--dp", "8")
-    assert status == plan_cli.NOT_MODELLED_STATUS
-    [ours] = _line(out, "our estimate: ")
-    assert ours == FLEX_LINE
-    assert "Bridge's estimate_training_memory for the same config, per rank" in out
-    assert "note: Bridge's formula reads no hybrid pattern: it counts all 52 layers" in out
-    assert _line(out, "not modelled: ") == []
+def test_the_peft_recipe_reads_its_config_from_the_local_file_and_is_estimated_on_deepep(capsys):
+    """The HF config's bridge gives the PEFT recipe the flex dispatcher on DeepEP (TP 1 x EP 8), which is traced;
+    it captures no graphs."""
+    status, out, _ = _plan(capsys, "--recipe", PEFT, "--hf-config", NANO_CONFIG, "--dp", "8", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["estimate_refused"] in (None, [])
+    [deepep] = [a for a in report["estimate"]["assumptions"] if a.startswith("flex dispatcher on DeepEP")]
+    assert "TP x EP group of 8" in deepep
+    assert report["not_modelled"] == []
 
 
 def test_with_all_to_all_the_peft_recipe_is_estimated_with_its_mamba_layers_traced(capsys):
