@@ -19,7 +19,7 @@ KIB, MIB, GIB, TIB = 2**10, 2**20, 2**30, 2**40
 UNITS = {"B": 1, "KB": KB, "MB": MB, "GB": GB, "TB": TB, "KiB": KIB, "MiB": MIB, "GiB": GIB, "TiB": TIB}
 """Accepted units, matched without regard to case (``80gib`` is 80 GiB)."""
 _BY_LOWER = {name.lower(): factor for name, factor in UNITS.items()}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+_SIZE = re.compile(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*")  # signed: a negative is named as such
 
 
 SOLD_AS = "an A100 40GB reports 40,536 MiB, an H100 80GB 81,559 MiB"

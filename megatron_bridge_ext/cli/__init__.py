@@ -8,6 +8,7 @@ Each subcommand parses its options and calls the module that does the work (``mb
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 
@@ -167,6 +168,19 @@ def _drop_stdout() -> None:
     os.close(devnull)
 
 
+def _signed_values_attached(argv: list[str]) -> list[str]:
+    """``--total-memory -5GiB`` as ``--total-memory=-5GiB``: argparse takes a word that starts with ``-`` and is
+    not a plain number for an option and answers "expected one argument"; attached, the value reaches the option's
+    own check, whose line names it."""
+    out: list[str] = []
+    for word in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def _main(argv: list[str] | None) -> int:
     from megatron_bridge_ext.logs import LogLevelError, level_from_env
 
@@ -191,7 +205,7 @@ def _main(argv: list[str] | None) -> int:
 
         return bench.main(argv[2:])
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_signed_values_attached(argv))
     if extra:
         if not hasattr(args, "overrides") or any(word.startswith("-") or "=" not in word for word in extra):
             parser.parse_args(argv)  # argparse's own one-line error for what is neither an option nor an override

@@ -119,9 +119,9 @@ def gpu(name: str = DEFAULT_GPU, **overrides: Optional[float]) -> Gpu:
     An override of ``bf16_flops`` scales the FP8 rate with it (the datasheets' ratio, 2), so that one
     ``--gpu-flops`` states one device.
     """
-    if name not in GPUS:
+    if name.lower() not in GPUS:  # the presets by any case: H100 as h100
         raise UnknownGpu(f"{name!r} is not a GPU preset ({', '.join(GPUS)})")
-    preset = GPUS[name]
+    preset = GPUS[name.lower()]
     given = {k: v for k, v in overrides.items() if v is not None}
     if not given:
         return preset

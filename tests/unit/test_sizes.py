@@ -31,7 +31,7 @@ def test_both_unit_families_are_read(text, expected):
     ("40G", "'G' in '40G' is not a unit. Fix: use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
     ("0GiB", "'0GiB' is not a positive size. Fix:"),
     ("1.2.3GiB", "'1.2.3GiB' is not a size. Fix:"),
-    ("-8GB", "is not a size. Fix:"),
+    ("-8GB", "'-8GB' is not a positive size. Fix:"),
 ])
 def test_bad_sizes_name_the_option_and_the_fix(text, fragment):
     with pytest.raises(SizeError) as error:

@@ -179,6 +179,8 @@ def test_diagnose_refuses_impossible_numbers(tmp_path):
     _one_clean_line(mbx("diagnose", good, "--total-memory", "1GiB"), "less than the", "reserved")
     _one_clean_line(mbx("diagnose", good, "--total-memory", "0GiB"), "--total-memory", "not a positive size")
     _one_clean_line(mbx("diagnose", good, "--total-memory", "1.2.3GiB"), "--total-memory", "not a size")
+    # A negative value as its own word reaches the option's check, not argparse's "expected one argument".
+    _one_clean_line(mbx("diagnose", good, "--total-memory", "-5GiB"), "--total-memory: '-5GiB' is not a positive size")
 
 
 def test_a_request_larger_than_all_free_memory_is_not_fragmentation(tmp_path):

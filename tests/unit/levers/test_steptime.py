@@ -59,6 +59,11 @@ def test_overrides_replace_the_preset_and_fp8_follows_the_bf16_rate():
         steptime.gpu("a100")
 
 
+def test_a_preset_is_named_in_any_case():
+    """--gpu H100, as NVIDIA's datasheets write it, is the h100 preset."""
+    assert steptime.gpu("H100") is steptime.GPUS["h100"] and steptime.gpu("B200") is steptime.GPUS["b200"]
+
+
 def test_a_group_beyond_a_node_of_8_uses_infiniband():
     assert (H100.link(8), H100.link(16)) == (H100.nvlink, H100.ib)
 
