@@ -13,7 +13,7 @@ import contextlib
 import sys
 from typing import Iterator
 
-from megatron_bridge_ext.findings import Refused
+from megatron_bridge_ext.findings import Refused, joined
 
 UNEXPECTED_STATUS = 1
 """Exit status of a plan stopped by an unexpected error (bad input exits 2)."""
@@ -35,9 +35,9 @@ def unexpected(debug: bool) -> Iterator[None]:
         if debug:
             raise
         text = str(error).strip().splitlines()
-        raise Unexpected(f"the plan failed: {type(error).__name__}: {text[0] if text else '(no message)'}. "
-                         "Fix: rerun with --debug for the traceback (no input check caught this: please "
-                         "report it with the command)") from None
+        raise Unexpected(joined(f"the plan failed: {type(error).__name__}: {text[0] if text else '(no message)'}",
+                                "rerun with --debug for the traceback (no input check caught this: please "
+                                "report it with the command)")) from None
 
 
 def say_importing(stream=None) -> None:

@@ -172,6 +172,12 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_its_traceback(capsys, m
         cli.main([*argv, "--debug"])
 
 
+def test_an_unexpected_message_that_ends_a_sentence_gets_no_second_full_stop(capsys, monkeypatch):
+    _fail_inside(monkeypatch, RuntimeError("Trying to use a TE block when it's not present."))
+    assert cli.main(["plan", *HF, "--gpu-memory", "80GiB"]) == plan_failures.UNEXPECTED_STATUS
+    assert "when it's not present. Fix: rerun with --debug" in capsys.readouterr().err
+
+
 def test_a_refusal_inside_is_still_a_refusal(capsys, monkeypatch):
     _fail_inside(monkeypatch, Refused("mbx plan input", [Finding("bad_input", ERROR, "model.x", "bad", "fix it")]))
     assert cli.main(["plan", *HF, "--gpu-memory", "80GiB"]) == 2
