@@ -292,9 +292,12 @@ def _apply_comm_overlap(cfg, provider, optimizer, ddp, *, data_parallel: int) ->
         return
     overlap = copy.deepcopy(overlap)
     overlap.data_parallel_size = data_parallel  # as ConfigContainer.validate sets it first (training/config.py L1041)
+    from megatron.bridge.training import comm_overlap
+
     try:
-        overlap.finalize()
-        overlap.setup(provider, optimizer, ddp)
+        with te.version_checks_of_the_modelled_release(comm_overlap):
+            overlap.finalize()
+            overlap.setup(provider, optimizer, ddp)
     except (AssertionError, ValueError, TypeError, ImportError) as error:
         raise _refuse("model_config", "comm_overlap", f"Bridge's CommOverlapConfig.setup refuses it: "
                       f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}",

@@ -26,8 +26,9 @@ layers' shards (``quantised``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
 
@@ -93,3 +94,36 @@ def te_component(contract: TeContract, in_flight: float, *, shard_shape: str) ->
         ACTIVATIONS, SHARDS, round(contract.shard_bytes * in_flight),
         f"Transformer Engine contract: {contract.layers} LayerNormLinear(s) whose LoRA-A keep the gathered norm output "
         f"also keep their own {shard_shape} shard (layernorm_linear.py v2.4 L356-358) x {in_flight:g} microbatch(es)")
+
+
+MODELLED_VERSION = "2.17.1"
+"""The Transformer Engine release whose kernels the estimate's contracts and stand-ins follow (their docstrings cite
+its source lines)."""
+
+
+@contextlib.contextmanager
+def version_checks_of_the_modelled_release(module) -> Iterator[None]:
+    """Where Transformer Engine is not installed, ``module``'s ``is_te_min_version`` / ``get_te_version`` (Core's
+    ``megatron.core.utils`` functions it imported) answer for :data:`MODELLED_VERSION`, as on a cluster that has it:
+    Bridge's ``CommOverlapConfig.setup`` asserts TE >= 2.7.0 for ``delay_wgrad_compute`` with overlap
+    (``training/comm_overlap.py`` L522-529), which a config estimated here would fail on TE's absence alone. Where TE
+    is installed its own version answers."""
+    from packaging.version import Version
+
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if HAVE_TE:
+        yield
+        return
+    saved = {name: getattr(module, name) for name in ("is_te_min_version", "get_te_version") if hasattr(module, name)}
+    modelled = Version(MODELLED_VERSION)
+    replacements = {"is_te_min_version": lambda version, check_equality=True:
+                    modelled >= Version(version) if check_equality else modelled > Version(version),
+                    "get_te_version": lambda: modelled}
+    for name in saved:
+        setattr(module, name, replacements[name])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
