@@ -241,7 +241,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--family", action="append", help="only this family (repeatable)")
     parser.add_argument("--recipe", action="append", help="only this MODULE:FUNCTION (repeatable)")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument("--matrix", metavar="MARKDOWN",
+                        help="rewrite the recipe section of this page (docs/support-matrix.md) from the rows")
+    parser.add_argument("--from-json", metavar="FILE", help="take the rows from a --json file instead of running")
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as handle:
+            rows = [Row(**row) for row in json.load(handle)]
+        if args.matrix:
+            write_matrix(args.matrix, rows)
+        print(format_counts(rows))
+        return 0
     from megatron_bridge_ext import logs
     from megatron_bridge_ext.estimate.recipes import language_recipes
 
@@ -264,7 +274,53 @@ def main(argv: list[str]) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump([asdict(r) for r in rows], handle, indent=1)
+    if args.matrix:
+        write_matrix(args.matrix, rows)
     return 0
+
+
+MATRIX_BEGIN = "<!-- recipe-coverage: begin (scripts/recipe_coverage.py --matrix writes this section) -->"
+MATRIX_END = "<!-- recipe-coverage: end -->"
+
+
+def reason(finding: str) -> str:
+    """A refusal's first finding without its fix: ``setting: message``."""
+    return finding.split("; also: ")[0].split(" Fix: ")[0].rstrip(".")
+
+
+def render_matrix(rows: list[Row]) -> str:
+    """The support matrix's recipe section: per family the counts, then every recipe not estimated with the first
+    finding that stops it (its setting and why), grouped by that finding."""
+    families = sorted({r.family for r in rows})
+    total = {status: sum(r.status == status for r in rows) for status in (ESTIMATED, REFUSED, CRASHED)}
+    lines = [f"{total[ESTIMATED]} of {len(rows)} language-model recipes estimated "
+             f"({100 * total[ESTIMATED] / len(rows):.1f}%), {total[REFUSED]} refused, {total[CRASHED]} crashed, each at its "
+             "own GPU count with its model's config.json (`python scripts/recipe_coverage.py`).", "",
+             "| family | recipes | estimated | refused | crashed |", "|---|---|---|---|---|"]
+    for family in families:
+        mine = [r for r in rows if r.family == family]
+        lines.append(f"| {family} | {len(mine)} | {sum(r.status == ESTIMATED for r in mine)} | "
+                     f"{sum(r.status == REFUSED for r in mine)} | {sum(r.status == CRASHED for r in mine)} |")
+    stopped: dict[str, list[str]] = {}
+    for r in rows:
+        if r.status != ESTIMATED:
+            stopped.setdefault(f"{r.status}: {reason(r.finding)}", []).append(r.spec.partition("recipes.")[2] or r.spec)
+    lines += ["", "Recipes not estimated, by what stops them (the first finding; the recipe's spec after "
+              "`megatron.bridge.recipes.`):", ""]
+    for why, specs in sorted(stopped.items(), key=lambda item: (-len(item[1]), item[0])):
+        lines.append(f"- {why.replace('|', '/')} ({len(specs)}): " + ", ".join(f"`{spec}`" for spec in specs))
+    return "\n".join(lines)
+
+
+def write_matrix(path: str, rows: list[Row]) -> None:
+    with open(path) as handle:
+        text = handle.read()
+    head, begin, rest = text.partition(MATRIX_BEGIN)
+    _, end, tail = rest.partition(MATRIX_END)
+    if not begin or not end:
+        raise SystemExit(f"{path}: no section between {MATRIX_BEGIN!r} and {MATRIX_END!r}")
+    with open(path, "w") as handle:
+        handle.write(f"{head}{MATRIX_BEGIN}\n{render_matrix(rows)}\n{MATRIX_END}{tail}")
 
 
 def _version(name: str) -> str:
