@@ -22,12 +22,12 @@ import torch
 from megatron_bridge_ext.estimate import (configs, features, mamba, phases, precision, routing, static, te, te_fp8,
                                           unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
-                                                set_layer_kinds, stage_layer_kinds)
+                                                moe_layer_pattern, set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
                                                    ReportSettings, Settings)
-from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
+from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, moe_layers_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
@@ -42,7 +42,7 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
 
 
 class NotModelled(Refused):
-    """The estimate cannot model this config (a hybrid model's other layers, MLA's variants, MTP, FP4, CP, MoE token
+    """The estimate cannot model this config (a hybrid model's other layers, MLA's variants, FP4, CP, MoE token
     dropping); the config itself may train.
 
     Raised after the layout checks pass, so that a caller can still show an estimate that models it
@@ -531,14 +531,15 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         if reduced:
             set_layer_kinds(stage_provider, reduced.pattern)
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
-                                 dtype=prepared.dtype, transformer_impl=impl)
+                                 dtype=prepared.dtype, transformer_impl=impl,
+                                 mtp_moe=moe_layer_pattern(provider)[-1] == 1)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
         fp8 = precision.fp8_of(stage_provider)
         traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
-        moe_layers = len(load.routed_tokens)
+        moe_layers = sum(layer_of(name) is not None for name in moe_layers_of(model))  # not MTP's
         if reduced:
             traced = traced.extended(reduced.sources)
             layers = len(reduced.sources)
@@ -747,6 +748,7 @@ def _one_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mo
     one_layer.num_layers_in_first_pipeline_stage = one_layer.num_layers_in_last_pipeline_stage = None
     one_layer.virtual_pipeline_model_parallel_size = None
     one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None
+    one_layer.mtp_num_layers = None  # the layer alone; the last stage's MTP depths are traced with the stage
     model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
                              dtype=prepared.dtype, transformer_impl=impl)
     sp_tp = provider.tensor_model_parallel_size if provider.sequence_parallel else 1
@@ -868,5 +870,5 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append("interleaved pipeline: a stage's model chunks traced as one model; a chunk is 1/VPP of it")
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
-    latent = features.mla.assumption(prepared.provider, impl)
-    return out + ([latent] if latent else []) + prepared.notes
+    described = [features.mla.assumption(prepared.provider, impl), features.mtp.assumption(prepared.provider)]
+    return out + [text for text in described if text] + prepared.notes
