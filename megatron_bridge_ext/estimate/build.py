@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from megatron_bridge_ext.estimate.features import mla, mtp
+from megatron_bridge_ext.estimate.features import latent_moe, mla, moe_act, mtp
 from megatron_bridge_ext.estimate.mamba import mamba_kernels, rebind_parameters
 
 FUSED = "fused"
@@ -220,7 +220,8 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
                                                   moe=mtp_moe))
                  if mtp.used(provider) and not hybrid else contextlib.nullcontext())
     with mode, (mamba_kernels() if hybrid else contextlib.nullcontext()), \
-            (mla.te_modules() if latent_te else contextlib.nullcontext()), mtp_block:
+            (mla.te_modules() if latent_te else contextlib.nullcontext()), mtp_block, \
+            latent_moe.te_modules(provider), moe_act.te_grouped_recompute(provider):
         model = provider.provide()
     if peft is not None:
         model = _apply_peft(model, copy.deepcopy(peft))

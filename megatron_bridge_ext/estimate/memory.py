@@ -782,7 +782,8 @@ def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
         f"MoE experts: Megatron Core's SequentialMLP traced (the local spec's: one MLP per local expert, each "
         f"saving its own tokens' GEMM and activation inputs) with Core's {provider.moe_token_dispatcher_type} "
         "dispatcher; a grouped GEMM (TEGroupedMLP on Transformer Engine) keeps the same GEMM inputs concatenated, "
-        "while its fused activation may keep a different set (not modelled)",
+        "while its fused activation may keep a different set (not modelled); moe_act recompute as TEGroupedMLP "
+        "applies it (estimate.features.moe_act)",
     ]
 
 
@@ -870,5 +871,6 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append("interleaved pipeline: a stage's model chunks traced as one model; a chunk is 1/VPP of it")
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
-    described = [features.mla.assumption(prepared.provider, impl), features.mtp.assumption(prepared.provider)]
+    described = [features.mla.assumption(prepared.provider, impl), features.mtp.assumption(prepared.provider),
+                 features.latent_moe.assumption(prepared.provider)]
     return out + [text for text in described if text] + prepared.notes

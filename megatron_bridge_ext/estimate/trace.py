@@ -45,7 +45,8 @@ def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     attention and MLP so that q/k norms count as norms; the rotary embedding's cos/sin count with
     attention. In a mixture-of-experts layer (``moe_layers``: the names of its MoE modules), the routed
     experts are experts, the router and what the MoE module saves itself (the token dispatcher is no
-    module: permutation indices, gathered or all-to-all'd tokens and probabilities) are moe dispatch, and
+    module: permutation indices, gathered or all-to-all'd tokens and probabilities) are moe dispatch, latent MoE's
+    projections around the routed experts (``fc1_latent_proj``, ``fc2_latent_proj``) count with the experts, and
     shared experts are mlp. Saves made by the decoder itself (outside every layer) are the inputs that full
     recompute checkpoints keep; the model's own forward (``<root>``: the logits cast and the loss)
     and the output layer are logits and loss.
@@ -64,7 +65,7 @@ def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     owner = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in moe_layers), None)
     if owner is not None:
         below = parts[len(owner.split(".")):]
-        if below[:1] == ["experts"]:
+        if below[:1] in (["experts"], ["fc1_latent_proj"], ["fc2_latent_proj"]):
             return EXPERTS
         if not below or below[:1] == ["router"]:
             return MOE_DISPATCH

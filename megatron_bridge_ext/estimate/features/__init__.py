@@ -9,11 +9,11 @@ attention, multi-token prediction, the ``flex`` dispatcher and FP8 on their expe
 
 from __future__ import annotations
 
-from megatron_bridge_ext.estimate.features import (context_parallel, dispatcher, fp8_experts, latent_moe, mla, mtp,
-                                                   token_dropping)
+from megatron_bridge_ext.estimate.features import (context_parallel, dispatcher, fp8_experts, latent_moe, mla, moe_act,
+                                                   mtp, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
-FEATURES = (mla, mtp, context_parallel, dispatcher, token_dropping, latent_moe, fp8_experts)
+FEATURES = (mla, mtp, context_parallel, dispatcher, token_dropping, latent_moe, moe_act, fp8_experts)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
 
 
