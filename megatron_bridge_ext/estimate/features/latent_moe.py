@@ -32,6 +32,16 @@ def findings(model) -> list[Finding]:
                     "estimate with model.add_bias_linear=False")]
 
 
+def config_problems(model) -> list[Finding]:
+    """What Core refuses to train with latent projections: shared experts overlapped with the dispatcher
+    (``moe_layer.py`` L469-475 raises in the first forward), refused before anything is built."""
+    if not (used(model) and getattr(model, "moe_shared_expert_overlap", False)):
+        return []
+    return [Finding("model_config", ERROR, "model.moe_shared_expert_overlap",
+                    "is on with latent MoE projections, which Megatron Core refuses in training (moe_layer.py "
+                    "L469-475)", "set model.moe_shared_expert_overlap=False")]
+
+
 @contextlib.contextmanager
 def te_modules(model) -> Iterator[None]:
     """While ``model``'s layers are built: Core's MoE layer takes :class:`..mla.DuplicatedLinear` for ``TELinear``

@@ -65,3 +65,16 @@ def test_biases_on_the_projections_are_refused_by_name():
     assert [f.setting for f in latent_moe.findings(model)] == ["model.add_bias_linear"]
     assert latent_moe.findings(SimpleNamespace(num_moe_experts=8, moe_latent_size=16, add_bias_linear=False)) == []
     assert latent_moe.findings(SimpleNamespace(num_moe_experts=None, moe_latent_size=16, add_bias_linear=True)) == []
+
+
+def test_shared_experts_overlapped_with_latent_projections_are_refused_as_core_refuses_them():
+    """Core raises in the first forward (moe_layer.py L469-475); the estimate refuses the config before building."""
+    from megatron_bridge_ext.estimate import memory
+    from megatron_bridge_ext.findings import Refused
+    from tests.unit.estimate.test_estimate_hybrid import _tiny
+
+    cfg = _tiny(pattern="MEM*E", extra=(f"model.moe_latent_size={LATENT}", "model.moe_shared_expert_overlap=True"))
+    with pytest.raises(Refused) as refused:
+        memory.estimate(cfg)
+    assert not isinstance(refused.value, memory.NotModelled)
+    assert [f.setting for f in refused.value.findings] == ["model.moe_shared_expert_overlap"]
