@@ -10,8 +10,8 @@ experts, its EP x ETP share of them, the world being as large as the expert grid
 :func:`fake_parallel_world` sets that up and, on exit, puts back everything it changed, so that it
 can run inside a process that already has a real process group and Megatron parallel state (a
 training script, the functional tests): torch.distributed's group registry, Megatron Core's
-parallel-state globals, Core's MoE and multi-token prediction metrics trackers, the RNG tracker, the process's RNG state,
-``torch.cuda.current_device``, the causal-mask builder and the dynamo switch.
+parallel-state globals, Core's MoE and multi-token prediction metrics trackers, the RNG tracker, the process's RNG
+state, ``torch.cuda.current_device``, the causal-mask builder and the dynamo switch.
 
 Why each change (all undone on exit; none of them outlives the context):
 

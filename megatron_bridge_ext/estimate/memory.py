@@ -219,7 +219,8 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
                         data_parallel=data_parallel_size or getattr(cfg, "data_parallel_size", None) or 1)
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
-    problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p] + features.latent_moe.config_problems(provider)
+    problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
+    problems += features.latent_moe.config_problems(provider)
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)

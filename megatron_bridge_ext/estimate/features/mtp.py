@@ -11,7 +11,7 @@ back over the sequence under sequence parallelism, L1128-1153: the scatter's sli
 last layer's spec (``get_gpt_mtp_block_spec_for_backend``, ``gpt_layer_specs.py`` L767-777; a hybrid model's depth
 runs the layers of its MTP pattern, ``hybrid_model.py`` L287-305) and a final norm (L1227-1239). Then
 ``process_mtp_loss`` (L760-894) runs the output layer on each depth's hidden state: a full-vocabulary logits tensor
-and a cross-entropy per depth, whose loss (scaled by ``mtp_loss_scaling_factor / mtp_num_layers``, L867) reaches
+and a cross-entropy per depth, whose loss (scaled by ``mtp_loss_scaling_factor / mtp_num_layers``, L875) reaches
 backward through ``MTPLossAutoScaler`` (L714-757, which keeps the scaled per-token loss).
 
 The estimate runs that code on fake tensors, with the decoder: what the depths save counts as

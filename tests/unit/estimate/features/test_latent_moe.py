@@ -42,7 +42,8 @@ def test_the_experts_take_latent_tokens_and_the_up_projection_keeps_its_latent_i
     tokens = cfg.model.seq_length // 2 * latent.settings.micro_batch
     per_layer = -routed * (h - LATENT) * E + tokens * LATENT * E
     assert routed == plain.settings.moe.routed_tokens_per_layer
-    assert latent.activations_per_microbatch[EXPERTS] == plain.activations_per_microbatch[EXPERTS] + MOE_LAYERS * per_layer
+    expected = plain.activations_per_microbatch[EXPERTS] + MOE_LAYERS * per_layer
+    assert latent.activations_per_microbatch[EXPERTS] == expected
 
 
 def _weights(est, name):
@@ -54,7 +55,8 @@ def test_each_moe_layer_holds_both_projections_whole_and_latent_experts(pair):
     and fc2 [latent, ffn] in place of h (squared ReLU, no gated unit: the experts scale with the width)."""
     (cfg, plain), (_, latent) = pair
     h = cfg.model.hidden_size
-    assert _weights(latent, "transformer layers") - _weights(plain, "transformer layers") == MOE_LAYERS * 2 * h * LATENT * E
+    projections = MOE_LAYERS * 2 * h * LATENT * E
+    assert _weights(latent, "transformer layers") - _weights(plain, "transformer layers") == projections
     assert _weights(latent, "experts") * h == _weights(plain, "experts") * LATENT
     assert any("latent MoE" in line for line in latent.assumptions)
     assert not any("latent MoE" in line for line in plain.assumptions)

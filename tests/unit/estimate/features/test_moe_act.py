@@ -51,4 +51,5 @@ def test_moe_act_under_fp8_is_refused_by_name():
     assert [f.setting for f in moe_act.findings(model)] == ["model.recompute_modules"]
     model.fp8 = None
     assert moe_act.findings(model) == []
-    assert not moe_act.used(SimpleNamespace(num_moe_experts=4, recompute_granularity="full", recompute_modules=["moe_act"]))
+    full = SimpleNamespace(num_moe_experts=4, recompute_granularity="full", recompute_modules=["moe_act"])
+    assert not moe_act.used(full)
