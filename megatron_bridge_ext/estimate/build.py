@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from megatron_bridge_ext.estimate.features import mla, recipe_attention
+from megatron_bridge_ext.estimate.features import latent_moe, mla, moe_act, mtp, recipe_attention
 from megatron_bridge_ext.estimate.mamba import mamba_kernels, rebind_parameters
 
 FUSED = "fused"
@@ -67,14 +68,20 @@ def stage_layer_kinds(provider, stage: int) -> list:
 def set_layer_kinds(provider, kinds: list) -> None:
     """Make ``provider`` (a copy) build layers of ``kinds`` (as :func:`layer_kinds` gives them), one stage's worth
     repeated over its pipeline stages in an even split without interleaving (a hybrid model's as segments between
-    ``|`` marks); the embedding stays on the first stage and the loss on the last."""
+    ``|`` marks, its multi-token prediction depths' patterns after ``/`` kept); the embedding stays on the first stage
+    and the loss on the last."""
+    from megatron_bridge_ext.estimate.unmodelled import MTP_SEPARATOR
+
     pp = provider.pipeline_model_parallel_size
     provider.num_layers = len(kinds) * pp
     provider.pipeline_model_parallel_layout = provider.virtual_pipeline_model_parallel_size = None
     provider.account_for_embedding_in_pipeline_split = provider.account_for_loss_in_pipeline_split = False
     provider.num_layers_in_first_pipeline_stage = provider.num_layers_in_last_pipeline_stage = None
     if is_hybrid(provider):
-        provider.hybrid_layer_pattern, provider.hybrid_override_pattern = "|".join(["".join(kinds)] * pp), None
+        given = provider.hybrid_layer_pattern or provider.hybrid_override_pattern
+        depths = given[len(given.split(MTP_SEPARATOR, 1)[0]):]
+        provider.hybrid_layer_pattern = "|".join(["".join(kinds)] * pp) + depths
+        provider.hybrid_override_pattern = None
     elif getattr(provider, "num_moe_experts", None):
         provider.moe_layer_freq = list(kinds) * pp
 
@@ -154,7 +161,9 @@ def hybrid_stack_spec(provider, attention: str):
     is the local GPT layer's norm and self-attention; an MLP layer (``MLPLayer``) and an MoE layer
     (``MoETransformerLayer``) are its pre-MLP norm and MLP or MoE. Where the TE spec fuses a norm into the
     following linear (``TELayerNormColumnParallelLinear``) the local one runs them apart, as for GPT models
-    (what TE keeps differently is added by :mod:`.te`). The Mamba kernels are stand-ins (:mod:`.mamba`)."""
+    (what TE keeps differently is added by :mod:`.te`). The Mamba kernels are stand-ins (:mod:`.mamba`). With
+    multi-token prediction, its block's norms and projection of the local backend
+    (:func:`..features.mtp.local_hybrid_block_spec`); each depth's layers are this stack's, by the MTP pattern."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
@@ -180,15 +189,26 @@ def hybrid_stack_spec(provider, attention: str):
         moe = _local_layer_spec(provider, attention, moe=True, latent=False).submodules
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    if mtp.used(provider):
+        layers["mtp_block_spec"] = mtp.local_hybrid_block_spec(norm)
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
 
 
+def mtp_layer_spec(provider, attention: str, *, transformer_impl: str, moe: Optional[bool] = None):
+    """The transformer layer of each multi-token prediction depth: the decoder's last layer's spec, as Core takes it
+    (``gpt_layer_specs.py`` L767-771); ``moe``: whether that layer is an MoE layer (default: the last of
+    ``provider``'s :func:`moe_layer_pattern`; a stage traced with fewer layers passes the real model's)."""
+    moe = moe_layer_pattern(provider)[-1] == 1 if moe is None else moe
+    return _local_layer_spec(provider, attention, moe=moe, te=transformer_impl == mla.TRANSFORMER_ENGINE)
+
+
 def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, device: str,
-                     dtype: torch.dtype, transformer_impl: str) -> torch.nn.Module:
+                     dtype: torch.dtype, transformer_impl: str, mtp_moe: Optional[bool] = None) -> torch.nn.Module:
     """This rank's GPTModel in training mode, with ``peft`` applied, every parameter fake on ``device``.
 
     ``provider`` is a finalized copy the caller owns (it is changed: spec, initialisation flags).
     ``transformer_impl``: ``transformer_engine`` builds multi-latent attention in TE's layout (:func:`layer_spec`).
+    ``mtp_moe``: whether multi-token prediction's layers are MoE layers (:func:`mtp_layer_spec`).
     Must run inside :func:`..fake.fake_parallel_world`.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -205,8 +225,12 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
     provider.perform_initialization = False
     provider.gradient_accumulation_fusion = False
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    mtp_block = (mtp.local_modules(mtp_layer_spec(provider, attention, transformer_impl=transformer_impl,
+                                                  moe=mtp_moe))
+                 if mtp.used(provider) and not hybrid else contextlib.nullcontext())
     with mode, (mamba_kernels() if hybrid else contextlib.nullcontext()), \
-            (mla.te_modules() if latent_te else contextlib.nullcontext()):
+            (mla.te_modules() if latent_te else contextlib.nullcontext()), mtp_block, \
+            latent_moe.te_modules(provider), moe_act.te_grouped_recompute(provider):
         model = provider.provide()
     if peft is not None:
         model = _apply_peft(model, copy.deepcopy(peft))

@@ -10,8 +10,8 @@ experts, its EP x ETP share of them, the world being as large as the expert grid
 :func:`fake_parallel_world` sets that up and, on exit, puts back everything it changed, so that it
 can run inside a process that already has a real process group and Megatron parallel state (a
 training script, the functional tests): torch.distributed's group registry, Megatron Core's
-parallel-state globals, Core's MoE metrics tracker, the RNG tracker, the process's RNG state,
-``torch.cuda.current_device``, the causal-mask builder and the dynamo switch.
+parallel-state globals, Core's MoE and multi-token prediction metrics trackers, the RNG tracker, the process's RNG
+state, ``torch.cuda.current_device``, the causal-mask builder and the dynamo switch.
 
 Why each change (all undone on exit; none of them outlives the context):
 
@@ -85,6 +85,7 @@ def fake_parallel_world(*, tp: int, pp: int, cp: int, rank: int, device: str, ep
         stack.enter_context(_isolated_c10d())
         stack.enter_context(_isolated_parallel_state())
         stack.enter_context(_isolated_moe_metrics())
+        stack.enter_context(_isolated_mtp_metrics())
         stack.enter_context(_rng_for_tracing())
         stack.enter_context(current_device(device))
         stack.enter_context(_causal_mask(device))
@@ -169,6 +170,21 @@ def _isolated_moe_metrics() -> Iterator[None]:
         yield
     finally:
         moe_logging._MOE_METRICS_TRACKER = saved
+
+
+@contextlib.contextmanager
+def _isolated_mtp_metrics() -> Iterator[None]:
+    """A fresh multi-token prediction metrics tracker (``MTPLossLoggingHelper.tracker``, a class global of Core's
+    ``transformer/multi_token_prediction.py`` L345 that ``process_mtp_loss`` adds each depth's loss to, sized by
+    the first model's depths, L373-378) for the trace, and the caller's back afterwards, as for the MoE tracker."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    saved = MTPLossLoggingHelper.tracker
+    MTPLossLoggingHelper.tracker = {}
+    try:
+        yield
+    finally:
+        MTPLossLoggingHelper.tracker = saved
 
 
 class _TracingRNGTracker:

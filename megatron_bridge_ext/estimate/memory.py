@@ -22,12 +22,12 @@ import torch
 from megatron_bridge_ext.estimate import (configs, features, mamba, phases, pipeline, precision, routing, static, te,
                                           te_fp8, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
-                                                set_layer_kinds, stage_layer_kinds)
+                                                moe_layer_pattern, set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
                                                    ReportSettings, Settings)
-from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, trace_microbatch
+from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, moe_layers_of, trace_microbatch
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
@@ -42,8 +42,8 @@ NOT_MODELLED = ("allocator caching and fragmentation (the plan keeps a margin fo
 
 
 class NotModelled(Refused):
-    """The estimate cannot model this config (a hybrid model's other layers, MLA's and CP's variants, MTP, FP4,
-    MoE token dropping); the config itself may train.
+    """The estimate cannot model this config (a hybrid model's other layers, MLA's and CP's variants, FP4, MoE token
+    dropping); the config itself may train.
 
     Raised after the layout checks pass, so that a caller can still show an estimate that models it
     (Bridge's) where a :class:`Refused` for a broken config stops everything.
@@ -235,6 +235,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
+    problems += features.latent_moe.config_problems(provider)
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
@@ -560,14 +561,15 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         elif not hybrid and not pipeline.is_plain(provider):
             _one_chunk_per_stage(stage_provider, provider)
         model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
-                                 dtype=prepared.dtype, transformer_impl=impl)
+                                 dtype=prepared.dtype, transformer_impl=impl,
+                                 mtp_moe=moe_layer_pattern(provider)[-1] == 1)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
         fp8 = precision.fp8_of(stage_provider)
         traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
         layers = len(model.decoder.layers)
-        moe_layers = len(load.routed_tokens)
+        moe_layers = sum(layer_of(name) is not None for name in moe_layers_of(model))  # not MTP's
         if reduced:
             traced = traced.extended(reduced.sources)
             layers = len(reduced.sources)
@@ -797,6 +799,7 @@ def _one_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mo
     one_layer.pipeline_model_parallel_layout = None
     one_layer.virtual_pipeline_model_parallel_size = None
     one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None
+    one_layer.mtp_num_layers = None  # the layer alone; the last stage's MTP depths are traced with the stage
     model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
                              dtype=prepared.dtype, transformer_impl=impl)
     sp_tp = provider.tensor_model_parallel_size if provider.sequence_parallel else 1
@@ -830,7 +833,8 @@ def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
         f"MoE experts: Megatron Core's SequentialMLP traced (the local spec's: one MLP per local expert, each "
         f"saving its own tokens' GEMM and activation inputs) with Core's {provider.moe_token_dispatcher_type} "
         "dispatcher; a grouped GEMM (TEGroupedMLP on Transformer Engine) keeps the same GEMM inputs concatenated, "
-        "while its fused activation may keep a different set (not modelled)",
+        "while its fused activation may keep a different set (not modelled); moe_act recompute as TEGroupedMLP "
+        "applies it (estimate.features.moe_act)",
     ]
 
 
@@ -924,8 +928,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
                    "their place in the stage")
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
-    latent = features.mla.assumption(prepared.provider, impl)
-    cp = features.context_parallel.assumption(prepared.provider)
-    flex = features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype))
+    described = [features.mla.assumption(prepared.provider, impl), features.mtp.assumption(prepared.provider),
+                 features.latent_moe.assumption(prepared.provider), features.context_parallel.assumption(prepared.provider),
+                 features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype))]
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
-    return out + [a for a in (latent, cp, flex) if a] + kernels + prepared.notes
+    return out + [text for text in described if text] + kernels + prepared.notes

@@ -26,7 +26,9 @@ LORA_INPUTS = "lora inputs"
 EMBEDDING = "embedding"
 LOGITS_LOSS = "logits and loss"
 CHECKPOINT_INPUTS = "recompute checkpoints"
-CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MAMBA, MLP, MOE_DISPATCH, EXPERTS, LORA_INPUTS, CHECKPOINT_INPUTS, LOGITS_LOSS)
+MTP = "multi-token prediction"
+CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MAMBA, MLP, MOE_DISPATCH, EXPERTS, LORA_INPUTS, CHECKPOINT_INPUTS, MTP,
+              LOGITS_LOSS)
 
 
 HYBRID_NORMS = ("norm", "final_norm")
@@ -37,12 +39,14 @@ HYBRID_NORMS = ("norm", "final_norm")
 def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     """The estimate's category of a module of a Megatron Core GPTModel or HybridModel, by its qualified name.
 
-    Adapters (``...adapter...``) are LoRA inputs wherever they sit; a hybrid model's Mamba mixer
+    Adapters (``...adapter...``) are LoRA inputs wherever they sit; what multi-token prediction's block
+    (``mtp...``: its norms, ``eh_proj`` and transformer layers) saves is its own category; a hybrid model's Mamba mixer
     (``...mixer...``: its projections, scan and gated norm) is mamba; norms (``*layernorm``) before
     attention and MLP so that q/k norms count as norms; the rotary embedding's cos/sin count with
     attention. In a mixture-of-experts layer (``moe_layers``: the names of its MoE modules), the routed
     experts are experts, the router and what the MoE module saves itself (the token dispatcher is no
-    module: permutation indices, gathered or all-to-all'd tokens and probabilities) are moe dispatch, and
+    module: permutation indices, gathered or all-to-all'd tokens and probabilities) are moe dispatch, latent MoE's
+    projections around the routed experts (``fc1_latent_proj``, ``fc2_latent_proj``) count with the experts, and
     shared experts are mlp. Saves made by the decoder itself (outside every layer) are the inputs that full
     recompute checkpoints keep; the model's own forward (``<root>``: the logits cast and the loss)
     and the output layer are logits and loss.
@@ -50,6 +54,8 @@ def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     parts = module.split(".")
     if "adapter" in parts:
         return LORA_INPUTS
+    if parts[0] == "mtp":
+        return MTP
     if "mixer" in parts:
         return MAMBA
     if any(part.endswith("layernorm") for part in parts) or parts[-1] in HYBRID_NORMS:
@@ -59,7 +65,7 @@ def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     owner = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in moe_layers), None)
     if owner is not None:
         below = parts[len(owner.split(".")):]
-        if below[:1] == ["experts"]:
+        if below[:1] in (["experts"], ["fc1_latent_proj"], ["fc2_latent_proj"]):
             return EXPERTS
         if not below or below[:1] == ["router"]:
             return MOE_DISPATCH

@@ -82,6 +82,10 @@ class TinyGPTShape:
     without ``q_lora_rank``)."""
     rope_type: str = "yarn"
     """Multi-latent attention's RoPE: ``yarn`` (DeepSeek-V3's) or ``rope``."""
+    mtp: int = 0
+    """Multi-token prediction depths (Core's ``mtp_num_layers``): Core's MTP block of the local backend after the
+    decoder, each depth a transformer layer of the decoder's last layer's spec; 0 builds none."""
+    mtp_loss_scaling_factor: float = 0.1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -142,6 +146,8 @@ def transformer_config(shape: TinyGPTShape, **overrides):
         activation_func=torch.nn.functional.silu if shape.swiglu else torch.nn.functional.gelu,
     )
     fields.update(_moe_fields(shape))
+    if shape.mtp:
+        fields.update(mtp_num_layers=shape.mtp, mtp_loss_scaling_factor=shape.mtp_loss_scaling_factor)
     fields.update(overrides)  # e.g. attention_dropout, recompute settings
     if shape.mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -233,14 +239,25 @@ def build_gpt(shape: TinyGPTShape, seed: int = 1234, layer_spec=None, **config_o
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     config = transformer_config(shape, **copy.deepcopy(config_overrides))  # Core may edit lists in place
+    spec = layer_spec if layer_spec is not None else _local_spec(shape, config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec if layer_spec is not None else _local_spec(shape, config),
+        transformer_layer_spec=spec,
         vocab_size=shape.vocab,
         max_sequence_length=shape.seq,
         position_embedding_type="rope",
+        mtp_block_spec=_mtp_block_spec(shape, config, spec),
     )
     return model.to(device=device(), dtype=shape.torch_dtype)
+
+
+def _mtp_block_spec(shape: TinyGPTShape, config, spec):
+    """Core's MTP block of the local backend around the decoder's last layer's spec; None without MTP."""
+    if not shape.mtp:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
 
 
 def _local_spec(shape: TinyGPTShape, config):

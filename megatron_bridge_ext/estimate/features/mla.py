@@ -170,8 +170,9 @@ class DuplicatedLinear(torch.nn.Module):
                  skip_weight_param_allocation: bool = False, tp_group=None, name: Optional[str] = None):
         super().__init__()
         if parallel_mode != "duplicated" or bias or is_expert or skip_weight_param_allocation:
-            raise ValueError("DuplicatedLinear stands in for multi-latent attention's duplicated down projections "
-                             "only (no bias, no expert, its own weight)")
+            raise ValueError("DuplicatedLinear stands in for TELinear's duplicated mode without bias, outside the "
+                             "experts, with its own weight (multi-latent attention's down projections, latent MoE's "
+                             "projections)")
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
 
     def forward(self, x):

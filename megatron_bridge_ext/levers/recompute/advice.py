@@ -25,11 +25,6 @@ MLA_CANDIDATES = ("mla_up_proj",)
 """The module it adds for a multi-latent attention model: its up projections and RoPE (Core's ``MLASelfAttention``)."""
 INSIDE_MOE = ("moe_act", "shared_experts")
 """Modules that ``moe`` recompute already covers: it checkpoints the whole MoE layer, these included."""
-NOT_MEASURED = {
-    "moe_act": "its saving is not modelled: Megatron Core applies moe_act recompute in TEGroupedMLP (grouped GEMM on "
-               "Transformer Engine), and the estimate traces the local spec's SequentialMLP, which ignores it",
-}
-"""Modules the estimate cannot measure, with why (the option says so instead of a measured nothing)."""
 
 
 def candidates_for(s: Settings, moe: Optional[dict]) -> list[str]:
@@ -74,10 +69,6 @@ def options(planner: Planner, state: State) -> State:
         blocked, constraints = _blocked(state.cfg, base + [module])
         if blocked:  # refused before it is estimated: Megatron Core would refuse the model
             planner.add(Option(3, lever["name"], f"recompute {module}", False, blocked, constraints=constraints), state)
-            continue
-        if module in NOT_MEASURED:
-            planner.add(Option(3, lever["name"], f"recompute {module}", False, NOT_MEASURED[module],
-                               constraints=constraints), state)
             continue
         saved = state.est.peak_bytes - estimate_with(base + [module])[1].peak_bytes
         candidates.append((module, saved, recompute_cost.recompute_flops(s, [module], moe)))

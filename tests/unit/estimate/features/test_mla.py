@@ -159,7 +159,7 @@ def test_duplicated_linear_refuses_what_core_never_asks_of_it():
     for changed in (dict(parallel_mode=None), dict(bias=True), dict(is_expert=True)):
         arguments = dict(parallel_mode="duplicated", config=config, init_method=None, bias=False, skip_bias_add=False,
                          is_expert=False) | changed
-        with pytest.raises(ValueError, match="duplicated down projections only"):
+        with pytest.raises(ValueError, match="TELinear.s duplicated mode without bias, outside the experts"):
             mla.DuplicatedLinear(8, 6, **arguments)
 
 

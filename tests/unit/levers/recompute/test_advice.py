@@ -77,12 +77,13 @@ def test_shared_experts_is_a_candidate_only_with_shared_experts():
     assert ("moe",) in without
 
 
-def test_moe_act_with_grouped_gemm_says_the_estimate_cannot_measure_it():
-    """Core applies moe_act in TEGroupedMLP only; the estimate traces SequentialMLP, where it would measure nothing."""
+def test_moe_act_with_grouped_gemm_is_measured_like_any_module():
+    """The estimate measures what TEGroupedMLP's moe_act recompute saves (estimate.features.moe_act): the option is
+    estimated and offered with its saving."""
     planner = _step3(_cfg(grouped_gemm=True), {"moe_act": 8 * MIB})
-    option = next(o for o in planner.options if o.label == "recompute moe_act")
-    assert not option.applicable and "TEGroupedMLP" in option.reason and "SequentialMLP" in option.reason
-    assert not any("moe_act" in modules for modules in planner.estimated)
+    assert ["moe_act"] in planner.estimated
+    option = next(o for o in planner.options if "moe_act" in o.label)
+    assert option.applicable
 
 
 def _flops_moe_layer() -> int:
@@ -112,7 +113,7 @@ def test_cheapest_per_byte_first_and_moe_priced_with_its_repeated_dispatch():
     assert moe.collective_bytes == 2 * (2 * tokens * TOPK * H * 2 // 2)  # dispatch + combine forward, half leave
     assert applied[0].cost.recomputed_flops == 0 and applied[0].cost.collective_bytes is None
     nothing = {o.label for o in planner.options if o.reason == "saves nothing here (measured)"}
-    assert nothing == {"recompute core_attn"}  # no saving set for it
+    assert nothing == {"recompute core_attn", "recompute moe_act"}  # no saving set for them
     assert ["mlp"] not in planner.estimated  # no dense layer on the stage: mlp recompute has nothing to recompute
 
 
