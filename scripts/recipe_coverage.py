@@ -58,6 +58,10 @@ MODELS = {
     "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "nemotron-3-nano-30b-a3b",
     "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16": "nemotron-3-super-120b-a12b",
     "nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16": "nemotron-3-ultra-550b-a55b",
+    "nvidia/Nemotron-H-4B-Base-8K": "nemotron-h-4b-base-8k", "nvidia/Nemotron-H-8B-Base-8K": "nemotron-h-8b-base-8k",
+    "nvidia/Nemotron-H-47B-Base-8K": "nemotron-h-47b-base-8k", "nvidia/Nemotron-H-56B-Base-8K": "nemotron-h-56b-base-8k",
+    "nvidia/NVIDIA-Nemotron-Nano-9B-v2-Base": "nvidia-nemotron-nano-9b-v2-base",
+    "nvidia/NVIDIA-Nemotron-Nano-12B-v2-Base": "nvidia-nemotron-nano-12b-v2-base",
 }
 """The Hugging Face model each recipe reads -> its folder under tests/data (config.json and SOURCE.md)."""
 HF_TOKENIZER_MODELS = ("tokenizer_model",)
