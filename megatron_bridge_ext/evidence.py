@@ -54,7 +54,8 @@ LLAMA3_70B = "Llama3 70B SFT, 32x H100"
 LEVERS: tuple[dict[str, str | int], ...] = (
     {"step": 1, "name": "allocator",
      "action": "turn on expandable segments: megatron_bridge_ext.init() first in the training script, "
-               "configure_bridge_env(cfg) in a Bridge recipe, or `mbx run -- torchrun ...`",
+               "megatron_bridge_ext.levers.allocator.apply.configure_bridge_env(cfg) in a Bridge recipe, "
+               "or `mbx run -- torchrun ...`",
      "cost": f"none: fixed a fragmentation OOM at 58.8 GB peak with no throughput change ({LLAMA3_70B})",
      "source": MEMORY_TUNING_DOC},
     {"step": 2, "name": "LoRA input under sequence parallelism",

@@ -30,7 +30,8 @@ def check_cuda_graph_impl(value: Optional[str]) -> None:
 def user_disabled(variable: str) -> Finding:
     return Finding("user_disabled", WARNING, f"{variable} expandable_segments:False",
                    f"kept as you set it; {COST_WITHOUT_EXPANDABLE}.",
-                   "drop expandable_segments:False unless a guard below requires it")
+                   "drop expandable_segments:False unless the job needs it off: NCCL user buffers (ddp.nccl_ub) on "
+                   "torch < 2.11, or processes sharing CUDA memory through IPC (docs/levers/allocator.md, Guards)")
 
 
 def nccl_ub(torch_version: tuple[int, int], user_set: bool) -> Optional[Finding]:

@@ -21,6 +21,8 @@ def test_explicit_false_wins_with_a_warning_that_says_the_cost():
     assert p.changes == {} and p.expandable_segments is False
     (warning,) = p.findings
     assert warning.code == "user_disabled" and "58.8 GB" in warning.message and "-28.4%" in warning.message
+    # The fix names the cases that need it off, not guards "below" (the warning may be the only finding printed).
+    assert "below" not in warning.fix and "ddp.nccl_ub" in warning.fix and "IPC" in warning.fix
 
 
 def test_explicit_true_is_left_alone():
