@@ -51,8 +51,8 @@ SYNC_BYTES = 2 * (2 * 4 + 2 * 4 + 4 + 4)
 
 
 def used(model) -> bool:
-    return (bool(getattr(model, "num_moe_experts", None)) and getattr(model, "moe_token_dispatcher_type", None) == "flex"
-            and getattr(model, "moe_flex_dispatcher_backend", None) == HYBRIDEP)
+    flex = getattr(model, "moe_token_dispatcher_type", None) == "flex"
+    return bool(getattr(model, "num_moe_experts", None)) and flex and model.moe_flex_dispatcher_backend == HYBRIDEP
 
 
 def ranks(model) -> int:

@@ -171,8 +171,8 @@ def test_hybridep_traces_the_all_to_all_model_plus_what_hybridep_keeps_different
 
 
 def _named(ep: int) -> str:
-    model = SimpleNamespace(num_moe_experts=64, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
-                            tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
+    model = SimpleNamespace(num_moe_experts=64, moe_token_dispatcher_type="flex",
+                            moe_flex_dispatcher_backend="hybridep", tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
                             expert_model_parallel_size=ep, hidden_size=2048)
     return hybridep.assumption(model, tokens=4096)
 
