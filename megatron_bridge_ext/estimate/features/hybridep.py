@@ -3,10 +3,10 @@
 ``MoEFlexTokenDispatcher`` with ``moe_flex_dispatcher_backend="hybridep"`` (``token_dispatcher.py`` L1779-1785) runs
 ``_HybridEPManager`` (L993-1213): ``setup_metadata`` keeps the TP-replicated ``[tokens, experts]`` routing map and
 probabilities, ``dispatch`` casts the probabilities to fp32 (L1127-1135) and calls ``hybrid_ep_dispatch``
-(``fused_a2a.py`` ``HybridEPDispatch``, L357-448), whose one call permutes, dispatches and permutes again: the experts
-get its output as it is (``get_permuted_hidden_states_by_experts``, L1205-1206, no permute of Core's own), and
-``combine`` calls ``hybrid_ep_combine`` (``HybridEPCombine``, L451-491). Neither function calls
-``save_for_backward``: both keep HybridEP's ``handle`` on ``ctx`` (L436, L472) until their backward, so while tracing
+(``fused_a2a.py`` ``HybridEPDispatch``, L357-474), whose one call permutes, dispatches and permutes again: the experts
+get its output as it is (``get_permuted_hidden_states_by_experts``, L1203-1204, no permute of Core's own), and
+``combine`` calls ``hybrid_ep_combine`` (``HybridEPCombine``, L477-514). Neither function calls
+``save_for_backward``: both keep HybridEP's ``handle`` on ``ctx`` (L436, L494) until their backward, so while tracing
 (:func:`hybridep_kernels`) the stand-ins :class:`_DispatchSaves` / :class:`_CombineSaves` save the handle's device
 tensors (:func:`handle_shapes`). The rows the experts receive are the stated load's (:class:`..routing.RoutedLoad`):
 one per (token, local expert) pair, as HybridEP permutes per expert.
@@ -89,7 +89,7 @@ def handle_shapes(layout: Layout, non_blocking: bool) -> list[tuple[tuple[int, .
     [T rounded up to 16, nodes] bool, ``attn_to_rdma_map`` [T, nodes - 1] bool, ``local_expert_routing_map`` and
     ``dense_to_expert_map`` [T x ranks, local experts] bool and int32, ``dense_chunk_layout`` [chunks of 64 x ranks]
     int32, ``tokens_per_expert`` [local experts] int32 and ``overflow_flag`` [1] int32. ``num_dispatched_tokens_tensor``
-    [1] int32 is on the device only ``non_blocking`` (Core passes a permuted-token count, fused_a2a.py L413); else it is
+    [1] int32 is on the device only ``non_blocking`` (Core passes a permuted-token count, fused_a2a.py L416); else it is
     pinned host memory (L103-109) and left out."""
     t, g, e, n = layout.tokens, layout.ranks, layout.local_experts, layout.nodes
     i32, bool_ = torch.int32, torch.bool
@@ -125,7 +125,7 @@ class _DispatchSaves(torch.autograd.Function):
 
 class _CombineSaves(torch.autograd.Function):
     """HybridEP's ``combine_with_unpermute`` (hybrid_ep.cu L337-391): ``[tokens, hidden]`` back at their source
-    (L361-362); saves the handle's tensors (Core keeps the handle on ``ctx``, fused_a2a.py L472)."""
+    (L361-362); saves the handle's tensors (Core keeps the handle on ``ctx``, fused_a2a.py L494)."""
 
     @staticmethod
     def forward(ctx, x, tokens: int, *handle):
@@ -140,7 +140,7 @@ class _CombineSaves(torch.autograd.Function):
 
 def _as_handle(layout: Layout, tensors: tuple, non_blocking: bool) -> tuple:
     """HybridEP's 11-entry handle (hybrid_ep_buffer.py L419-431): the tensors, the tokens per rank and the config
-    (None here), ``overflow_flag`` last (Core reads ``handle[-1]``, token_dispatcher.py L1159-1162)."""
+    (None here), ``overflow_flag`` last (Core reads ``handle[-1]``, token_dispatcher.py L1159-1161)."""
     s2d, r2a, a2r, routing, chunks, d2e, per_expert, overflow, *dispatched = tensors
     return (s2d, r2a, a2r, dispatched[0] if non_blocking else None, routing, chunks, d2e, per_expert,
             layout.tokens, None, overflow)
@@ -157,7 +157,7 @@ def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
     def hybrid_ep_dispatch(x, routing_map, probs, group, num_local_experts, num_sms_dispatch_api=None,
                            num_sms_combine_api=None, num_blocks_permute=None, num_blocks_unpermute=None, fused=False,
                            num_permuted_tokens=None, pad_multiple=None, num_sms_preprocessing_api=108):
-        """Core's ``hybrid_ep_dispatch`` (fused_a2a.py L519-575) on the stated load: ``routing_map`` holds each
+        """Core's ``hybrid_ep_dispatch`` (fused_a2a.py L519-583) on the stated load: ``routing_map`` holds each
         expert once per expert-TP rank, so a token's top-k counts as many times."""
         layout = Layout(x.shape[0], group.size(), num_local_experts)
         each = load.per_expert(x.shape[0], topk * routing_map.shape[1] // experts, routing_map.shape[1])
@@ -172,7 +172,7 @@ def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
 
 
 def _hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False):
-    """Core's ``hybrid_ep_combine`` (fused_a2a.py L577-603): back to the tokens the dispatch took."""
+    """Core's ``hybrid_ep_combine`` (fused_a2a.py L584-602): back to the tokens the dispatch took."""
     return _CombineSaves.apply(x, handle[-3], *(t for t in handle if isinstance(t, torch.Tensor)))
 
 
