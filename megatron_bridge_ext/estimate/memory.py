@@ -551,7 +551,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
             (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
             (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
-            (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()):
+            (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
+            (features.hybridep.hybridep_kernels(load, provider) if features.hybridep.used(provider)
+             else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
@@ -930,6 +932,15 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append(mamba.ASSUMPTION)
     described = [features.mla.assumption(prepared.provider, impl), features.mtp.assumption(prepared.provider),
                  features.latent_moe.assumption(prepared.provider), features.context_parallel.assumption(prepared.provider),
-                 features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype))]
+                 features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype)),
+                 features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared))]
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
     return out + [text for text in described if text] + kernels + prepared.notes
+
+
+def _dispatched_tokens(prepared: Prepared) -> int:
+    """Tokens one rank's MoE layer dispatches per microbatch: its sequence shard under sequence parallelism."""
+    provider = prepared.provider
+    tp = provider.tensor_model_parallel_size
+    split = tp if provider.sequence_parallel and tp > 1 else 1
+    return prepared.local_seq * prepared.micro_batch // split

@@ -13,8 +13,8 @@ import contextlib
 from typing import Iterator
 
 from megatron_bridge_ext.estimate.features import (attention_variant, context_parallel, cross_entropy, dispatcher,
-                                                   flex, fp8_experts, latent_moe, mla, moe_act, mtp, router, softmax,
-                                                   token_dropping)
+                                                   flex, fp8_experts, hybridep, latent_moe, mla, moe_act, mtp, router,
+                                                   softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
 FEATURES = (mla, attention_variant, mtp, context_parallel, dispatcher, token_dropping, latent_moe, moe_act, fp8_experts)

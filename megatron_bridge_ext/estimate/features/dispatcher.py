@@ -1,9 +1,9 @@
-"""The MoE token dispatchers: Core's ``allgather`` and ``alltoall`` are traced, and ``flex`` on DeepEP with
-stand-ins for its kernels (:mod:`.flex`); ``flex`` on HybridEP or NCCL EP is refused."""
+"""The MoE token dispatchers: Core's ``allgather`` and ``alltoall`` are traced, and ``flex`` on DeepEP and on HybridEP
+with stand-ins for their kernels (:mod:`.flex`, :mod:`.hybridep`); ``flex`` on NCCL EP is refused."""
 
 from __future__ import annotations
 
-from megatron_bridge_ext.estimate.features import flex
+from megatron_bridge_ext.estimate.features import flex, hybridep
 from megatron_bridge_ext.findings import ERROR, Finding
 
 TRACED = ("allgather", "alltoall")
@@ -20,10 +20,12 @@ def findings(model) -> list[Finding]:
         return [_refused("model.moe_token_dispatcher_type",
                          f"the {dispatcher!r} token dispatcher is not modelled by the estimate")]
     backend = getattr(model, "moe_flex_dispatcher_backend", None)
+    if backend == hybridep.HYBRIDEP:
+        return []
     if backend != flex.DEEPEP:
         return [Finding("unsupported_model", ERROR, "model.moe_flex_dispatcher_backend",
                         f"the flex dispatcher's {backend!r} backend is not modelled by the estimate (what its "
-                        "kernels keep for backward and its buffers are not sized; DeepEP's are)",
+                        "kernels keep for backward and its buffers are not sized; DeepEP's and HybridEP's are)",
                         "estimate the same experts on DeepEP: add the override "
                         "model.moe_flex_dispatcher_backend=deepep")]
     return flex.findings(model)

@@ -62,7 +62,8 @@ COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128
 
 
 def used(model) -> bool:
-    return bool(getattr(model, "num_moe_experts", None)) and getattr(model, "moe_token_dispatcher_type", None) == "flex"
+    flex = getattr(model, "moe_token_dispatcher_type", None) == "flex"
+    return bool(getattr(model, "num_moe_experts", None)) and flex and model.moe_flex_dispatcher_backend == DEEPEP
 
 
 def ranks(model) -> int:

@@ -1,6 +1,7 @@
 """``mbx plan`` on Bridge's Nemotron 3 Nano recipes (a hybrid Mamba / attention / MoE model) and on configs that
-capture CUDA graphs: the recipes as shipped get a named refusal of their ``flex`` dispatcher's HybridEP backend with
-Bridge's figure or why it failed; with Core's all-to-all dispatcher, a per-rank estimate whose Mamba layers are traced.
+capture CUDA graphs: the recipes as shipped are estimated with their ``flex`` dispatcher (HybridEP for pretraining,
+DeepEP for PEFT) beside Bridge's figure; with Core's all-to-all dispatcher, a per-rank estimate whose Mamba layers are
+traced.
 
 The layer counts and Mamba sizes expected here are the model card's (23 Mamba-2 layers of 64 heads of 64, 8 groups,
 state 128; 23 MoE layers, 6 attention layers, hidden 2688 of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16), not read
@@ -14,7 +15,6 @@ import os
 import pytest
 
 from megatron_bridge_ext import cli
-from megatron_bridge_ext.cli import plan as plan_cli
 
 pytestmark = [pytest.mark.unit]
 
@@ -23,9 +23,6 @@ NANO_CONFIG = os.path.join(DATA, "nemotron-3-nano-30b-a3b", "config.json")
 RECIPES = "megatron.bridge.recipes.nemotronh.nemotron_3_nano"
 PRETRAIN = f"{RECIPES}:nemotron_3_nano_pretrain_config"
 PEFT = f"{RECIPES}:nemotron_3_nano_peft_config"
-FLEX_LINE = ("our estimate: not modelled: model.moe_flex_dispatcher_backend: the flex dispatcher's 'hybridep' backend is "
-             "not modelled by the estimate (what its kernels keep for backward and its buffers are not sized; DeepEP's "
-             "are). Fix: estimate the same experts on DeepEP: add the override model.moe_flex_dispatcher_backend=deepep")
 ALLTOALL = "model.moe_token_dispatcher_type=alltoall"
 MAMBA_LAYERS, HEADS, HEAD_DIM, GROUPS, STATE = 23, 64, 64, 8, 128
 VANILLA = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
@@ -44,29 +41,28 @@ def _line(text: str, start: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(start)]
 
 
-def test_the_pretrain_recipe_names_its_dispatcher_why_bridge_fails_and_its_cuda_graphs(capsys):
+def test_the_pretrain_recipe_is_estimated_on_hybridep_and_names_its_cuda_graphs(capsys):
     """The recipe builds its model in Python (no hub read), leaves vocab_size to the tokenizer (named before
-    either estimate runs: both need it) and captures attention and Mamba layers in Transformer Engine CUDA
-    graphs."""
+    either estimate runs: both need it), dispatches on HybridEP (TP 1 x EP 8, traced) and captures attention and
+    Mamba layers in Transformer Engine CUDA graphs."""
     assert cli.main(["plan", "--recipe", PRETRAIN, "--dp", "8", "--gpu-memory", "80GiB"]) == 2
     assert capsys.readouterr().err.startswith("mbx plan: model.vocab_size: is unset: the recipe leaves it to the "
                                               "tokenizer (cfg.tokenizer.")
     status, out, _ = _plan(capsys, "--recipe", PRETRAIN, "--dp", "8", "model.vocab_size=131072")
-    assert status == plan_cli.NOT_MODELLED_STATUS
-    [ours] = _line(out, "our estimate: ")
-    assert ours == FLEX_LINE
+    assert status == 0 and not _line(out, "our estimate: ")
+    assert "  - flex dispatcher on HybridEP: stand-ins for its dispatch and combine" in out
     [graphs] = _line(out, "not modelled: ")
     assert graphs.startswith("not modelled: CUDA graph memory pools (model.cuda_graph_impl='transformer_engine', "
                              "modules ['attn', 'mamba']) are not modelled")
 
 
-def test_with_its_vocabulary_bridges_figure_stands_beside_the_refusal_with_its_caveat(capsys):
+def test_with_its_vocabulary_bridges_figure_stands_beside_the_estimate_with_its_caveat(capsys):
     status, out, _ = _plan(capsys, "--recipe", PRETRAIN, "--dp", "8", "--json", "model.vocab_size=131072")
-    assert status == plan_cli.NOT_MODELLED_STATUS
+    assert status == 0
     report = json.loads(out)
-    assert report["estimate"] is None and report["bridge_estimate_error"] is None
-    [refusal] = report["estimate_refused"]
-    assert refusal["setting"] == "model.moe_flex_dispatcher_backend"
+    assert report["estimate_refused"] in (None, []) and report["bridge_estimate_error"] is None
+    [hybridep] = [a for a in report["estimate"]["assumptions"] if a.startswith("flex dispatcher on HybridEP")]
+    assert "the group of 8" in hybridep
     assert report["bridge_estimate"]["total_bytes"] > 0
     assert report["bridge_estimate"]["caveats"] == [
         "Bridge's formula reads no hybrid pattern: it counts all 52 layers as attention + MoE layers, where this "
