@@ -354,8 +354,8 @@ _NEED_TE = ("apply_rope_fusion", "moe_permute_fusion")
 
 def _local_spec_kernels(provider) -> list[str]:
     """Turn off, on the copy that is traced, kernel flags the local spec refuses; say what that changes."""
-    rope = features.mla.turn_off_rope_fusion(provider)
-    notes = [rope] if rope else []
+    notes = [note for note in (features.mla.turn_off_rope_fusion(provider),
+                               features.dsa.turn_off_fused_kernels(provider)) if note]
     for flag, note in _TE_KERNEL_FLAGS:
         if getattr(provider, flag, False) and (flag not in _NEED_TE or not _have_te()):
             setattr(provider, flag, False)
@@ -921,7 +921,7 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
                    "their place in the stage")
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
-    latent = features.mla.assumption(prepared.provider, impl)
+    latent = features.dsa.assumption(prepared.provider) or features.mla.assumption(prepared.provider, impl)
     cp = features.context_parallel.assumption(prepared.provider)
     flex = features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype))
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)

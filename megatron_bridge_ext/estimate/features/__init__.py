@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, flex, fp8_experts,
+from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, dsa, flex, fp8_experts,
                                                    latent_moe, mla, mtp, router, softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
-FEATURES = (mla, mtp, context_parallel, dispatcher, token_dropping, latent_moe, fp8_experts)
+FEATURES = (mla, dsa, mtp, context_parallel, dispatcher, token_dropping, latent_moe, fp8_experts)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
 KERNELS = (softmax, cross_entropy, router)
 """The feature modules that stand in for a GPU kernel Core calls, each with ``kernels()`` (a context in which Core
