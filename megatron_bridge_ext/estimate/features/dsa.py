@@ -10,7 +10,7 @@ attention. Top-k indices are data, but their shape is fixed ([b, s, index_topk])
 What it changes while tracing:
 
 * The spec asks its backend for ``linear()`` (TE's ``TELinear``; Core's local backend has none) for the down
-  projections and the indexer's three projections, all ``duplicated`` (absorbed_mla.py L272-273, L314-315;
+  projections and the indexer's three projections, all ``duplicated`` (absorbed_mla.py L282-283, L329-330;
   dsa.py L1158-1200): :class:`..mla.DuplicatedLinear` stands in, so the attention is always in Transformer Engine's
   layout. The query and key-value norms stay standalone, as the spec builds them (L107-111: the indexer reads the
   normalised query latent), Core's local norms.
@@ -105,7 +105,7 @@ def attention_spec(config):
 @contextlib.contextmanager
 def te_modules() -> Iterator[None]:
     """While the model is built: Core's absorbed MLA layer takes :class:`..mla.DuplicatedLinear` for ``TELinear``,
-    so that it asks its down projections for the ``duplicated`` mode (absorbed_mla.py L272-273, L314-315; without
+    so that it asks its down projections for the ``duplicated`` mode (absorbed_mla.py L282-283, L329-330; without
     Transformer Engine Core's name is None and it refuses the linear). Put back on exit."""
     from megatron.core.transformer.experimental_attention_variant import absorbed_mla
 

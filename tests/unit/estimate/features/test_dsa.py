@@ -64,7 +64,7 @@ def _measured(**fields) -> int:
 
 @pytest.mark.parametrize("loss", [None, 0.01])
 def test_traced_layer_equals_the_meter_on_cores_real_layer(loss):
-    """Without the indexer loss the indexer runs without grad (dsa.py L1949) and keeps nothing; with it, its
+    """Without the indexer loss the indexer runs without grad (dsa.py L1979) and keeps nothing; with it, its
     projections, norm and RoPE keep their inputs and FusedDSAIndexerLoss keeps q, weights, k, the query, the key and
     the top-k indices (L944). Either way the trace keeps what Core's layer keeps."""
     fields = INDEXER | dict(dsa_indexer_loss_coeff=loss)
