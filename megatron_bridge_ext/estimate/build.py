@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from megatron_bridge_ext.estimate.features import latent_moe, mla, moe_act, mtp, recipe_attention
+from megatron_bridge_ext.estimate.features import dsa, latent_moe, mla, moe_act, mtp, recipe_attention
 from megatron_bridge_ext.estimate.mamba import mamba_kernels, rebind_parameters
 
 FUSED = "fused"
@@ -95,7 +95,8 @@ def layer_spec(provider, attention: str, *, transformer_impl: str):
     says so in its assumptions). With dense and MoE layers mixed (``moe_layer_freq``), a block spec of the
     two in the model's pattern, as Core's ``get_gpt_decoder_block_spec`` makes it on the local backend.
     With multi-latent attention, Core's ``MLASelfAttention``, in Transformer Engine's layout of its projections
-    when ``transformer_impl`` is ``transformer_engine`` (:func:`..features.mla.te_layout`).
+    when ``transformer_impl`` is ``transformer_engine`` (:func:`..features.mla.te_layout`); with DeepSeek sparse
+    attention, Core's DSA spec (:func:`..features.dsa.attention_spec`).
     """
     pattern = moe_layer_pattern(provider)
     te = transformer_impl == mla.TRANSFORMER_ENGINE
@@ -120,7 +121,9 @@ def _local_layer_spec(provider, attention: str, *, moe: bool, te: bool = False, 
         spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn
     elif recipe_attention.interleaved_windows(provider):
         spec.submodules.self_attention.submodules.core_attention = recipe_attention.layer_window_attention()
-    if latent and te:
+    if latent and dsa.used(provider):
+        spec.submodules.self_attention = dsa.attention_spec(provider)
+    elif latent and te:
         mla.te_layout(spec.submodules.self_attention)
     own = None if latent else recipe_attention.self_attention_module(provider)
     if own is not None:
@@ -230,7 +233,8 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
                  if mtp.used(provider) and not hybrid else contextlib.nullcontext())
     with mode, (mamba_kernels() if hybrid else contextlib.nullcontext()), \
             (mla.te_modules() if latent_te else contextlib.nullcontext()), mtp_block, \
-            latent_moe.te_modules(provider), moe_act.te_grouped_recompute(provider):
+            latent_moe.te_modules(provider), moe_act.te_grouped_recompute(provider), \
+            (dsa.te_modules() if dsa.used(provider) else contextlib.nullcontext()):
         model = provider.provide()
     if peft is not None:
         model = _apply_peft(model, copy.deepcopy(peft))

@@ -358,8 +358,8 @@ _NEED_TE = ("apply_rope_fusion", "moe_permute_fusion")
 
 def _local_spec_kernels(provider) -> list[str]:
     """Turn off, on the copy that is traced, kernel flags the local spec refuses; say what that changes."""
-    rope = features.mla.turn_off_rope_fusion(provider)
-    notes = [rope] if rope else []
+    notes = [note for note in (features.mla.turn_off_rope_fusion(provider),
+                               features.dsa.turn_off_fused_kernels(provider)) if note]
     for flag, note in _TE_KERNEL_FLAGS:
         if getattr(provider, flag, False) and (flag not in _NEED_TE or not _have_te()):
             setattr(provider, flag, False)
@@ -930,7 +930,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
                    "their place in the stage")
     if is_hybrid(prepared.provider):
         out.append(mamba.ASSUMPTION)
-    described = [features.mla.assumption(prepared.provider, impl), features.mtp.assumption(prepared.provider),
+    latent = features.dsa.assumption(prepared.provider) or features.mla.assumption(prepared.provider, impl)
+    described = [latent, features.mtp.assumption(prepared.provider),
                  features.latent_moe.assumption(prepared.provider), features.context_parallel.assumption(prepared.provider),
                  features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype)),
                  features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared))]

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from megatron_bridge_ext.estimate.features import (attention_variant, context_parallel, cross_entropy, dispatcher,
+from megatron_bridge_ext.estimate.features import (attention_variant, context_parallel, cross_entropy, dispatcher, dsa,
                                                    flex, fp8_experts, hybridep, latent_moe, mla, moe_act, mtp, router,
                                                    softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
-FEATURES = (mla, attention_variant, mtp, context_parallel, dispatcher, token_dropping, latent_moe, moe_act, fp8_experts)
+FEATURES = (mla, dsa, attention_variant, mtp, context_parallel, dispatcher, token_dropping, latent_moe, moe_act,
+            fp8_experts)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
 KERNELS = (softmax, cross_entropy, router)
 """The feature modules that stand in for a GPU kernel Core calls, each with ``kernels()`` (a context in which Core

@@ -58,16 +58,11 @@ def used(model) -> bool:
 
 
 def findings(model) -> list[Finding]:
-    """The variants of multi-latent attention the estimate does not model, one finding each."""
+    """The variants of multi-latent attention the estimate does not model, one finding each (experimental attention
+    variants are :mod:`.dsa`'s)."""
     if not used(model):
         return []
     out = []
-    variant = getattr(model, "experimental_attention_variant", None)
-    if variant:
-        out.append(_not_modelled("model.experimental_attention_variant",
-                                 f"the {variant!r} attention variant (Core's experimental attention spec) is not "
-                                 "modelled by the estimate: it traces plain multi-latent attention",
-                                 "read Bridge's figure beside it, or measure one training step on a GPU"))
     if getattr(model, "mla_down_proj_fusion", False):
         out.append(_not_modelled("model.mla_down_proj_fusion",
                                  "the fused q/kv down projection (Core's FusedMLASelfAttention) is not modelled by "
@@ -166,7 +161,7 @@ class DuplicatedLinear(torch.nn.Module):
     sequence shard under sequence parallelism). Returns ``(output, None)`` as Core's linears do."""
 
     def __init__(self, input_size: int, output_size: int, *, parallel_mode: Optional[str], config, init_method,
-                 bias: bool, skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str] = None,
+                 bias: bool, skip_bias_add: bool, is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
                  skip_weight_param_allocation: bool = False, tp_group=None, name: Optional[str] = None):
         super().__init__()
         if parallel_mode != "duplicated" or bias or is_expert or skip_weight_param_allocation:

@@ -196,7 +196,6 @@ def test_a_model_without_multi_latent_attention_raises_nothing():
 
 
 @pytest.mark.parametrize("fields, setting", [
-    (dict(experimental_attention_variant="dsa"), "model.experimental_attention_variant"),
     (dict(mla_down_proj_fusion=True), "model.mla_down_proj_fusion"),
     (dict(fp8="hybrid"), "model.fp8"),
     (dict(hybrid_layer_pattern="M*"), "model.multi_latent_attention"),

@@ -1,0 +1,132 @@
+"""DeepSeek sparse attention (``experimental_attention_variant='dsa'``, GLM-5.2): Megatron Core's own layer, traced.
+
+Core builds it from ``get_dsa_module_spec_for_backend`` (``models/gpt/experimental_attention_variant_module_specs.py``
+L81-130): ``AbsorbedMLASelfAttention`` (``transformer/experimental_attention_variant/absorbed_mla.py``), whose core
+attention is ``DSAttention`` with its ``DSAIndexer`` (``dsa.py``). The estimate builds that spec and runs Core's
+code on fake tensors: the absorbed query (the key up projection folded into it, absorbed_mla.py L564-572), the
+indexer's query, key and weights (dsa.py L1248-1322), its top-k (``fused_qk_topk_naive``), the indexer loss
+(``FusedDSAIndexerLoss``, which keeps q, weights, k, the query, the key and the top-k indices, L944) and the sparse
+attention. Top-k indices are data, but their shape is fixed ([b, s, index_topk]), so fake tensors carry them.
+What it changes while tracing:
+
+* The spec asks its backend for ``linear()`` (TE's ``TELinear``; Core's local backend has none) for the down
+  projections and the indexer's three projections, all ``duplicated`` (absorbed_mla.py L282-283, L329-330;
+  dsa.py L1158-1200): :class:`..mla.DuplicatedLinear` stands in, so the attention is always in Transformer Engine's
+  layout. The query and key-value norms stay standalone, as the spec builds them (L107-111: the indexer reads the
+  normalised query latent), Core's local norms.
+* ``dsa_kernel_backend`` ``cudnn`` / ``tilelang``: Core's fused kernels (``dsa_cudnn_kernels.py``, FlashMLA and
+  cuDNN graphs; ``dsa_tilelang_kernels.py``) need a GPU, and Core's config refuses them without CUDA
+  (``utils.py`` L522-534). The estimate traces Core's PyTorch path in their place (``dsa_kernel_backend='none'``,
+  Core's own fallback when a fused hook declines, dsa.py L144-167) and says so (:data:`KERNEL_NOTE`): it keeps the
+  dense [b, heads/t, s, s] fp32 scores and probabilities (``_unfused_absorbed_dsa_fn``, L59-112) where FlashMLA's
+  sparse kernel keeps the query, the latent key, its output and an fp32 log-sum-exp
+  (``FusedSparseAttentionFunc``, dsa_cudnn_kernels.py L2547): an upper bound on what attention keeps.
+* ``dsa_indexer_rotate_activation``: the Hadamard rotation is ``fast_hadamard_transform``'s CUDA kernel (dsa.py
+  L253-269), which does not run here: refused (:func:`findings`); GLM-5.2's provider turns it off.
+
+``dsv4_hybrid`` (DeepSeek-V4) is refused: the installed Megatron Core builds no such variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+from megatron_bridge_ext.findings import ERROR, Finding
+
+DSA = "dsa"
+FUSED_BACKENDS = ("cudnn", "tilelang")
+KERNEL_NOTE = ("dsa_kernel_backend={backend}: Core's fused DeepSeek sparse attention kernels need a GPU; traced on "
+               "Core's PyTorch path (dsa_kernel_backend='none', its fallback when a fused hook declines), whose "
+               "absorbed sparse attention keeps the dense [b, heads/t, s, s] fp32 scores and probabilities "
+               "(experimental_attention_variant/dsa.py L59-112) where FlashMLA's sparse kernel keeps the query, the "
+               "latent key, its output and an fp32 log-sum-exp (dsa_cudnn_kernels.py L2547): attention's saved "
+               "bytes are an upper bound")
+
+
+def used(model) -> bool:
+    return getattr(model, "experimental_attention_variant", None) == DSA
+
+
+def findings(model) -> list[Finding]:
+    """The experimental attention variants the estimate does not model, and the parts of DeepSeek sparse attention
+    that cannot run here, one finding each."""
+    variant = getattr(model, "experimental_attention_variant", None)
+    if variant == "dsv4_hybrid":
+        return [_not_modelled("model.experimental_attention_variant",
+                              "DeepSeek-V4's 'dsv4_hybrid' attention is not modelled by the estimate: the installed "
+                              "Megatron Core has no such variant (experimental_attention_variant_module_specs.py "
+                              "L141-148 builds 'gated_delta_net' and 'dsa' only), so its model cannot be built here",
+                              "read Bridge's figure beside it, or measure one training step on a GPU")]
+    if variant and variant != DSA:
+        return [_not_modelled("model.experimental_attention_variant",
+                              f"the {variant!r} attention variant is not modelled by the estimate",
+                              "read Bridge's figure beside it, or measure one training step on a GPU")]
+    if used(model) and getattr(model, "dsa_indexer_rotate_activation", False):
+        return [_not_modelled("model.dsa_indexer_rotate_activation",
+                              "the DSA indexer's Hadamard rotation (fast_hadamard_transform, a CUDA kernel: "
+                              "dsa.py L253-269) is not modelled by the estimate",
+                              "estimate with model.dsa_indexer_rotate_activation=False (it keeps nothing for "
+                              "backward beyond the indexer's query and key)")]
+    return []
+
+
+def turn_off_fused_kernels(model) -> Optional[str]:
+    """Trace Core's PyTorch path in place of a fused kernel backend (which needs CUDA, refused by Core's config
+    check before anything is built) and say so; None where there is nothing to turn off."""
+    backend = getattr(model, "dsa_kernel_backend", "none")
+    if not used(model) or backend not in FUSED_BACKENDS:
+        return None
+    model.dsa_kernel_backend = "none"
+    return KERNEL_NOTE.format(backend=backend)
+
+
+def _backend():
+    """Core's local backend with :class:`..mla.DuplicatedLinear` for the ``linear()`` the DSA spec asks for."""
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from megatron_bridge_ext.estimate.features.mla import DuplicatedLinear
+
+    class _DuplicatedLinearBackend(LocalSpecProvider):
+        def linear(self) -> type:
+            return DuplicatedLinear
+
+    return _DuplicatedLinearBackend()
+
+
+def attention_spec(config):
+    """Core's DSA self-attention spec for ``config`` (``get_dsa_module_spec_for_backend``), its ``duplicated``
+    linears by :class:`..mla.DuplicatedLinear`."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
+
+    return get_dsa_module_spec_for_backend(config, backend=_backend())
+
+
+@contextlib.contextmanager
+def te_modules() -> Iterator[None]:
+    """While the model is built: Core's absorbed MLA layer takes :class:`..mla.DuplicatedLinear` for ``TELinear``,
+    so that it asks its down projections for the ``duplicated`` mode (absorbed_mla.py L282-283, L329-330; without
+    Transformer Engine Core's name is None and it refuses the linear). Put back on exit."""
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla
+
+    from megatron_bridge_ext.estimate.features.mla import DuplicatedLinear
+
+    saved = absorbed_mla.TELinear
+    absorbed_mla.TELinear = DuplicatedLinear
+    try:
+        yield
+    finally:
+        absorbed_mla.TELinear = saved
+
+
+def assumption(model) -> Optional[str]:
+    """How the estimate traced the model's sparse attention, or None without it."""
+    if not used(model):
+        return None
+    return ("DeepSeek sparse attention: Megatron Core's AbsorbedMLASelfAttention and DSAttention traced, its "
+            "indexer, top-k and indexer loss on Core's PyTorch path; down projections and the indexer's projections "
+            "duplicated on every TP rank (a stand-in for TELinear's) (estimate.features.dsa)")
+
+
+def _not_modelled(setting: str, message: str, fix: str) -> Finding:
+    return Finding("unsupported_model", ERROR, setting, message, fix)
