@@ -58,7 +58,7 @@ def findings(model) -> list[Finding]:
                               "Megatron Core has no such variant (experimental_attention_variant_module_specs.py "
                               "L141-148 builds 'gated_delta_net' and 'dsa' only), so its model cannot be built here",
                               "read Bridge's figure beside it, or measure one training step on a GPU")]
-    if variant and variant != DSA:
+    if variant and variant != DSA and getattr(model, "multi_latent_attention", False):  # others: .attention_variant
         return [_not_modelled("model.experimental_attention_variant",
                               f"the {variant!r} attention variant is not modelled by the estimate",
                               "read Bridge's figure beside it, or measure one training step on a GPU")]
