@@ -118,6 +118,9 @@ def built_problem(cfg, args) -> Optional[Finding]:
     problem = expert_flag_problem(args, getattr(model, "num_moe_experts", None))
     if problem:
         return problem
+    problem = _recipe_lora_dim_problem(cfg, args)
+    if problem:
+        return problem
     if model.sequence_parallel and model.tensor_model_parallel_size <= 1:  # --sp (the build turns a config's off)
         return _bad("--sp", f"turns sequence parallelism on with TP={model.tensor_model_parallel_size}: Megatron Core "
                     "refuses it (\"Cannot use sequence parallelism without tensor parallelism\", "
@@ -133,6 +136,21 @@ def built_problem(cfg, args) -> Optional[Finding]:
                     f"({_tokenizer_named(cfg)}), which Bridge reads only when training starts",
                     "give the tokenizer's vocabulary size, e.g. model.vocab_size=131072")
     return None
+
+
+def _recipe_lora_dim_problem(cfg, args) -> Optional[Finding]:
+    """``--lora-dim`` on a recipe without ``--peft``: the rank of adapters ``--peft`` would add, where the recipe
+    builds none (every parameter trained) or builds its own PEFT object, which Bridge keeps over overrides."""
+    if getattr(args, "lora_dim", None) is None or getattr(args, "peft", None) is not None:
+        return None
+    peft = cfg.peft
+    if peft is None:
+        return _bad("--lora-dim", "sets the rank of the adapters --peft adds, and the recipe builds no PEFT (every "
+                    "parameter trained)", "add --peft lora (or dora, canonical_lora), or drop --lora-dim")
+    return _bad("--lora-dim", f"sets the rank of the adapters --peft adds, and the recipe builds its own "
+                f"{type(peft).__name__} (dim {getattr(peft, 'dim', '?')}) in Python, which Bridge keeps over "
+                "overrides", "give --peft lora --lora-dim N to estimate Bridge's LoRA at that rank in its place, or "
+                "change the dim in the recipe")
 
 
 def _tokenizer_named(cfg) -> str:

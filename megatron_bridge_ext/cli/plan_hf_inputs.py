@@ -46,20 +46,23 @@ def hf_problem(args):
     heads, layers = data["num_attention_heads"], data.get("num_hidden_layers")  # or a hybrid pattern's length
     groups = data.get("num_key_value_heads") or heads
     sp = args.sp if args.sp is not None else tp > 1
+    from megatron_bridge_ext.estimate.pipeline import UNEVEN_FIX
+
+    divide = "choose sizes that divide it"
     checks = [
         ("model.num_attention_heads", heads % tp, "model.tensor_model_parallel_size",
-         f"TP={tp} does not divide the {heads} attention heads"),
+         f"TP={tp} does not divide the {heads} attention heads", divide),
         ("model.num_query_groups", groups % tp and tp % groups, "model.tensor_model_parallel_size",
          f"TP={tp} neither divides the {groups} query groups nor is a multiple of them (transformer_config.py "
-         "L1338-1345; with TP a multiple, Megatron Core gives each rank one key/value head)"),
+         "L1338-1345; with TP a multiple, Megatron Core gives each rank one key/value head)", divide),
         ("model.seq_length", sp and tp > 1 and args.seq and args.seq % tp, "model.seq_length",
-         f"sequence {args.seq} is not divisible by TP={tp} (sequence parallelism splits it)"),
+         f"sequence {args.seq} is not divisible by TP={tp} (sequence parallelism splits it)", divide),
         ("model.num_layers", isinstance(layers, int) and layers % pp and not _split_elsewhere(args),
-         "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {layers} layers"),
+         "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {layers} layers", UNEVEN_FIX),
     ]
-    for field, failed, setting, message in checks:
+    for field, failed, setting, message, fix in checks:
         if failed and not overridden(args.overrides, field, setting):
-            return _bad(setting, message, "choose sizes that divide it")
+            return _bad(setting, message, fix)
     return None
 
 

@@ -95,11 +95,12 @@ def conflict_problem(args) -> Optional[Finding]:
 
 
 def lora_dim_problem(args) -> Optional[Finding]:
-    """``--lora-dim`` without a LoRA-family ``--peft``: no adapter would take the rank."""
-    if args.lora_dim is None or args.peft in PEFT_KINDS:
+    """``--lora-dim`` without a LoRA-family ``--peft``: no adapter would take the rank. A recipe without ``--peft``
+    keeps its own PEFT, known once built (:func:`megatron_bridge_ext.plan_config.built_problem`)."""
+    if args.lora_dim is None or args.peft in PEFT_KINDS or (args.peft is None and getattr(args, "recipe", None)):
         return None
     given = "--peft none adds no adapter" if args.peft else "no --peft was given"
-    return _bad("--lora-dim", f"sets the rank of the adapters --peft adds, and {given} (full fine-tuning)",
+    return _bad("--lora-dim", f"sets the rank of the adapters --peft adds, and {given} (every parameter trained)",
                 "add --peft lora (or dora, canonical_lora), or drop --lora-dim")
 
 

@@ -137,6 +137,11 @@ def stage_layers(model, stage: int) -> list[int]:
     return [layer for chunk in stage_chunks(model)[stage] for layer in chunk.layers]
 
 
+UNEVEN_FIX = ("choose sizes that divide it, or set num_layers_in_first/last_pipeline_stage or "
+              "pipeline_model_parallel_layout")
+"""The fix for layers PP does not divide evenly (every check of it, early or on the built model, gives this one)."""
+
+
 def split_problems(model) -> list[Finding]:
     """What Megatron Core refuses about the model's pipeline split, one finding each (empty: Core builds it)."""
     pp = model.pipeline_model_parallel_size
@@ -164,9 +169,7 @@ def split_problems(model) -> list[Finding]:
     total = model.num_layers + extra
     counted = f"the {model.num_layers} layers" + (f" (+{extra} for embedding/loss)" if extra else "")
     if total % pp:
-        return [_refused("model.pipeline_model_parallel_size", f"PP={pp} does not divide {counted}",
-                         "choose sizes that divide it, or set num_layers_in_first/last_pipeline_stage or "
-                         "pipeline_model_parallel_layout")]
+        return [_refused("model.pipeline_model_parallel_size", f"PP={pp} does not divide {counted}", UNEVEN_FIX)]
     return [_refused("model.virtual_pipeline_model_parallel_size",
                      f"VPP={vpp} does not divide the {total // pp} layers of a stage", "choose sizes that divide it")]
 

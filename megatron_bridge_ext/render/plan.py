@@ -28,14 +28,20 @@ def plan_json(result, *, gpu_defaulted: bool) -> str:
     return json.dumps(report, indent=2, default=str)
 
 
+NO_PEFT = "no PEFT: every parameter trained"
+"""The config line's words for a config without PEFT: pretraining or full fine-tuning (the estimate cannot tell
+which, and the memory is the same)."""
+
+
 def settings_line(s: Settings, *, peft_defaulted: bool = False) -> str:
-    """The config in one line; ``peft_defaulted``: no --peft was given, so say that full fine-tuning is the default."""
+    """The config in one line; ``peft_defaulted``: no --peft was given, so say that training without PEFT is the
+    default."""
     kind = {"dora": "DoRA", "canonical_lora": "CanonicalLoRA"}.get(s.peft and s.peft.kind, "LoRA")
     if s.peft:
         peft = (f"{kind} r={s.peft.lora_dim} on {','.join(s.peft.lora_targets)}, "
                 f"sequence_parallel_input_strategy={s.peft.sequence_parallel_input_strategy}")
     else:
-        peft = "full fine-tuning" + (" (the default; --peft lora for LoRA)" if peft_defaulted else "")
+        peft = NO_PEFT + (" (the default; --peft lora for LoRA)" if peft_defaulted else "")
     recompute = s.recompute_granularity or "none"
     if recompute == "selective":
         recompute += f" {list(s.recompute_modules)}"

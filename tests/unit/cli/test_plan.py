@@ -141,7 +141,7 @@ def test_the_config_line_says_full_fine_tuning_is_the_default():
                          num_microbatches=1, dtype="bfloat16", peft=None, recompute_granularity=None,
                          attention="fused", transformer_impl="transformer_engine")
     line = render_plan.settings_line(settings, peft_defaulted=True)
-    assert "full fine-tuning (the default; --peft lora for LoRA)" in line
+    assert "no PEFT: every parameter trained (the default; --peft lora for LoRA)" in line
     assert "the default" not in render_plan.settings_line(settings)
 
 

@@ -56,7 +56,8 @@ EARLY = [
      "model.sequence_parallel: --no-sp and model.sequence_parallel=true set the same field to different values"),
     # item 6: a flag that cannot act, by name
     ([*HF, "--lora-dim", "16"], "--lora-dim: sets the rank of the adapters --peft adds, and no --peft was given "
-                                "(full fine-tuning). Fix: add --peft lora (or dora, canonical_lora), or drop --lora-dim"),
+                                "(every parameter trained). Fix: add --peft lora (or dora, canonical_lora), or drop "
+                                "--lora-dim"),
     ([*HF, "--peft", "none", "--lora-dim", "16"], "--lora-dim: sets the rank of the adapters --peft adds, and --peft "
                                                   "none adds no adapter"),
     ([*HF, "--etp", "2"], "--etp: acts on the experts of a mixture-of-experts model, and this one has no experts. "
@@ -123,6 +124,23 @@ def test_a_recipes_dense_model_refuses_an_expert_only_flag_once_built():
     args = _args("--recipe", NANO, "--moe-imbalance", "1.5")
     assert plan_config.built_problem(_built(vocab_size=1024), args).setting == "--moe-imbalance"
     assert plan_config.built_problem(_built(vocab_size=1024, experts=8), args) is None
+
+
+def test_lora_dim_on_a_recipe_is_judged_by_the_peft_the_recipe_builds():
+    """Item 9: --lora-dim without --peft on a recipe: not "no --peft was given (full fine-tuning)" before the recipe
+    is built, but what the built config holds: its own LoRA object (which --lora-dim does not reach) or no PEFT."""
+    from megatron_bridge_ext.peft import LoRA  # Bridge's LoRA with our strategy field (Bridge's imports TE first)
+
+    args = _args("--recipe", NANO, "--lora-dim", "64")
+    assert plan_inputs.lora_dim_problem(args) is None  # not known before the build
+    with_lora = _built(vocab_size=1024)
+    with_lora.peft = LoRA(dim=32)
+    text = plan_config.built_problem(with_lora, args).text()
+    assert "the recipe builds its own LoRA (dim 32) in Python" in text and "--peft lora --lora-dim N" in text
+    without = _built(vocab_size=1024)
+    without.peft = None
+    assert "the recipe builds no PEFT (every parameter trained)" in plan_config.built_problem(without, args).text()
+    assert plan_config.built_problem(with_lora, _args("--recipe", NANO)) is None
 
 
 def test_a_sequence_beyond_max_position_embeddings_gets_a_note():

@@ -150,7 +150,7 @@ def test_a_plan_without_our_estimate_says_why_and_gives_no_verdict():
     ({}, ["TP=2 PP=1 DP=2 SP=on", "LoRA r=16 on linear_qkv,linear_fc1, sequence_parallel_input_strategy=off",
           "recompute none", "attention fused, local"]),
     ({"peft": None, "vpp": 4, "recompute_granularity": "selective", "recompute_modules": ("mlp",)},
-     ["TP=2 PP=1 VPP=4 DP=2", "full fine-tuning, recompute selective ['mlp']"]),
+     ["TP=2 PP=1 VPP=4 DP=2", "no PEFT: every parameter trained, recompute selective ['mlp']"]),
     ({"peft": lora(16, ["linear_qkv", "linear_fc1"], kind="dora"), "fp8": "FP8 hybrid"},
      ["bfloat16 with FP8 hybrid, DoRA r=16"]),
     ({"moe": experts(4, experts=64, ep=4, etp=1, imbalance=1.5, topk=8, dispatcher="alltoall")},
