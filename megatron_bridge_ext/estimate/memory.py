@@ -416,6 +416,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
         raise Refused(WHAT, problems)
     problems = features.mla.trace_findings(prepared.provider, attention=attention, transformer_impl=impl, fused=FUSED)
     problems += features.context_parallel.trace_findings(prepared.provider, attention=attention, fused=FUSED)
+    problems += features.recipe_attention.trace_findings(prepared.provider, attention=attention, fused=FUSED)
     if problems:
         raise NotModelled(WHAT, problems)
     stages = candidate_stages(prepared.provider)

@@ -13,7 +13,8 @@ import contextlib
 from typing import Iterator
 
 from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, fp8_experts,
-                                                   latent_moe, mla, mtp, router, softmax, token_dropping)
+                                                   latent_moe, mla, mtp, recipe_attention, router, softmax,
+                                                   token_dropping)
 from megatron_bridge_ext.findings import Finding
 
 FEATURES = (mla, mtp, context_parallel, dispatcher, token_dropping, latent_moe, fp8_experts)
