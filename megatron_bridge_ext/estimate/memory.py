@@ -897,6 +897,7 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         "embedding and loss under the config's pipeline split: a later one keeps no more microbatches in flight)",
         "activations traced on Megatron Core's local layer spec on fake "
         f"{'CUDA' if device == 'cuda' else 'CPU'} tensors (the {device} ops' saved tensors)",
+        features.recipe_attention.assumption(prepared.provider, fused=attention == FUSED) or
         ("attention: a stand-in that keeps what fused (flash/cuDNN) attention keeps: q, k, v, output, fp32 "
          "log-sum-exp" if attention == FUSED else "attention: Megatron Core's unfused DotProductAttention "
                                                    "(keeps the [b, heads/t, s, s] probabilities)"),

@@ -12,14 +12,14 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, fp8_experts,
-                                                   latent_moe, mla, mtp, recipe_attention, router, softmax,
-                                                   token_dropping)
+from megatron_bridge_ext.estimate.features import (context_parallel, cross_entropy, dispatcher, flex_attention,
+                                                   fp8_experts, latent_moe, mla, mtp, recipe_attention, router,
+                                                   softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
 FEATURES = (mla, mtp, context_parallel, dispatcher, token_dropping, latent_moe, fp8_experts)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
-KERNELS = (softmax, cross_entropy, router)
+KERNELS = (softmax, cross_entropy, router, flex_attention)
 """The feature modules that stand in for a GPU kernel Core calls, each with ``kernels()`` (a context in which Core
 finds the stand-in), ``used(model)`` and ``NOTE`` (what the estimate says it traced)."""
 
@@ -40,6 +40,8 @@ def kernels() -> Iterator[None]:
 
 def kernel_notes(model, *, unfused_attention: bool) -> list[str]:
     """What the estimate says of each kernel of ``model`` it traced by a stand-in (the softmax only in unfused
-    attention: the fused attention stand-in has none)."""
+    attention: the fused attention stand-in has none; FlexAttention only in fused attention: the unfused trace keeps
+    its unfused parent)."""
+    only = {softmax: True, flex_attention: False}
     return [feature.NOTE for feature in KERNELS
-            if feature.used(model) and (unfused_attention or feature is not softmax)]
+            if feature.used(model) and only.get(feature, unfused_attention) == unfused_attention]

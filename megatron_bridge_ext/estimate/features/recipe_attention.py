@@ -99,6 +99,35 @@ def recipe_spec(provider):
     return built if isinstance(built, ModuleSpec) else None
 
 
+def spec_core_attention(provider):
+    """The core attention of the recipe's spec (:func:`recipe_spec`), or None."""
+    spec = recipe_spec(provider)
+    attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    return getattr(getattr(attention, "submodules", None), "core_attention", None)
+
+
+def own_core_attention(provider, *, fused: bool) -> Optional[type]:
+    """The recipe's own core attention where the traced spec keeps it: a FlexAttention class (Gemma 2's,
+    :mod:`.flex_attention`) under fused attention, its unfused parent under unfused; None elsewhere."""
+    from megatron_bridge_ext.estimate.features import flex_attention
+
+    core = spec_core_attention(provider)
+    if not flex_attention.is_flex_class(core):
+        return None
+    return core if fused else flex_attention.unfused_class(core)
+
+
+def assumption(provider, *, fused: bool) -> Optional[str]:
+    """What the estimate says of the attention it traced where it kept the recipe's own core attention, else None."""
+    own = own_core_attention(provider, fused=fused)
+    if own is None:
+        return None
+    if fused:
+        return f"attention: the recipe's own {own.__name__} on torch FlexAttention (estimate.features.flex_attention)"
+    return (f"attention: the recipe's own unfused {own.__name__} (keeps the [b, heads/t, s, s] probabilities), "
+            "as its FlexAttention class runs with an attention mask or dropout")
+
+
 def self_attention_module(provider) -> Optional[type]:
     """The recipe's self-attention class where it is a subclass of Core's ``SelfAttention``, else None."""
     from megatron.core.transformer.attention import SelfAttention

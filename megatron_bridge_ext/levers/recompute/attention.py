@@ -65,15 +65,19 @@ def attention_kind_from_config(config) -> AttentionKind:
     this machine's environment turns TE's flash and fused backends off. Bridge's ``default_layer_spec``
     is the TE spec whether or not TE is installed (without TE it cannot be built at all), so a recipe
     that keeps it is judged as the TE model it describes, on every machine. A recipe's own spec function is
-    built and its core attention read (Gemma 3's subclass of TE's attention is TE's where TE is a stub), and a
+    built and its core attention read (Gemma 3's subclass of TE's attention is TE's where TE is a stub; Gemma 2's
+    torch FlexAttention keeps no s x s matrix either, :mod:`~megatron_bridge_ext.estimate.features.flex_attention`),
+    and a
     provider that builds its own spec whatever ``transformer_layer_spec`` says is judged by that spec
     (:func:`megatron_bridge_ext.estimate.features.recipe_attention.built_spec`).
     """
-    from megatron_bridge_ext.estimate.features import recipe_attention
+    from megatron_bridge_ext.estimate.features import flex_attention, recipe_attention
 
     backend = str(getattr(config, "attention_backend", "auto")).rsplit(".", 1)[-1].lower()
     spec_name, uses_te = _spec_uses_te(recipe_attention.built_spec(config))
     where = f"(attention_backend={backend}, spec={spec_name})"
+    if backend not in ("local", UNFUSED) and flex_attention.used(config):
+        return AttentionKind(FUSED, f"torch FlexAttention {where}")
     if backend in ("local", UNFUSED) or not uses_te:
         return AttentionKind(UNFUSED, f"unfused attention {where}")
     if _te_unfused_backend():
