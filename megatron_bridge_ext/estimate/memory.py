@@ -235,6 +235,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
+    problems += features.recipe_attention.packed_findings(provider, cfg)
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)

@@ -119,6 +119,27 @@ def own_core_attention(provider, *, fused: bool) -> Optional[type]:
     return core if fused else flex_attention.unfused_class(core)
 
 
+def packed_findings(provider, cfg) -> list[Finding]:
+    """Gemma 2's core attentions raise on packed sequences (``gemma2_provider.py`` L186-190 and L375-378), which Bridge
+    hands the model where the dataset packs them (``training/gpt_step.py`` L109-118, L440-451): such a run stops at its
+    first forward, so it is refused, not estimated."""
+    from megatron_bridge_ext.estimate.features import flex_attention
+
+    core = spec_core_attention(provider)
+    if not (isinstance(core, type) and core.__module__ in flex_attention.MODULES):
+        return []
+    from megatron.bridge.training.gpt_step import _uses_packed_sequence_metadata
+
+    if not _uses_packed_sequence_metadata(cfg):
+        return []
+    setting = "enable_offline_packing" if getattr(cfg.dataset, "enable_offline_packing", False) \
+        else "enable_in_batch_packing"
+    return [Finding("unsupported_model", ERROR, f"dataset.{setting}",
+                    f"{core.__name__} raises on packed sequences (gemma2_provider.py L186-190, L375-378), which "
+                    "this dataset gives the model: the run stops at its first forward",
+                    f"train on unpacked sequences, dataset.{setting}=false")]
+
+
 def assumption(provider, *, fused: bool) -> Optional[str]:
     """What the estimate says of the attention it traced where it kept the recipe's own core attention, else None."""
     own = own_core_attention(provider, fused=fused)

@@ -95,3 +95,25 @@ def test_gemma4_dense_runs_its_own_local_spec(bridge):
     assert recipe_attention.trace_findings(provider, attention="local", fused="fused") == []
     (finding,) = recipe_attention.trace_findings(provider, attention="fused", fused="fused")
     assert finding.setting == "attention" and "Gemma4DenseProvider" in finding.message
+
+
+def _dataset(packing: bool):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(dataset=SimpleNamespace(enable_offline_packing=packing,
+                                                   offline_packing_specs=SimpleNamespace(packed_sequence_size=2048)))
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_gemma2_on_packed_sequences_is_refused(bridge, packing):
+    """Gemma 2's core attention raises on the packed-sequence metadata Bridge hands the model from an offline-packed
+    dataset (its SFT and PEFT recipes' SQuAD); Gemma 3's TE attention takes it."""
+    from megatron.bridge.models.gemma.gemma2_provider import Gemma2ModelProvider
+    from megatron.bridge.models.gemma.gemma3_provider import Gemma3ModelProvider
+
+    from megatron_bridge_ext.estimate.features import recipe_attention
+
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
+    found = recipe_attention.packed_findings(Gemma2ModelProvider(**shape), _dataset(packing))
+    assert [f.setting for f in found] == (["dataset.enable_offline_packing"] if packing else [])
+    assert recipe_attention.packed_findings(Gemma3ModelProvider(**shape), _dataset(packing)) == []
