@@ -67,8 +67,7 @@ def attention_kind_from_config(config) -> AttentionKind:
     that keeps it is judged as the TE model it describes, on every machine. A recipe's own spec function is
     built and its core attention read (Gemma 3's subclass of TE's attention is TE's where TE is a stub; Gemma 2's
     torch FlexAttention keeps no s x s matrix either, :mod:`~megatron_bridge_ext.estimate.features.flex_attention`),
-    and a
-    provider that builds its own spec whatever ``transformer_layer_spec`` says is judged by that spec
+    and a provider that builds its own spec whatever ``transformer_layer_spec`` says is judged by that spec
     (:func:`megatron_bridge_ext.estimate.features.recipe_attention.built_spec`).
     """
     from megatron_bridge_ext.estimate.features import flex_attention, recipe_attention
