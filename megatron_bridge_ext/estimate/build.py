@@ -8,8 +8,9 @@ adapters are small), and every parameter is swapped for a fake one on the traced
 model's training dtype, as Megatron's ``Float16Module`` casts the whole model.
 
 The layer spec is Megatron Core's local one (Transformer Engine cannot run here), with a fused
-attention stand-in unless the local unfused attention is asked for; what Transformer Engine's
-fused norm-linear keeps differently is added by :mod:`.te`.
+attention stand-in unless the local unfused attention is asked for, and a recipe's own attention modules where the
+run uses them (:mod:`.features.recipe_attention`); what Transformer Engine's fused norm-linear keeps differently is
+added by :mod:`.te`.
 """
 
 from __future__ import annotations
@@ -115,7 +116,10 @@ def _local_layer_spec(provider, attention: str, *, moe: bool, te: bool = False, 
                                                                                         False)) if experts else False,
                                     qk_layernorm=bool(provider.qk_layernorm), normalization=provider.normalization,
                                     multi_latent_attention=latent)
-    if attention == FUSED:
+    own_core = recipe_attention.own_core_attention(provider, fused=attention == FUSED)
+    if own_core is not None:
+        spec.submodules.self_attention.submodules.core_attention = own_core
+    elif attention == FUSED:
         from megatron_bridge_ext.estimate.standins import FusedAttentionStandIn
 
         spec.submodules.self_attention.submodules.core_attention = FusedAttentionStandIn

@@ -236,6 +236,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
     problems += features.latent_moe.config_problems(provider)
+    problems += features.recipe_attention.packed_findings(provider, cfg)
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
@@ -420,6 +421,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
         raise Refused(WHAT, problems)
     problems = features.mla.trace_findings(prepared.provider, attention=attention, transformer_impl=impl, fused=FUSED)
     problems += features.context_parallel.trace_findings(prepared.provider, attention=attention, fused=FUSED)
+    problems += features.recipe_attention.trace_findings(prepared.provider, attention=attention, fused=FUSED)
     if problems:
         raise NotModelled(WHAT, problems)
     stages = candidate_stages(prepared.provider)
@@ -906,6 +908,7 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         "embedding and loss under the config's pipeline split: a later one keeps no more microbatches in flight)",
         "activations traced on Megatron Core's local layer spec on fake "
         f"{'CUDA' if device == 'cuda' else 'CPU'} tensors (the {device} ops' saved tensors)",
+        features.recipe_attention.assumption(prepared.provider, fused=attention == FUSED) or
         ("attention: a stand-in that keeps what fused (flash/cuDNN) attention keeps: q, k, v, output, fp32 "
          "log-sum-exp" if attention == FUSED else "attention: Megatron Core's unfused DotProductAttention "
                                                    "(keeps the [b, heads/t, s, s] probabilities)"),

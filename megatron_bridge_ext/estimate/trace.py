@@ -31,9 +31,15 @@ CATEGORIES = (EMBEDDING, NORMS, ATTENTION, MAMBA, MLP, MOE_DISPATCH, EXPERTS, LO
               LOGITS_LOSS)
 
 
-HYBRID_NORMS = ("norm", "final_norm")
-"""The norms of a hybrid model named otherwise than GPT's ``*layernorm``: a Mamba layer's input norm
-(``decoder.layers.N.norm``) and the hybrid stack's final norm (``decoder.final_norm``)."""
+HYBRID_NORMS = ("norm", "final_norm", "post_per_layer_input_norm")
+"""The norms named otherwise than GPT's ``*layernorm``: a Mamba layer's input norm (``decoder.layers.N.norm``), the
+hybrid stack's final norm (``decoder.final_norm``) and the norm of a Gemma 4 layer's per-layer input block."""
+PER_LAYER_EMBEDDING = ("per_layer_embedding", "per_layer_model_proj", "per_layer_proj_norm", "per_layer_input_gate",
+                       "per_layer_projection")
+"""Gemma 4's per-layer embedding (Bridge ``models/gemma/modeling_gemma4.py``): the model's table, the projection of the
+embedding's output and its norm (``_attach_ple_modules``, L884-915), which make each layer's input slice before the
+decoder (``_compute_per_layer_inputs``, L918-956), and in each layer the gate and projection that add that slice to
+the hidden states (``Gemma4DenseTransformerLayer``, L558-568 and L587-602)."""
 
 
 def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
@@ -43,7 +49,8 @@ def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
     (``mtp...``: its norms, ``eh_proj`` and transformer layers) saves is its own category; a hybrid model's Mamba mixer
     (``...mixer...``: its projections, scan and gated norm) is mamba; norms (``*layernorm``) before
     attention and MLP so that q/k norms count as norms; the rotary embedding's cos/sin count with
-    attention. In a mixture-of-experts layer (``moe_layers``: the names of its MoE modules), the routed
+    attention; Gemma 4's per-layer embedding (:data:`PER_LAYER_EMBEDDING`, before the decoder and in each layer) is
+    embedding. In a mixture-of-experts layer (``moe_layers``: the names of its MoE modules), the routed
     experts are experts, the router and what the MoE module saves itself (the token dispatcher is no
     module: permutation indices, gathered or all-to-all'd tokens and probabilities) are moe dispatch, latent MoE's
     projections around the routed experts (``fc1_latent_proj``, ``fc2_latent_proj``) count with the experts, and
@@ -62,6 +69,8 @@ def category_of(module: str, moe_layers: frozenset = frozenset()) -> str:
         return NORMS
     if "self_attention" in parts or "rotary_pos_emb" in parts:
         return ATTENTION
+    if parts[-1] in PER_LAYER_EMBEDDING:
+        return EMBEDDING
     owner = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in moe_layers), None)
     if owner is not None:
         below = parts[len(owner.split(".")):]

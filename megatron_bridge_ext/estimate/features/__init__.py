@@ -13,14 +13,14 @@ import contextlib
 from typing import Iterator
 
 from megatron_bridge_ext.estimate.features import (attention_variant, context_parallel, cross_entropy, dispatcher, dsa,
-                                                   flex, fp8_experts, hybridep, latent_moe, mla, moe_act, mtp, router,
-                                                   softmax, token_dropping)
+                                                   flex, flex_attention, fp8_experts, hybridep, latent_moe, mla,
+                                                   moe_act, mtp, recipe_attention, router, softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
 FEATURES = (mla, dsa, attention_variant, mtp, context_parallel, dispatcher, token_dropping, latent_moe, moe_act,
             fp8_experts)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
-KERNELS = (softmax, cross_entropy, router)
+KERNELS = (softmax, cross_entropy, router, flex_attention)
 """The feature modules that stand in for a GPU kernel Core calls, each with ``kernels()`` (a context in which Core
 finds the stand-in), ``used(model)`` and ``NOTE`` (what the estimate says it traced)."""
 
@@ -41,6 +41,8 @@ def kernels() -> Iterator[None]:
 
 def kernel_notes(model, *, unfused_attention: bool) -> list[str]:
     """What the estimate says of each kernel of ``model`` it traced by a stand-in (the softmax only in unfused
-    attention: the fused attention stand-in has none)."""
+    attention: the fused attention stand-in has none; FlexAttention only in fused attention: the unfused trace keeps
+    its unfused parent)."""
+    only = {softmax: True, flex_attention: False}
     return [feature.NOTE for feature in KERNELS
-            if feature.used(model) and (unfused_attention or feature is not softmax)]
+            if feature.used(model) and only.get(feature, unfused_attention) == unfused_attention]

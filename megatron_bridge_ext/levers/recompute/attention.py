@@ -64,11 +64,19 @@ def attention_kind_from_config(config) -> AttentionKind:
     ``attention_backend`` is ``local``/``unfused`` (Bridge then swaps in Core's unfused attention) or
     this machine's environment turns TE's flash and fused backends off. Bridge's ``default_layer_spec``
     is the TE spec whether or not TE is installed (without TE it cannot be built at all), so a recipe
-    that keeps it is judged as the TE model it describes, on every machine.
+    that keeps it is judged as the TE model it describes, on every machine. A recipe's own spec function is
+    built and its core attention read (Gemma 3's subclass of TE's attention is TE's where TE is a stub; Gemma 2's
+    torch FlexAttention keeps no s x s matrix either, :mod:`~megatron_bridge_ext.estimate.features.flex_attention`),
+    and a provider that builds its own spec whatever ``transformer_layer_spec`` says is judged by that spec
+    (:func:`megatron_bridge_ext.estimate.features.recipe_attention.built_spec`).
     """
+    from megatron_bridge_ext.estimate.features import flex_attention, recipe_attention
+
     backend = str(getattr(config, "attention_backend", "auto")).rsplit(".", 1)[-1].lower()
-    spec_name, uses_te = _spec_uses_te(getattr(config, "transformer_layer_spec", None))
+    spec_name, uses_te = _spec_uses_te(recipe_attention.built_spec(config))
     where = f"(attention_backend={backend}, spec={spec_name})"
+    if backend not in ("local", UNFUSED) and flex_attention.used(config):
+        return AttentionKind(FUSED, f"torch FlexAttention {where}")
     if backend in ("local", UNFUSED) or not uses_te:
         return AttentionKind(UNFUSED, f"unfused attention {where}")
     if _te_unfused_backend():
@@ -80,15 +88,18 @@ def _spec_uses_te(spec) -> tuple[str, bool]:
     """The spec's name and whether its core attention is Transformer Engine's.
 
     None or Bridge's ``default_layer_spec``: TE's spec. A built ``ModuleSpec``: its core-attention
-    class (``TE...``). A spec function: its name (``..._transformer_engine_...``, ``te_...``).
+    class (TE's: :func:`~megatron_bridge_ext.estimate.features.recipe_attention.is_te_class`). A spec function
+    that cannot be built here: its name (``..._transformer_engine_...``, ``te_...``).
     """
+    from megatron_bridge_ext.estimate.features.recipe_attention import declared_name, is_te_class
+
     if spec is None:
         return "default", True
     core = getattr(getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "submodules", None),
                    "core_attention", None)
     if core is not None:
-        name = getattr(core, "__name__", type(core).__name__)
-        return f"ModuleSpec with {name}", name.startswith("TE")
+        name = declared_name(core) or getattr(core, "__name__", type(core).__name__)
+        return f"ModuleSpec with {name}", is_te_class(core)
     name = getattr(spec, "__name__", repr(spec))
     lowered = name.lower()
     return name, name == "default_layer_spec" or "te" in lowered.split("_") or "transformer_engine" in lowered

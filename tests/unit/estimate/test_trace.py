@@ -33,6 +33,12 @@ pytestmark = [pytest.mark.unit]
     ("decoder", CHECKPOINT_INPUTS),
     ("output_layer", LOGITS_LOSS),
     ("<root>", LOGITS_LOSS),
+    ("per_layer_embedding", EMBEDDING),  # Gemma 4's per-layer embedding: its table, projection and norm
+    ("per_layer_model_proj", EMBEDDING),
+    ("per_layer_proj_norm", EMBEDDING),
+    ("decoder.layers.3.per_layer_input_gate", EMBEDDING),  # and each layer's gate and projection of its slice
+    ("decoder.layers.3.per_layer_projection", EMBEDDING),
+    ("decoder.layers.3.post_per_layer_input_norm", NORMS),
 ])
 def test_categories_of_module_names(name, category):
     assert category_of(name) == category
