@@ -106,7 +106,7 @@ def _check_path(cfg, override, left_out: set[str], targets: dict[str, Any]) -> N
             kind = type(getattr(obj, name)).__name__
             raise _refuse(path, f"{override.input_line} changes nothing: cfg.{path} is a {kind} object set in "
                                 f"Python, and {PEFT_OBJECT_REASON if path == 'peft' else _LEFT_OUT_REASON}.",
-                          _left_out_fix(path), "override_cannot_reach")
+                          _left_out_fix(path, key), "override_cannot_reach")
         if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
             break  # a dict, or None that the overrides fill: Hydra and the _target_ check judge it
         if name not in _field_names(obj):
@@ -122,12 +122,21 @@ def _check_path(cfg, override, left_out: set[str], targets: dict[str, Any]) -> N
 _LEFT_OUT_REASON = "Bridge's override parser leaves callables out of the override config and puts them back afterwards"
 
 
-def _left_out_fix(path: str) -> str:
-    if path == "peft":
+STRATEGY_KEYS = ("peft._target_", "peft.sequence_parallel_input_strategy")
+"""The PEFT overrides that switch on our LoRA-A input strategy, which MemoryConfig does on a recipe's PEFT object."""
+
+
+def _left_out_fix(path: str, key: str) -> str:
+    """How to make the change the override meant: the strategy by MemoryConfig, another PEFT field where the recipe
+    builds the object (``cfg.peft.dim = 64``), or ``--peft`` building Bridge's own in its place."""
+    if path != "peft":
+        return f"set cfg.{path} in the training script"
+    if key in STRATEGY_KEYS:
         return ("set it in the training script: "
                 "megatron_bridge_ext.config.MemoryConfig(sequence_parallel_input_strategy=...).apply(cfg) "
                 "switches a LoRA-family cfg.peft to ours with that strategy (mbx plan evaluates it as a lever)")
-    return f"set cfg.{path} in the training script"
+    return (f"set cfg.{key} in the training script where the recipe builds cfg.peft, or give --peft lora (with "
+            "--lora-dim) to estimate Bridge's LoRA in its place")
 
 
 def _locate(target: str):

@@ -350,6 +350,13 @@ def test_peft_overrides_on_a_recipe_that_sets_peft_are_refused_not_ignored(capsy
     assert "MemoryConfig(sequence_parallel_input_strategy=...).apply(cfg)" in line
 
 
+def test_a_peft_field_override_on_a_recipe_that_sets_peft_names_the_field_not_the_strategy(capsys):
+    """``++peft.dim=64`` on a LoRA recipe: the fix is where to set the dim, not our LoRA-A input strategy."""
+    line = _one_line_error(capsys, ["--recipe", WITH_LORA, "--gpu-memory", "80GB", "++peft.dim=64"])
+    assert line.startswith("mbx plan: peft: ++peft.dim=64 changes nothing: cfg.peft is a LoRA object set in Python")
+    assert "set cfg.peft.dim in the training script" in line and "sequence_parallel_input_strategy" not in line
+
+
 def test_neither_recipe_nor_config_json_is_one_line(capsys):
     assert "--recipe MODULE:FUNCTION or --hf-config FILE" in _one_line_error(capsys, ["--gpu-memory", "80GB"])
 
