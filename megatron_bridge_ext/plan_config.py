@@ -34,7 +34,7 @@ def build_config(args):
                             micro_batch=args.micro_batch, global_batch=args.global_batch, sequence_parallel=args.sp,
                             peft=args.peft, lora_dim=rank, lora_alpha=rank)
     built = configs.build(layout, args.overrides, recipe=args.recipe, hf_config=args.hf_config)
-    _check_global_batch(built.cfg)
+    _check_global_batch(built.cfg, args)
     dp_from = "--dp" if args.dp or not (getattr(args, "gpus", None) or args.recipe) else "--gpus"
     _check_experts(built.cfg, names={"ep": written(args, "ep"), "etp": written(args, "etp"), "dp": dp_from})
     problem = built_problem(built.cfg, args)
@@ -73,14 +73,28 @@ def global_batch_problem(global_batch, micro_batch, dp, *, setting: str):
                 f"{unit * max(1, round(global_batch / unit))}")
 
 
-def _check_global_batch(cfg) -> None:
-    """The built config's global batch against its micro-batch and DP (a recipe's or an override's)."""
+def _check_global_batch(cfg, args) -> None:
+    """The built config's global batch against its micro-batch and DP (a recipe's or an override's). Where the user
+    changed the micro-batch and left the recipe's global batch, the micro-batch is the setting named."""
     from megatron_bridge_ext.findings import Refused
 
-    problem = global_batch_problem(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                   getattr(cfg, "data_parallel_size", None), setting="train.global_batch_size")
-    if problem:
-        raise Refused("mbx plan input", [problem])
+    global_batch, micro_batch = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    dp = getattr(cfg, "data_parallel_size", None)
+    problem = global_batch_problem(global_batch, micro_batch, dp, setting="train.global_batch_size")
+    if problem is None:
+        return
+    gave_global = args.global_batch is not None or overridden(args.overrides, "train.global_batch_size")
+    micro = "--micro-batch" if args.micro_batch is not None else (
+        "train.micro_batch_size" if overridden(args.overrides, "train.micro_batch_size") else None)
+    if micro and not gave_global:
+        fits = sorted((m for m in range(1, global_batch // dp + 1) if global_batch % (m * dp) == 0),
+                      key=lambda m: (abs(m - micro_batch), m))[:2]  # the two nearest the one given
+        problem = _bad(micro, f"{micro_batch} with DP {dp} does not divide the recipe's global batch of "
+                              f"{global_batch} sequences (each step runs whole microbatches on every data-parallel "
+                              "replica)", f"give a micro-batch that divides {global_batch} / DP, e.g. "
+                                          f"{' or '.join(map(str, fits))}, or a global batch as well "
+                                          "(train.global_batch_size)")
+    raise Refused("mbx plan input", [problem])
 
 
 def _check_experts(cfg, *, names: dict) -> None:

@@ -45,6 +45,12 @@ def _one_line_error(capsys, argv) -> str:
       "train.global_batch_size=6"], "train.global_batch_size: 6 is not a multiple of micro-batch x DP = 2 x 4 = 8 (each step runs whole "
                                      "microbatches on every data-parallel replica). Fix: give a multiple of 8, e.g. "
                                      "train.global_batch_size=8"),
+    # the micro-batch the user changed is named, not the recipe's global batch of 32 (32 / DP 4 = 8: 2 and 4 nearest)
+    (["--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config", "--dp", "4",
+      "train.micro_batch_size=3"], "train.micro_batch_size: 3 with DP 4 does not divide the recipe's global batch of "
+                                   "32 sequences"),
+    (["--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config", "--dp", "4",
+      "--micro-batch", "3"], "Fix: give a micro-batch that divides 32 / DP, e.g. 2 or 4"),
 ])
 def test_bad_input_is_one_line(capsys, argv, expected):
     line = _one_line_error(capsys, [*argv, "--gpu-memory", "80GiB"])
