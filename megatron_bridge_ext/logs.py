@@ -28,6 +28,11 @@ KNOWN_HARMLESS = (
     # Megatron Core's TransformerConfig when a recipe sets the SM count under its older name (Bridge's Nemotron 3
     # recipes set moe_hybridep_num_sms): Core routes it to moe_flex_dispatcher_num_sms itself
     r".*_num_sms is deprecated\. Use moe_flex_dispatcher_num_sms instead.*",
+    # Megatron Core's ModelParallelConfig on a recipe's cross_entropy_fusion_impl="te": advice for the training run
+    # (Megatron-LM's argument validation), not for a plan of its memory
+    r".*Transformer Engine cross entropy loss fusion has known stability issues.*",
+    # Megatron Core's multimodal config, announced when Bridge's recipe modules import it
+    r".*MimoModelConfig is experimental.*",
 )
 """Upstream warnings on successful runs that are expected and say nothing about the run; ``--verbose`` shows them."""
 QUIET_LOGGERS = ("torch.utils.cpp_extension",)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -297,13 +298,26 @@ def _apply_comm_overlap(cfg, provider, optimizer, ddp, *, data_parallel: int) ->
     from megatron.bridge.training import comm_overlap
 
     try:
-        with te.version_checks_of_the_modelled_release(comm_overlap):
+        with te.version_checks_of_the_modelled_release(comm_overlap), _root_warnings_off():
             overlap.finalize()
             overlap.setup(provider, optimizer, ddp)
     except (AssertionError, ValueError, TypeError, ImportError) as error:
         raise _refuse("model_config", "comm_overlap", f"Bridge's CommOverlapConfig.setup refuses it: "
                       f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}",
                       "fix the comm_overlap fields it names") from None
+
+
+@contextlib.contextmanager
+def _root_warnings_off():
+    """Bridge's setup logs what it changes on the root logger ("Disabling tensor parallel communication overlap ...",
+    comm_overlap.py L444-447); on the estimate's copies it is said again for every stage estimated, and the run
+    itself says it once: quiet here."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
 
 def _set_wgrad_deferral_apart(provider, limit: Optional[int]) -> list[str]:
