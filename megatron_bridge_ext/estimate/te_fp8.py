@@ -42,13 +42,17 @@ checkpoints a separate norm, so the inputs of those two linears are left as trac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from megatron_bridge_ext.estimate import te
 from megatron_bridge_ext.estimate.precision import BLOCKWISE, DELAYED, MXFP8, MXFP8_BLOCK, TE_SOURCE, Fp8, round_up
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
 from megatron_bridge_ext.estimate.trace import category_of, layer_of
+
+if TYPE_CHECKING:
+    from megatron_bridge_ext.estimate.features import fp8_experts
 
 ROWWISE, COLUMNWISE = "rowwise", "columnwise"
 NORM_LINEARS = ("linear_qkv", "linear_fc1")
@@ -98,6 +102,8 @@ class Fp8Activations:
     lora_shard_bytes: int = 0
     recipe: str = ""
     norm_linears: bool = True
+    experts: Optional["fp8_experts.ExpertActivations"] = None
+    """The routed experts' part (:mod:`.features.fp8_experts`), in ``removed`` and ``added`` too."""
 
     def net(self, category: str) -> int:
         """The bytes the contract adds to ``category`` (negative: it takes them off)."""
@@ -160,6 +166,14 @@ def contract(traced, fp8: Fp8, shapes: Shapes, in_fp8: Callable[[int], bool], *,
                           norm_linears)
 
 
+def with_experts(acts: Fp8Activations, category: str, experts) -> Fp8Activations:
+    """``acts`` with the routed experts' contract (:func:`.features.fp8_experts.contract`) in ``category``."""
+    removed, added = dict(acts.removed), dict(acts.added)
+    removed[category] = removed.get(category, 0) + experts.removed
+    added[category] = added.get(category, 0) + experts.added
+    return dataclasses.replace(acts, removed=removed, added=added, experts=experts)
+
+
 def basis(acts: Fp8Activations, category: str) -> str:
     """The FP8 contract's change to one category, for its basis text."""
     return (f", less {acts.removed.get(category, 0):,} B of bf16 linear inputs TE does not keep, plus "
@@ -193,6 +207,10 @@ def assumptions(acts: Optional[Fp8Activations]) -> list[str]:
            "the norms' inputs and statistics, attention's q, k, v, output and statistics, the activation "
            "function's inputs, embedding, logits and loss; the layer full recompute runs again in backward is "
            "shown as traced in bf16 (not modelled)"]
+    if acts.experts is not None:
+        from megatron_bridge_ext.estimate.features import fp8_experts
+
+        out.append(fp8_experts.assumption(acts.experts))
     if not acts.norm_linears:
         out.append("FP8 activations with selective layernorm recompute: linear_qkv's and linear_fc1's inputs are not "
                    "modelled (TE fuses the norm into them; the local spec checkpoints it apart): shown as traced "
