@@ -679,10 +679,13 @@ def global_layer_numbers(provider, stage: int, model) -> list[int]:
 
     A stage's model chunks are traced as one model, chunk v's layers after chunk v-1's, where Core numbers chunk
     v's layers from its own offset (:func:`.pipeline.stage_layers`, any split Core accepts). A hybrid model's
-    stage (one chunk): the traced layers' own numbers.
+    stage (one chunk) holds its segment of the pattern (:func:`.unmodelled.pipeline_segments`), numbered from the
+    layers of the stages before it (``hybrid_block.py`` L124-128), whatever layers a reduced stage traced.
     """
     if is_hybrid(provider):
-        return [layer.layer_number - 1 for layer in model.decoder.layers]
+        segments = unmodelled.pipeline_segments(provider)
+        offset = sum(len(segment) for segment in segments[:stage])
+        return list(range(offset, offset + len(segments[stage])))
     return pipeline.stage_layers(provider, stage)
 
 
@@ -719,9 +722,11 @@ def _recomputes_layernorm(provider) -> bool:
 
 def _fp8_shapes(provider, prepared: Prepared, sp: bool) -> te_fp8.Shapes:
     tp = provider.tensor_model_parallel_size
+    mamba_inner = mamba.shapes(provider).inner if is_hybrid(provider) and unmodelled.MAMBA in layer_kinds(provider) \
+        else 0
     return te_fp8.Shapes(seq=prepared.local_seq, micro_batch=prepared.micro_batch, hidden=provider.hidden_size,
                          proj_in=provider.num_attention_heads * provider.kv_channels // tp,
-                         ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp)
+                         ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp, mamba_inner=mamba_inner)
 
 
 def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipeline.InFlight:

@@ -44,7 +44,7 @@ def findings(model) -> list[Finding]:
     """FP8 on the MoE variants whose TE linears the contract does not follow: shared experts (TE ``Linear`` modules
     on the router's input), ``expert_fc1`` offloaded (Core sets ``save_original_input`` on it) and latent MoE's
     projections around the experts."""
-    if not (getattr(model, "fp8", None) and getattr(model, "num_moe_experts", None)):
+    if not (getattr(model, "fp8", None) and _has_moe_layers(model)):
         return []
     out = []
     if getattr(model, "moe_shared_expert_intermediate_size", None):
@@ -61,6 +61,14 @@ def findings(model) -> list[Finding]:
                            "FP8 on latent MoE's projections is not modelled by the estimate (their TE linears' "
                            "quantised weights and inputs are not counted)", "estimate the bf16 config"))
     return out
+
+
+def _has_moe_layers(model) -> bool:
+    """Experts configured, and for a hybrid model MoE layers in its pattern."""
+    from megatron_bridge_ext.estimate import unmodelled
+
+    pattern = unmodelled.hybrid_pattern(model)
+    return bool(getattr(model, "num_moe_experts", None)) and (pattern is None or unmodelled.MOE in pattern)
 
 
 def align(recipe: str) -> int:
