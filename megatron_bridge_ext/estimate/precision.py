@@ -9,7 +9,9 @@ Core's rule (``fp8_utils.is_first_last_bf16_layer``): with ``first_last_layers_b
 layers ``< num_layers_at_start_in_bf16`` and ``>= num_layers - num_layers_at_end_in_bf16`` stay in
 bf16, and ``get_fp8_context(..., is_init=True)`` creates FP8 parameters (``fp8_param``) only in the
 others. The dense linears of an FP8 layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
-``linear_fc2``) are Transformer Engine modules; per rank, on Hopper (H100, H200):
+``linear_fc2``; a hybrid model's Mamba mixer's ``in_proj`` and ``out_proj``) and each local routed expert's
+``linear_fc1`` and ``linear_fc2`` (TE's ``GroupedLinear`` quantises and caches one weight per expert,
+:mod:`.features.fp8_experts`) are Transformer Engine modules; per rank, on Hopper (H100, H200):
 
 * without FP8 parameters the weights stay 16-bit and TE caches a quantised copy of each between the
   microbatches of a step: Core passes ``is_first_microbatch`` (``extensions/transformer_engine.py``,

@@ -298,3 +298,9 @@ def test_fp8_weights_count_the_mamba_projections_of_the_fp8_layers_by_global_num
     attention_layer = (2 * 64 * 64 + 4) + (2 * 64 * 32 + 4)
     mlp_layer = 2 * (2 * 48 * 64 + 4)
     assert est.component("weights: FP8 linear weights").bytes == 2 * mamba_layer + attention_layer + mlp_layer
+
+
+def test_the_reduced_trace_of_an_fp8_hybrid_stage_equals_the_whole_trace(monkeypatch):
+    """MM*M-M traced as M M * - under FP8 current scaling: the FP8 layers, weights and contract by global number."""
+    _assert_reduced_equals_whole(_tiny(pattern="MM*M-M", extra=FP8_MAMBA + (
+        "mixed_precision=bf16_with_fp8_current_scaling_mixed",)), monkeypatch)

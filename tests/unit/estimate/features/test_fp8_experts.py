@@ -111,3 +111,17 @@ def test_fp8_on_shared_experts_latent_moe_and_offloaded_expert_fc1_is_refused_by
                               offload_modules=["expert_fc1"])
     assert [f.setting for f in fp8_experts.findings(offload)] == ["model.offload_modules"]
     assert fp8_experts.findings(SimpleNamespace(fp8=None, num_moe_experts=8, moe_latent_size=16)) == []
+
+
+def test_the_reduced_trace_of_an_fp8_moe_stage_equals_the_whole_trace(monkeypatch):
+    """Four MoE layers traced as two under FP8 current scaling: the same weights, contract and peaks as all four."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+    from tests.support.estimate import assert_reduced_equals_whole
+
+    shape = TinyGPTShape(layers=LAYERS, tp=1, sequence_parallel=False, experts=E, topk=2, seq=TOKENS, micro_batch=1,
+                         dtype="bfloat16")
+    cfg = tiny_config(shape, moe_grouped_gemm=True)
+    from megatron.bridge.training import mixed_precision
+
+    cfg.mixed_precision = mixed_precision.bf16_with_fp8_current_scaling_mixed()
+    assert_reduced_equals_whole(cfg, monkeypatch)
