@@ -28,7 +28,8 @@ from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT,
 from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
                                                    ReportSettings, Settings)
 from megatron_bridge_ext.estimate.features import fp8_experts
-from megatron_bridge_ext.estimate.trace import CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of, trace_microbatch
+from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of,
+                                               trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
@@ -610,7 +611,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     if fp8 is not None:  # FP8 linears are Transformer Engine's whatever spec is traced
         fp8_acts = te_fp8.contract(traced, fp8, _fp8_shapes(provider, prepared, sp), in_fp8,
                                    norm_linears=not _recomputes_layernorm(provider))
-        experts = _fp8_experts(model, fp8, routed, element, [i for i in _moe_layer_indices(model, reduced) if in_fp8(i)])
+        fp8_moe = [i for i in _moe_layer_indices(model, reduced) if in_fp8(i)]
+        experts = _fp8_experts(model, fp8, routed, element, fp8_moe)
         if fp8_acts is not None and experts is not None:
             fp8_acts = te_fp8.with_experts(fp8_acts, EXPERTS, experts)
     components += _activations(traced, in_flight, contract, fp8_acts)

@@ -209,7 +209,8 @@ def fp8_weights(model, fp8: Fp8, global_layers: Optional[list[int]] = None,
                 sources: Optional[list[int]] = None) -> Fp8Weights:
     """The weights of the Transformer Engine linears of this rank's FP8 layers, frozen or not: the dense linears a
     layer has (:data:`LINEARS`, a hybrid model's Mamba mixer's :data:`MAMBA_LINEARS`) and each local expert's
-    ``linear_fc1`` and ``linear_fc2`` (TE's ``GroupedLinear`` keeps one quantised weight per expert, :func:`_expert_linears`).
+    ``linear_fc1`` and ``linear_fc2`` (TE's ``GroupedLinear`` keeps one quantised weight per expert,
+    :func:`_expert_linears`).
     Global layer numbers decide which layers run in FP8: ``global_layers``, one per layer of the real stage, else the
     traced layers' own numbers. ``sources``: for a stage traced reduced, the traced layer each real layer repeats
     (``memory.traced_layers``). A PEFT's adapters stay in 16 bits (they are not TE modules)."""
@@ -260,14 +261,16 @@ def component(weights: Fp8Weights, fp8: Fp8) -> Optional[Component]:
     layout = _layout(fp8.recipe)
     if fp8.params:
         return Component(STATIC, "weights: FP8 linear weights", weights.quantized,
-                         f"{weights.elements:,} parameters of the {weights.layers} FP8 layers' {_linears(weights)} stored "
+                         f"{weights.elements:,} parameters of the {weights.layers} FP8 layers' {_linears(weights)} "
+                         "stored "
                          f"quantised ({layout}): rowwise bytes in Megatron's uint8 parameter buffer with the "
                          f"distributed optimizer, columnwise copy kept by TE for backward ({TE_SOURCE} module/base.py "
                          "L1365-1373)")
     if not fp8.weight_cache:
         return None
     return Component(STATIC, "FP8 weight copies (TE workspaces)", weights.quantized,
-                     f"{weights.elements:,} 16-bit weights of the {weights.layers} FP8 layers' {_linears(weights)}, each "
+                     f"{weights.elements:,} 16-bit weights of the {weights.layers} FP8 layers' {_linears(weights)}, "
+                     "each "
                      f"cached quantised between microbatches ({layout}; {TE_SOURCE} module/linear.py L241-259, "
                      "module/base.py L1380-1435)")
 
@@ -315,7 +318,8 @@ def notes(fp8: Optional[Fp8]) -> list[str]:
         out.append("fp8_dot_product_attention: attention in FP8 is not modelled (what it saves is shown as traced in "
                    "bf16)")
     out.append("FP8 weights: Hopper layout (Float8 tensors keep a transpose; Blackwell, with non-TN FP8 GEMMs, keeps "
-               "none: 1 B per element less for tensorwise and delayed scaling); the dense linears and each local expert's "
+               "none: 1 B per element less for tensorwise and delayed scaling); the dense linears and each local "
+               "expert's "
                "linear_fc1 and linear_fc2 (one quantised weight per expert in TE's GroupedLinear)")
     if not fp8.weight_cache and not fp8.params:
         out.append("disable_parameter_transpose_cache: TE quantises each weight for every microbatch and keeps that "

@@ -90,7 +90,8 @@ class Shapes:
         return self.seq // shard * self.micro_batch
 
     def of(self, linear: str) -> tuple[int, int]:
-        """Rows and columns of the input of ``linear`` (``linear_qkv`` ... ``linear_fc2``, ``in_proj``, ``out_proj``)."""
+        """Rows and columns of the input of ``linear`` (``linear_qkv`` ... ``linear_fc2``; a Mamba mixer's ``in_proj``,
+        ``out_proj``)."""
         cols = {"linear_qkv": self.hidden, "linear_fc1": self.hidden, "linear_proj": self.proj_in,
                 "linear_fc2": self.ffn, "in_proj": self.hidden, "out_proj": self.mamba_inner}[linear]
         return self.rows(linear in NORM_LINEARS), cols

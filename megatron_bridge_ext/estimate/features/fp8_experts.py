@@ -55,7 +55,8 @@ def findings(model) -> list[Finding]:
             getattr(model, "offload_modules", None) or []):
         out.append(Finding("unsupported_model", ERROR, "model.offload_modules",
                            "expert_fc1 offloaded under FP8 is not modelled by the estimate (Core makes the experts' "
-                           "linear_fc1 keep its bf16 input for the offload)", "leave expert_fc1 out of offload_modules"))
+                           "linear_fc1 keep its bf16 input for the offload)",
+                           "leave expert_fc1 out of offload_modules"))
     if getattr(model, "moe_latent_size", None):
         out.append(Finding("unsupported_model", ERROR, "model.fp8",
                            "FP8 on latent MoE's projections is not modelled by the estimate (their TE linears' "

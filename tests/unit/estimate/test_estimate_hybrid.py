@@ -252,7 +252,8 @@ def test_te_keeps_a_norm_output_shard_beside_lora_a_on_its_layernorm_linears_onl
 
 FP8_MAMBA = ("model.mamba_num_heads=16", "model.mamba_head_dim=8")
 """Under FP8 Core asserts in_proj's width is a multiple of 16 (mamba_mixer.py L251-255): 2 x 128 + 2 x 2 x 16 + 16."""
-FP8_RECIPES = {"tensorwise": ("bf16_with_fp8_current_scaling_mixed", [1, 3]), "mxfp8": ("bf16_with_mxfp8_mixed", [0, 1, 3, 5])}
+FP8_RECIPES = {"tensorwise": ("bf16_with_fp8_current_scaling_mixed", [1, 3]),
+               "mxfp8": ("bf16_with_mxfp8_mixed", [0, 1, 3, 5])}
 """Pattern MM*M-M: the Mamba layers that run in FP8 (current scaling keeps the first and the last layer in bf16)."""
 _FP8_CACHE = {}
 

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.unit]
 LAYERS, E, H, FFN, TOKENS, BF16 = 4, 2, 64, 64, 40, 2
 QKV, PROJ = ((4 + 2 * 2) * 16, H), (H, 4 * 16)
 FC1, FC2 = (FFN, H), (H, FFN)  # each expert's weights [out, in]
-RECIPES = {"tensorwise": ("bf16_with_fp8_current_scaling_mixed", [1, 2]), "mxfp8": ("bf16_with_mxfp8_mixed", [0, 1, 2, 3])}
+RECIPES = {"tensorwise": ("bf16_with_fp8_current_scaling_mixed", [1, 2]),
+           "mxfp8": ("bf16_with_mxfp8_mixed", [0, 1, 2, 3])}
 
 
 def _ceil(a, b):
