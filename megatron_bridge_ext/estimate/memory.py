@@ -28,7 +28,9 @@ from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
                                                    ReportSettings, Settings)
-from megatron_bridge_ext.estimate.trace import CATEGORIES, LORA_INPUTS, layer_of, moe_layers_of, trace_microbatch
+from megatron_bridge_ext.estimate.features import fp8_experts
+from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of,
+                                               trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
@@ -212,6 +214,17 @@ UNHONOURED = (
 """Optimizer and DDP settings the estimate cannot honour: each is refused by name rather than estimated without it."""
 
 
+def _te_release_for_fp8_experts(provider):
+    """Core's config check that FP8 on MoE layers has TE >= 1.7.0 (``transformer_config.py`` L2294-2300) answered for
+    the modelled TE release (:func:`.te.version_checks_of_the_modelled_release`), as on a cluster that has it: the
+    experts' FP8 is modelled by TE's contract (:mod:`.features.fp8_experts`), not run here."""
+    if not (getattr(provider, "fp8", None) and getattr(provider, "num_moe_experts", None)):
+        return contextlib.nullcontext()
+    from megatron.core.transformer import transformer_config
+
+    return te.version_checks_of_the_modelled_release(transformer_config)
+
+
 def _unhonoured(optimizer, ddp) -> list[Finding]:
     sections = {"optimizer": optimizer, "ddp": ddp}
     return [Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
@@ -250,7 +263,8 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider) + ([graphs] if graphs else [])
     notes += precision.notes(precision.fp8_of(provider))
     try:
-        provider.finalize()
+        with _te_release_for_fp8_experts(provider):
+            provider.finalize()
     except (AssertionError, ValueError, TypeError) as error:
         raise _refuse("model_config", "model", f"Megatron Core refuses the model config: {error}",
                       "fix the model fields it names") from None
@@ -582,7 +596,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                  dtype=prepared.dtype, transformer_impl=impl,
                                  mtp_moe=moe_layer_pattern(provider)[-1] == 1)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
-        fp8 = precision.fp8_of(stage_provider)
+        fp8 = precision.fp8_of(provider)  # the whole model's layers: a reduced stage's copy has fewer
         traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                                   hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
                                   sequence_parallel_tp=tp if sp else 1)
@@ -599,7 +613,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     in_flight = _in_flight(provider, prepared, stage, layers)
     element = static.dtype_bytes(prepared.dtype)
     global_layers = global_layer_numbers(provider, stage, model)
-    components, step = _static(prepared, counts, precision.fp8_weights(model, fp8, global_layers) if fp8 else None, fp8)
+    sources = reduced.sources if reduced else None
+    components, step = _static(prepared, counts,
+                               precision.fp8_weights(model, fp8, global_layers, sources) if fp8 else None, fp8)
     in_fp8 = _fp8_layers(global_layers, fp8)
     modelled = fp8 is not None and not te_fp8.refused(fp8)  # TE's quantised shard replaces the bf16 one
     contract = te.TeContract(0, 0, 0, 0)
@@ -613,6 +629,10 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     if fp8 is not None:  # FP8 linears are Transformer Engine's whatever spec is traced
         fp8_acts = te_fp8.contract(traced, fp8, _fp8_shapes(provider, prepared, sp), in_fp8,
                                    norm_linears=not _recomputes_layernorm(provider))
+        fp8_moe = [i for i in _moe_layer_indices(model, reduced) if in_fp8(i)]
+        experts = _fp8_experts(model, fp8, routed, element, fp8_moe)
+        if fp8_acts is not None and experts is not None:
+            fp8_acts = te_fp8.with_experts(fp8_acts, EXPERTS, experts)
     components += _activations(traced, in_flight, contract, fp8_acts)
     in_flight = in_flight.mean
     tokens = prepared.local_seq // tp if sp else prepared.local_seq
@@ -679,10 +699,13 @@ def global_layer_numbers(provider, stage: int, model) -> list[int]:
 
     A stage's model chunks are traced as one model, chunk v's layers after chunk v-1's, where Core numbers chunk
     v's layers from its own offset (:func:`.pipeline.stage_layers`, any split Core accepts). A hybrid model's
-    stage (one chunk): the traced layers' own numbers.
+    stage (one chunk) holds its segment of the pattern (:func:`.unmodelled.pipeline_segments`), numbered from the
+    layers of the stages before it (``hybrid_block.py`` L124-128), whatever layers a reduced stage traced.
     """
     if is_hybrid(provider):
-        return [layer.layer_number - 1 for layer in model.decoder.layers]
+        segments = unmodelled.pipeline_segments(provider)
+        offset = sum(len(segment) for segment in segments[:stage])
+        return list(range(offset, offset + len(segments[stage])))
     return pipeline.stage_layers(provider, stage)
 
 
@@ -691,15 +714,39 @@ def _fp8_layers(global_layers: list[int], fp8: Optional[precision.Fp8]):
     return lambda local: fp8 is not None and local is not None and fp8.layer_in_fp8(global_layers[local])
 
 
+def _moe_layer_indices(model, reduced: Optional[ReducedStage]) -> list[int]:
+    """The indices of the stage's MoE layers, in the real stage's order (a reduced stage's by its sources)."""
+    if reduced:
+        return [i for i, source in enumerate(reduced.sources) if reduced.pattern[source] in MOE_KINDS]
+    return sorted({layer_of(name) for name in moe_layers_of(model)} - {None})
+
+
+def _fp8_experts(model, fp8: precision.Fp8, routed: int, element: int,
+                 fp8_layers: list[int]) -> Optional[fp8_experts.ExpertActivations]:
+    """TE's contract for the routed experts of the stage's FP8 MoE layers (None: none, or frozen experts, whose
+    grouped linears keep no input as the traced local ones keep none)."""
+    experts = next((layer.mlp.experts.local_experts for layer in model.decoder.layers
+                    if getattr(getattr(getattr(layer, "mlp", None), "experts", None), "local_experts", None)), None)
+    if not fp8_layers or not experts or not routed:
+        return None
+    fc1, fc2 = (getattr(linear, "to_wrap", linear).weight for linear in (experts[0].linear_fc1, experts[0].linear_fc2))
+    if not fc1.requires_grad:
+        return None
+    shapes = fp8_experts.ExpertShapes(experts=len(experts), hidden=fc1.shape[-1], ffn=fc2.shape[-1], routed=routed)
+    return fp8_experts.contract(fp8.recipe, shapes, len(fp8_layers), element)
+
+
 def _recomputes_layernorm(provider) -> bool:
     return provider.recompute_granularity == "selective" and "layernorm" in (provider.recompute_modules or [])
 
 
 def _fp8_shapes(provider, prepared: Prepared, sp: bool) -> te_fp8.Shapes:
     tp = provider.tensor_model_parallel_size
+    mamba_inner = mamba.shapes(provider).inner if is_hybrid(provider) and unmodelled.MAMBA in layer_kinds(provider) \
+        else 0
     return te_fp8.Shapes(seq=prepared.local_seq, micro_batch=prepared.micro_batch, hidden=provider.hidden_size,
                          proj_in=provider.num_attention_heads * provider.kv_channels // tp,
-                         ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp)
+                         ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp, mamba_inner=mamba_inner)
 
 
 def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipeline.InFlight:

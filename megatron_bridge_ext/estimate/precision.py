@@ -9,7 +9,9 @@ Core's rule (``fp8_utils.is_first_last_bf16_layer``): with ``first_last_layers_b
 layers ``< num_layers_at_start_in_bf16`` and ``>= num_layers - num_layers_at_end_in_bf16`` stay in
 bf16, and ``get_fp8_context(..., is_init=True)`` creates FP8 parameters (``fp8_param``) only in the
 others. The dense linears of an FP8 layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
-``linear_fc2``) are Transformer Engine modules; per rank, on Hopper (H100, H200):
+``linear_fc2``; a hybrid model's Mamba mixer's ``in_proj`` and ``out_proj``) and each local routed expert's
+``linear_fc1`` and ``linear_fc2`` (TE's ``GroupedLinear`` quantises and caches one weight per expert,
+:mod:`.features.fp8_experts`) are Transformer Engine modules; per rank, on Hopper (H100, H200):
 
 * without FP8 parameters the weights stay 16-bit and TE caches a quantised copy of each between the
   microbatches of a step: Core passes ``is_first_microbatch`` (``extensions/transformer_engine.py``,
@@ -52,6 +54,8 @@ TENSORWISE, DELAYED, MXFP8, BLOCKWISE = "tensorwise", "delayed", "mxfp8", "block
 RECIPES = (TENSORWISE, DELAYED, MXFP8, BLOCKWISE)
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 """The dense linear layers of a transformer layer that Transformer Engine runs in FP8."""
+MAMBA_LINEARS = ("mixer.in_proj", "mixer.out_proj")
+"""A hybrid model's Mamba mixer's TE linears (``TELayerNormColumnParallelLinear``, ``TERowParallelLinear``)."""
 MXFP8_BLOCK = 32
 BLOCK = 128
 TE_SOURCE = "TE v2.8"
@@ -197,25 +201,57 @@ class Fp8Weights:
     elements: int
     quantized: int
     layers: int
+    expert_elements: int = 0
+    """The part of ``elements`` in the routed experts' linears."""
 
 
-def fp8_weights(model, fp8: Fp8, global_layers: Optional[list[int]] = None) -> Fp8Weights:
-    """The weights of the dense linears of this rank's FP8 layers (global layer numbers decide: ``global_layers``,
-    0-based per traced layer, else the layers' own numbers), frozen or not; a PEFT's adapters stay in 16 bits
-    (they are not TE modules)."""
+def fp8_weights(model, fp8: Fp8, global_layers: Optional[list[int]] = None,
+                sources: Optional[list[int]] = None) -> Fp8Weights:
+    """The weights of the Transformer Engine linears of this rank's FP8 layers, frozen or not: the dense linears a
+    layer has (:data:`LINEARS`, a hybrid model's Mamba mixer's :data:`MAMBA_LINEARS`) and each local expert's
+    ``linear_fc1`` and ``linear_fc2`` (TE's ``GroupedLinear`` keeps one quantised weight per expert,
+    :func:`_expert_linears`).
+    Global layer numbers decide which layers run in FP8: ``global_layers``, one per layer of the real stage, else the
+    traced layers' own numbers. ``sources``: for a stage traced reduced, the traced layer each real layer repeats
+    (``memory.traced_layers``). A PEFT's adapters stay in 16 bits (they are not TE modules)."""
+    traced = list(model.decoder.layers)
+    sources = sources if sources is not None else list(range(len(traced)))
     shapes = []
-    layers = 0
-    for index, layer in enumerate(model.decoder.layers):
+    layers = experts = 0
+    for index, source in enumerate(sources):
+        layer = traced[source]
         if not fp8.layer_in_fp8(global_layers[index] if global_layers is not None else layer.layer_number - 1):
             continue
         layers += 1
-        for path in LINEARS:
-            linear = layer.get_submodule(path)
-            weight = getattr(getattr(linear, "to_wrap", linear), "weight", None)  # a PEFT wraps the base linear
-            if weight is not None:
-                shapes.append(tuple(weight.shape))
+        dense = _weight_shapes(_dense_linears(layer))
+        routed = _weight_shapes(_expert_linears(layer))
+        shapes += dense + routed
+        experts += sum(math.prod(s) for s in routed)
     return Fp8Weights(shapes, sum(math.prod(s) for s in shapes), sum(quantized_bytes(s, fp8.recipe) for s in shapes),
-                      layers)
+                      layers, experts)
+
+
+def _weight_shapes(linears: list) -> list[tuple[int, ...]]:
+    weights = (getattr(getattr(linear, "to_wrap", linear), "weight", None) for linear in linears)  # a PEFT wraps it
+    return [tuple(w.shape) for w in weights if w is not None]
+
+
+def _dense_linears(layer) -> list:
+    """The dense linears of ``layer`` it has (an MoE layer has no ``mlp.linear_fc1``, a Mamba layer no attention)."""
+    out = []
+    for path in LINEARS + MAMBA_LINEARS:
+        try:
+            out.append(layer.get_submodule(path))
+        except AttributeError:
+            continue
+    return out
+
+
+def _expert_linears(layer) -> list:
+    """Each local expert's ``linear_fc1`` and ``linear_fc2`` (SequentialMLP's ``local_experts``, as traced): Core's
+    ``TEGroupedMLP`` has the same weights, one ``weight{i}`` per expert in each ``GroupedLinear``."""
+    experts = getattr(getattr(getattr(layer, "mlp", None), "experts", None), "local_experts", None) or []
+    return [getattr(expert, name) for expert in experts for name in ("linear_fc1", "linear_fc2")]
 
 
 def component(weights: Fp8Weights, fp8: Fp8) -> Optional[Component]:
@@ -225,16 +261,24 @@ def component(weights: Fp8Weights, fp8: Fp8) -> Optional[Component]:
     layout = _layout(fp8.recipe)
     if fp8.params:
         return Component(STATIC, "weights: FP8 linear weights", weights.quantized,
-                         f"{weights.elements:,} parameters of the {weights.layers} FP8 layers' dense linears stored "
+                         f"{weights.elements:,} parameters of the {weights.layers} FP8 layers' {_linears(weights)} "
+                         "stored "
                          f"quantised ({layout}): rowwise bytes in Megatron's uint8 parameter buffer with the "
                          f"distributed optimizer, columnwise copy kept by TE for backward ({TE_SOURCE} module/base.py "
                          "L1365-1373)")
     if not fp8.weight_cache:
         return None
     return Component(STATIC, "FP8 weight copies (TE workspaces)", weights.quantized,
-                     f"{weights.elements:,} 16-bit weights of the {weights.layers} FP8 layers' dense linears, each "
+                     f"{weights.elements:,} 16-bit weights of the {weights.layers} FP8 layers' {_linears(weights)}, "
+                     "each "
                      f"cached quantised between microbatches ({layout}; {TE_SOURCE} module/linear.py L241-259, "
                      "module/base.py L1380-1435)")
+
+
+def _linears(weights: Fp8Weights) -> str:
+    if not weights.expert_elements:
+        return "dense linears"
+    return f"linears ({weights.expert_elements:,} in the routed experts' grouped linears, one weight per expert)"
 
 
 def _layout(recipe: str) -> str:
@@ -244,9 +288,12 @@ def _layout(recipe: str) -> str:
             BLOCKWISE: "1 B rowwise + 1 B columnwise per element, fp32 scale per 128 x 128 block each way"}[recipe]
 
 
-def stored_apart(weights: Fp8Weights, fp8: Optional[Fp8]) -> int:
-    """Parameters that :func:`component` counts instead of the 16-bit weights line (FP8 parameters only)."""
-    return weights.elements if fp8 is not None and fp8.params else 0
+def stored_apart(weights: Fp8Weights, fp8: Optional[Fp8]) -> dict[str, int]:
+    """Parameters per weights line (``static``'s part names) that :func:`component` counts instead (FP8 parameters
+    only): the experts' on the experts line, the rest on the transformer layers'."""
+    if fp8 is None or not fp8.params:
+        return {}
+    return {"transformer layers": weights.elements - weights.expert_elements, "experts": weights.expert_elements}
 
 
 def activation_note(fp8: Fp8) -> Optional[str]:
@@ -271,8 +318,9 @@ def notes(fp8: Optional[Fp8]) -> list[str]:
         out.append("fp8_dot_product_attention: attention in FP8 is not modelled (what it saves is shown as traced in "
                    "bf16)")
     out.append("FP8 weights: Hopper layout (Float8 tensors keep a transpose; Blackwell, with non-TN FP8 GEMMs, keeps "
-               "none: 1 B per element less for tensorwise and delayed scaling); dense linears only (grouped expert "
-               "linears are not counted here)")
+               "none: 1 B per element less for tensorwise and delayed scaling); the dense linears and each local "
+               "expert's "
+               "linear_fc1 and linear_fc2 (one quantised weight per expert in TE's GroupedLinear)")
     if not fp8.weight_cache and not fp8.params:
         out.append("disable_parameter_transpose_cache: TE quantises each weight for every microbatch and keeps that "
                    "copy for backward; not modelled")

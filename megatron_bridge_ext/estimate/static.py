@@ -157,13 +157,13 @@ def grad_buffer_bytes(ddp_config, param_bytes: int) -> int:
 
 
 def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: OptimizerRule,
-                      expert_shards: int = 1, stored_apart: int = 0) -> list[Component]:
+                      expert_shards: int = 1, stored_apart: Optional[dict[str, int]] = None) -> list[Component]:
     """Weights per part, the grad buffer and the optimizer state of one rank.
 
     ``expert_shards``: the ranks the distributed optimizer divides trainable expert parameters' state
     over (expert DP; :func:`expert_data_parallel`), where ``rule.shards`` divides the others'.
-    ``stored_apart``: parameters of the transformer layers that another component counts in their own
-    storage (FP8 parameters, :mod:`.precision`); their gradients and optimizer states are counted here.
+    ``stored_apart``: parameters per part (the transformer layers', the experts') that another component counts in
+    their own storage (FP8 parameters, :mod:`.precision`); their gradients and optimizer states are counted here.
     """
     out = []
     size = counts.element_size
@@ -172,7 +172,7 @@ def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: Optimiz
         if frozen + trainable == 0:
             continue
         split = ", ".join(f"{n:,} {label}" for n, label in ((frozen, "frozen"), (trainable, "trainable")) if n)
-        apart = stored_apart if part == LAYERS else 0
+        apart = (stored_apart or {}).get(part, 0)
         basis = f"{split} parameters x {size} B" if not apart else \
             f"{split} parameters, less {apart:,} stored as FP8 (counted on their own line), x {size} B"
         out.append(Component(STATIC, f"weights: {part}", (frozen + trainable - apart) * size, basis))

@@ -29,6 +29,12 @@ linear's input in bf16. In an FP8 layer, per TE v2.8 (``transformer_engine/pytor
   without sequence parallelism): **one quantised shard per adapted layer is added**, in place of the bf16
   shard :mod:`.te` adds for a bf16 layer (under FP8 the bf16 shard is replaced by its quantised copy, L240).
 
+A hybrid model's Mamba mixer follows the same contract: Core's hybrid spec builds its ``in_proj`` as
+``TELayerNormColumnParallelLinear`` (the layer's norm fused, as ``linear_qkv``) and its ``out_proj`` as
+``TERowParallelLinear`` (as ``linear_fc2``, no ``save_original_input``; ``models/hybrid/hybrid_layer_specs.py``
+L93-101), where the traced local spec has a separate norm and plain linears; ``out_proj``'s input is the gated norm's
+output [s, b, heads x head dim / TP].
+
 Where the traced bf16 input was kept by that linear alone (the meter's ``by_module_alone``), TE's quantised
 input replaces it; where another op keeps the same storage (``linear_proj``'s input, kept by attention),
 the quantised copy comes on top. Bytes per layout (``tensor/``): tensorwise and delayed scaling keep
@@ -42,17 +48,22 @@ checkpoints a separate norm, so the inputs of those two linears are left as trac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from megatron_bridge_ext.estimate import te
 from megatron_bridge_ext.estimate.precision import BLOCKWISE, DELAYED, MXFP8, MXFP8_BLOCK, TE_SOURCE, Fp8, round_up
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, Component
 from megatron_bridge_ext.estimate.trace import category_of, layer_of
 
+if TYPE_CHECKING:
+    from megatron_bridge_ext.estimate.features import fp8_experts
+
 ROWWISE, COLUMNWISE = "rowwise", "columnwise"
-NORM_LINEARS = ("linear_qkv", "linear_fc1")
-"""The linears Core's TE spec fuses with their norm (``LayerNormLinear``); the others are ``Linear``."""
+NORM_LINEARS = ("linear_qkv", "linear_fc1", "in_proj")
+"""The linears Core's TE spec fuses with their norm (``LayerNormLinear``; a Mamba mixer's ``in_proj``); the others
+(``linear_proj``, ``linear_fc2``, a Mamba mixer's ``out_proj``) are ``Linear``."""
 
 FP8_SHARDS = "TE FP8 norm-output shards (contract)"
 """The component of the quantised norm-output shards TE keeps beside a LoRA-A in FP8 layers."""
@@ -69,6 +80,8 @@ class Shapes:
     ffn: int
     tp: int
     sequence_parallel: bool
+    mamba_inner: int = 0
+    """A hybrid model's Mamba mixer's ``out_proj`` input width on this rank (heads x head dim / TP)."""
 
     def rows(self, column_parallel: bool) -> int:
         """A column-parallel input is the local sequence shard under sequence parallelism; a row-parallel one
@@ -77,9 +90,10 @@ class Shapes:
         return self.seq // shard * self.micro_batch
 
     def of(self, linear: str) -> tuple[int, int]:
-        """Rows and columns of the input of ``linear`` (``linear_qkv`` ... ``linear_fc2``)."""
+        """Rows and columns of the input of ``linear`` (``linear_qkv`` ... ``linear_fc2``; a Mamba mixer's ``in_proj``,
+        ``out_proj``)."""
         cols = {"linear_qkv": self.hidden, "linear_fc1": self.hidden, "linear_proj": self.proj_in,
-                "linear_fc2": self.ffn}[linear]
+                "linear_fc2": self.ffn, "in_proj": self.hidden, "out_proj": self.mamba_inner}[linear]
         return self.rows(linear in NORM_LINEARS), cols
 
 
@@ -98,6 +112,8 @@ class Fp8Activations:
     lora_shard_bytes: int = 0
     recipe: str = ""
     norm_linears: bool = True
+    experts: Optional["fp8_experts.ExpertActivations"] = None
+    """The routed experts' part (:mod:`.features.fp8_experts`), in ``removed`` and ``added`` too."""
 
     def net(self, category: str) -> int:
         """The bytes the contract adds to ``category`` (negative: it takes them off)."""
@@ -160,6 +176,14 @@ def contract(traced, fp8: Fp8, shapes: Shapes, in_fp8: Callable[[int], bool], *,
                           norm_linears)
 
 
+def with_experts(acts: Fp8Activations, category: str, experts) -> Fp8Activations:
+    """``acts`` with the routed experts' contract (:func:`.features.fp8_experts.contract`) in ``category``."""
+    removed, added = dict(acts.removed), dict(acts.added)
+    removed[category] = removed.get(category, 0) + experts.removed
+    added[category] = added.get(category, 0) + experts.added
+    return dataclasses.replace(acts, removed=removed, added=added, experts=experts)
+
+
 def basis(acts: Fp8Activations, category: str) -> str:
     """The FP8 contract's change to one category, for its basis text."""
     return (f", less {acts.removed.get(category, 0):,} B of bf16 linear inputs TE does not keep, plus "
@@ -193,6 +217,10 @@ def assumptions(acts: Optional[Fp8Activations]) -> list[str]:
            "the norms' inputs and statistics, attention's q, k, v, output and statistics, the activation "
            "function's inputs, embedding, logits and loss; the layer full recompute runs again in backward is "
            "shown as traced in bf16 (not modelled)"]
+    if acts.experts is not None:
+        from megatron_bridge_ext.estimate.features import fp8_experts
+
+        out.append(fp8_experts.assumption(acts.experts))
     if not acts.norm_linears:
         out.append("FP8 activations with selective layernorm recompute: linear_qkv's and linear_fc1's inputs are not "
                    "modelled (TE fuses the norm into them; the local spec checkpoints it apart): shown as traced "

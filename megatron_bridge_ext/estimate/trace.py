@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from megatron_bridge_ext.estimate.precision import LINEARS
+from megatron_bridge_ext.estimate.precision import LINEARS, MAMBA_LINEARS
 from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
 
 NORMS = "norms"
@@ -193,13 +193,13 @@ def _from_sources(per_module: dict[str, int], sources: list[int]) -> dict[str, i
 
 
 def is_dense_linear(module: str) -> bool:
-    """A dense linear of a transformer layer (``decoder.layers.N.mlp.linear_fc1``), or the base linear a PEFT wraps
-    in it (``...linear_fc1.to_wrap``)."""
+    """A dense linear of a transformer layer (``decoder.layers.N.mlp.linear_fc1``) or of a hybrid model's Mamba mixer
+    (``decoder.layers.N.mixer.in_proj``), or the base linear a PEFT wraps in it (``...linear_fc1.to_wrap``)."""
     parts = module.split(".")
     if layer_of(module) is None:
         return False
     path = ".".join(parts[3:-1] if parts[-1] == "to_wrap" else parts[3:])
-    return path in LINEARS
+    return path in LINEARS + MAMBA_LINEARS
 
 
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,

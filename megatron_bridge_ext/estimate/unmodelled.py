@@ -82,8 +82,9 @@ MODELLED = frozenset("M*-E")
 
 def hybrid_findings(model) -> list[Finding]:
     """What of a hybrid model the estimate does not model, each by name: layer kinds other than Mamba, attention,
-    MLP and MoE, low precision on Mamba layers, the mixer's unfused path, and virtual pipelines (which Bridge's
-    provider refuses). Empty for a hybrid model the estimate traces and for any other model."""
+    MLP and MoE, the mixer's unfused path, and virtual pipelines (which Bridge's provider refuses). FP8 on Mamba
+    layers is modelled (:mod:`.te_fp8`: ``in_proj`` and ``out_proj`` are TE linears); FP4 is refused for every
+    model. Empty for a hybrid model the estimate traces and for any other model."""
     pattern = hybrid_pattern(model)
     if pattern is None:
         return []
@@ -102,11 +103,6 @@ def hybrid_findings(model) -> list[Finding]:
                            "is False: the Mamba mixer's unfused path (causal_conv1d, then mamba_chunk_scan_combined; "
                            "Core warns it is not tested for training) is not modelled by our estimate",
                            "estimate with model.use_mamba_mem_eff_path=True (Core's default, the fused scan)"))
-    if MAMBA in pattern and (getattr(model, "fp8", None) or getattr(model, "fp4", None)):
-        out.append(Finding("unsupported_model", ERROR, "model.fp8" if getattr(model, "fp8", None) else "model.fp4",
-                           "low precision on a hybrid model's Mamba layers is not modelled by our estimate (the "
-                           "quantised copies of in_proj and out_proj are not counted)",
-                           "estimate the bf16 config (mixed_precision=bf16_mixed)"))
     if (getattr(model, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
         out.append(Finding("unsupported_model", ERROR, "model.virtual_pipeline_model_parallel_size",
                            "is set on a hybrid model: Bridge's HybridModelProvider refuses virtual pipelines "

@@ -248,3 +248,60 @@ def test_te_keeps_a_norm_output_shard_beside_lora_a_on_its_layernorm_linears_onl
     shard = BF16 * (SEQ // 2) * H
     assert est.component("TE norm-output shards (contract)").bytes == 4 * shard
     assert "4 LayerNormLinear(s)" in est.component("TE norm-output shards (contract)").basis
+
+
+FP8_MAMBA = ("model.mamba_num_heads=16", "model.mamba_head_dim=8")
+"""Under FP8 Core asserts in_proj's width is a multiple of 16 (mamba_mixer.py L251-255): 2 x 128 + 2 x 2 x 16 + 16."""
+FP8_RECIPES = {"tensorwise": ("bf16_with_fp8_current_scaling_mixed", [1, 3]),
+               "mxfp8": ("bf16_with_mxfp8_mixed", [0, 1, 3, 5])}
+"""Pattern MM*M-M: the Mamba layers that run in FP8 (current scaling keeps the first and the last layer in bf16)."""
+_FP8_CACHE = {}
+
+
+def _fp8_hybrid(recipe):
+    """TP 2 with SP, sequence 128: per TP rank a Mamba mixer of 8 heads of 8 (inner 64), 1 group, in_proj 168 wide."""
+    if recipe not in _FP8_CACHE:
+        _FP8_CACHE[recipe] = memory.estimate(_tiny(pattern="MM*M-M", extra=FP8_MAMBA + (
+            f"mixed_precision={FP8_RECIPES[recipe][0]}",)))
+    return _FP8_CACHE[recipe]
+
+
+def _quantised(rows, cols, recipe, usage):
+    """One quantised input: 1 B per element, an fp32 scale (float8_tensor.py L92-126), or MXFP8's E8M0 scales, padded
+    to 128 x 4 rowwise [rows, cols / 32] or columnwise [rows / 32, cols] (mxfp8_tensor.py L101-119)."""
+    if recipe != "mxfp8":
+        return rows * cols + 4
+    if usage == "rowwise":
+        return rows * cols + -(-rows // 128) * 128 * -(-(cols // 32) // 4) * 4
+    return rows * cols + -(-(rows // 32) // 4) * 4 * -(-cols // 128) * 128
+
+
+@pytest.mark.parametrize("recipe", list(FP8_RECIPES))
+def test_fp8_mamba_projections_keep_quantised_inputs_in_place_of_the_bf16_ones(recipe):
+    """in_proj (TE LayerNormLinear) keeps its norm-output shard [128 / 2, 64] quantised, rowwise under SP with
+    Float8 scaling, columnwise with MXFP8; out_proj (TE Linear) its input [128, 64] columnwise; neither bf16 copy the
+    local spec's separate norm and linears keep stays (te_fp8.py's contract, as for linear_qkv and linear_fc2)."""
+    est = _fp8_hybrid(recipe)
+    shard, inner = (SEQ // 2, H), (SEQ, 16 * 8 // 2)
+    usage = "columnwise" if recipe == "mxfp8" else "rowwise"
+    per_layer = (_quantised(*shard, recipe, usage) + _quantised(*inner, recipe, "columnwise")
+                 - BF16 * (shard[0] * shard[1] + inner[0] * inner[1]))
+    traced = est.activations_per_microbatch[MAMBA]
+    assert est.component(MAMBA).bytes - traced == len(FP8_RECIPES[recipe][1]) * per_layer
+
+
+def test_fp8_weights_count_the_mamba_projections_of_the_fp8_layers_by_global_number():
+    """Six layers traced as four (M M * -): the FP8 layers 1 to 4 by their global numbers; per TP rank in_proj
+    [336 / 2, 64], out_proj [64, 64], linear_qkv [(4 + 2 x 2) x 16 / 2, 64], linear_proj [64, 32], the MLP's
+    linear_fc1 [96 / 2, 64] and linear_fc2 [64, 48], each 2 B per element (data and transpose) and an fp32 scale."""
+    est = _fp8_hybrid("tensorwise")
+    mamba_layer = (2 * 168 * 64 + 4) + (2 * 64 * 64 + 4)
+    attention_layer = (2 * 64 * 64 + 4) + (2 * 64 * 32 + 4)
+    mlp_layer = 2 * (2 * 48 * 64 + 4)
+    assert est.component("weights: FP8 linear weights").bytes == 2 * mamba_layer + attention_layer + mlp_layer
+
+
+def test_the_reduced_trace_of_an_fp8_hybrid_stage_equals_the_whole_trace(monkeypatch):
+    """MM*M-M traced as M M * - under FP8 current scaling: the FP8 layers, weights and contract by global number."""
+    _assert_reduced_equals_whole(_tiny(pattern="MM*M-M", extra=FP8_MAMBA + (
+        "mixed_precision=bf16_with_fp8_current_scaling_mixed",)), monkeypatch)
