@@ -21,8 +21,8 @@ import torch
 
 from megatron_bridge_ext.estimate import (configs, features, mamba, phases, pipeline, precision, routing, static, te,
                                           te_fp8, unmodelled)
-from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
-                                                set_layer_kinds, stage_layer_kinds)
+from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
+                                                layer_kinds, set_gpt_layer_kinds, set_layer_kinds, stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
@@ -528,10 +528,6 @@ def _uniform_dense(provider, ignore: tuple = ()) -> bool:
     return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS if name not in ignore)
 
 
-MOE_KINDS = (1, unmodelled.MOE)
-"""The kinds of :func:`..build.layer_kinds` that are MoE layers."""
-
-
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,
                     imbalance: float = BALANCED, candidates: tuple = ()) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -571,7 +567,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         if reduced:
             traced = traced.extended(reduced.sources)
             layers = len(reduced.sources)
-            moe_layers = sum(reduced.pattern[source] in MOE_KINDS for source in reduced.sources)
+            moe_layers = sum(is_moe_kind(reduced.pattern[source]) for source in reduced.sources)
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
@@ -697,13 +693,14 @@ def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipelin
 
 def _one_chunk_per_stage(stage_provider, provider) -> None:
     """Build ``stage_provider`` (a copy of ``provider``) with each stage's chunks as one chunk of the same layers
-    (:func:`.pipeline.flatten`), its MoE layers where they are in the real split."""
+    (:func:`.pipeline.flatten`), its MoE and gated-delta-net layers where they are in the real split."""
     stages = pipeline.stage_chunks(provider)
     pipeline.flatten(stage_provider, [sum(len(chunk.layers) for chunk in chunks) for chunks in stages],
                      mtp=[sum(chunk.mtp for chunk in chunks) for chunks in stages])
-    if getattr(provider, "num_moe_experts", None):
+    if getattr(provider, "num_moe_experts", None) or features.gated_delta_net.used(provider):
         kinds = layer_kinds(provider)
-        stage_provider.moe_layer_freq = [kinds[layer] for chunks in stages for chunk in chunks for layer in chunk.layers]
+        set_gpt_layer_kinds(stage_provider, [kinds[layer] for chunks in stages for chunk in chunks
+                                             for layer in chunk.layers])
 
 
 def _activations(traced, in_flight: pipeline.InFlight, contract: te.TeContract,

@@ -13,13 +13,13 @@ import contextlib
 from typing import Iterator
 
 from megatron_bridge_ext.estimate.features import (attention_variant, context_parallel, cross_entropy, dispatcher,
-                                                   flex, fp8_experts, latent_moe, mla, mtp, router, softmax,
-                                                   token_dropping)
+                                                   flex, fp8_experts, gated_delta_net, latent_moe, mla, mtp, router,
+                                                   softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
 FEATURES = (mla, attention_variant, mtp, context_parallel, dispatcher, token_dropping, latent_moe, fp8_experts)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
-KERNELS = (softmax, cross_entropy, router)
+KERNELS = (softmax, cross_entropy, router, gated_delta_net)
 """The feature modules that stand in for a GPU kernel Core calls, each with ``kernels()`` (a context in which Core
 finds the stand-in), ``used(model)`` and ``NOTE`` (what the estimate says it traced)."""
 
