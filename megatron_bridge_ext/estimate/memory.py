@@ -149,6 +149,7 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
                     f"TP={tp} does not divide the {m.heads} Mamba heads"),
                    (m.groups % tp, "model.tensor_model_parallel_size",
                     f"TP={tp} does not divide the {m.groups} Mamba groups")]
+    checks += features.gated_delta_net.layout_checks(model)
     for failed, setting, message in checks:
         if failed:
             refuse("parallel_layout", setting, message, "choose sizes that divide it")

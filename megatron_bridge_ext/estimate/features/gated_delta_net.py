@@ -64,6 +64,18 @@ def attention_pattern(model) -> list[int]:
     return list(get_linear_attention_pattern(model))
 
 
+def layout_checks(model) -> list[tuple[bool, str, str]]:
+    """(failed, setting, message) for each head count of the linear layers that TP x CP does not divide, as Core's
+    config refuses it (``transformer_config.py`` L1374-1382)."""
+    if not used(model):
+        return []
+    split = model.tensor_model_parallel_size * (model.context_parallel_size or 1)
+    return [(getattr(model, name) % split, "model.tensor_model_parallel_size",
+             f"TP x CP = {split} does not divide the {getattr(model, name)} gated-delta-net {what} heads "
+             f"(model.{name})")
+            for name, what in (("linear_num_key_heads", "key"), ("linear_num_value_heads", "value"))]
+
+
 class _CausalConv1dSaves(torch.autograd.Function):
     """``CausalConv1dFunction``: saves ``x`` as given, the weight and the bias; returns a contiguous output."""
 

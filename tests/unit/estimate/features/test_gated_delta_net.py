@@ -193,3 +193,16 @@ def test_the_reduced_trace_of_a_gated_delta_net_stage_equals_the_whole_trace(mon
     shape = _tiny_shape(tp=1, layers=5, micro_batch=1)
     cfg = tiny_config(shape, None, linear_attention_freq=[1, 1, 0, 1, 0], **GDN_FIELDS)
     assert_reduced_equals_whole(copy.deepcopy(cfg), monkeypatch)
+
+
+def test_a_tp_that_does_not_divide_the_linear_heads_is_a_layout_problem():
+    """TP 4 splits the 4 value heads but not the 2 key heads, which Core's config refuses (transformer_config.py
+    L1374-1382)."""
+    from megatron_bridge_ext.estimate import memory
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
+
+    cfg = tiny_config(_tiny_shape(tp=2), None, linear_attention_freq=[1], **GDN_FIELDS)
+    cfg.model.tensor_model_parallel_size = 4
+    problems = memory.parallel_problems(cfg.model, micro_batch=1)
+    assert [p.message for p in problems] == [
+        "TP x CP = 4 does not divide the 2 gated-delta-net key heads (model.linear_num_key_heads)"]
