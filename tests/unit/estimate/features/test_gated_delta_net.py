@@ -114,17 +114,17 @@ def _tiny_shape(*, tp: int, micro_batch: int = 2, layers: int = 1):
                         dtype="float32", swiglu=True)
 
 
-def _traced_attention_bytes(shape, pattern: list[int]) -> int:
+def _traced_attention_bytes(shape, pattern: list[int], **recompute) -> int:
     """What the estimate's trace counts for the attention of the tiny model with layers of ``pattern``."""
     from megatron_bridge_ext.estimate import estimate
     from megatron_bridge_ext.testing.tiny_model import tiny_config
 
-    cfg = tiny_config(shape, None, linear_attention_freq=list(pattern), **GDN_FIELDS)
+    cfg = tiny_config(shape, None, linear_attention_freq=list(pattern), **GDN_FIELDS, **recompute)
     est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu")
     return est.activations_per_microbatch["attention"]
 
 
-def _metered_gdn_bytes(shape) -> int:
+def _metered_gdn_bytes(shape, **recompute) -> int:
     """The saved-tensor meter on Core's real GatedDeltaNet (the estimate's spec, the stand-ins in place) run on CPU
     in a one-rank world, its input a fresh [s, b, h] tensor as the layer's norm hands it over."""
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -133,7 +133,7 @@ def _metered_gdn_bytes(shape) -> int:
     from megatron_bridge_ext.estimate.fake import fake_parallel_world
     from megatron_bridge_ext.testing.tiny_model import transformer_config
 
-    config = transformer_config(shape, linear_attention_freq=[1] * shape.layers, **GDN_FIELDS)
+    config = transformer_config(shape, linear_attention_freq=[1] * shape.layers, **GDN_FIELDS, **recompute)
     with fake_parallel_world(tp=1, pp=1, cp=1, rank=0, device="cpu"), gdn.kernels():
         torch.manual_seed(0)
         module = build_module(gdn.gdn_attention_spec(config), config=config, layer_number=1,
@@ -151,6 +151,16 @@ def test_a_traced_gated_delta_net_layer_saves_what_the_meter_counts_on_cores_mod
     the stand-ins' saves and the gated output norm, traced on fake tensors, equal the meter on Core's module."""
     shape = _tiny_shape(tp=1, micro_batch=micro_batch)
     assert _traced_attention_bytes(shape, [1]) == _metered_gdn_bytes(shape)
+
+
+def test_gdn_norm_out_recompute_is_traced_as_cores_module_keeps_it():
+    """Selective ``gdn_norm_out`` recompute (gdn.py L255-276): the gated norm's saves are
+    dropped and its inputs kept, in the trace as on Core's module; it keeps less than without it."""
+    shape = _tiny_shape(tp=1)
+    recompute = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
+    traced = _traced_attention_bytes(shape, [1], **recompute)
+    assert traced == _metered_gdn_bytes(shape, **recompute)
+    assert traced < _traced_attention_bytes(shape, [1])
 
 
 def test_a_full_attention_layer_of_a_gated_delta_net_model_is_not_traced_as_one():
