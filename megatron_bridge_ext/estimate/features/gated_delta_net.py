@@ -94,12 +94,12 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
                   activation=None, backend="triton", cu_seqlens=None, **kwargs):
     """fla's ``causal_conv1d`` as Core's training call makes it (``gdn.py`` L214-222): no residual, initial or final
     state, nor packed sequences; anything else is refused by name."""
-    used = [name for name, value in (("residual", residual), ("initial_state", initial_state),
-                                     ("cu_seqlens", cu_seqlens), ("output_final_state", output_final_state or None))
-            if value is not None]
-    if used or backend != "triton":
+    given = [name for name, value in (("residual", residual), ("initial_state", initial_state),
+                                      ("cu_seqlens", cu_seqlens), ("output_final_state", output_final_state or None))
+             if value is not None]
+    if given or backend != "triton":
         raise NotImplementedError(f"the causal conv1d stand-in models Core's unpacked training call only (not "
-                                  f"{', '.join(used) or 'backend ' + repr(backend)})")
+                                  f"{', '.join(given) or 'backend ' + repr(backend)})")
     return _CausalConv1dSaves.apply(x, weight, bias), None
 
 
@@ -149,12 +149,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """fla's ``chunk_gated_delta_rule`` as Core's training call makes it (``gdn.py`` L242-252): no initial or final
     state, the norm outside the kernel, no packed sequences; anything else is refused by name."""
-    used = [name for name, value in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
-                                     ("output_final_state", output_final_state or None),
-                                     ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel or None)) if value is not None]
-    if used:
+    given = [name for name, value in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
+                                      ("output_final_state", output_final_state or None),
+                                      ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel or None))
+             if value is not None]
+    if given:
         raise NotImplementedError(f"the gated delta rule stand-in models Core's unpacked training call only (not "
-                                  f"{', '.join(used)})")
+                                  f"{', '.join(given)})")
     return _ChunkGatedDeltaRuleSaves.apply(q, k, v, g, beta), None
 
 

@@ -196,12 +196,14 @@ def test_set_layer_kinds_gives_core_both_patterns():
 
 
 def test_the_reduced_trace_of_a_gated_delta_net_stage_equals_the_whole_trace(monkeypatch):
-    """Five layers (linear, linear, full, linear, full) traced as the first layer and one of each kind that follows."""
-    from megatron_bridge_ext.testing.tiny_model import tiny_config
+    """Eight layers, three of every four linear as in Qwen3-Next, MoE and dense mixed, traced as four: the first layer
+    and one of each kind that follows (the reduced layers' kinds are not the first four layers')."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
     from tests.support.estimate import assert_reduced_equals_whole
 
-    shape = _tiny_shape(tp=1, layers=5, micro_batch=1)
-    cfg = tiny_config(shape, None, linear_attention_freq=[1, 1, 0, 1, 0], **GDN_FIELDS)
+    shape = TinyGPTShape(tp=1, layers=8, hidden=H, heads=4, kv_heads=2, seq=SEQ, micro_batch=1, dtype="float32",
+                         swiglu=True, experts=4, topk=2, moe_layer_freq=[1, 0, 0, 1, 1, 0, 0, 1])
+    cfg = tiny_config(shape, None, linear_attention_freq=[1, 1, 1, 0, 1, 1, 1, 0], **GDN_FIELDS)
     assert_reduced_equals_whole(copy.deepcopy(cfg), monkeypatch)
 
 
