@@ -606,7 +606,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
                               recomputed_layer=recomputed_layer, routed=routed,
                               dense_layers=unmodelled.MLP in kinds if hybrid else layers > moe_layers,
-                              mamba_layers=hybrid and unmodelled.MAMBA in kinds)
+                              mamba_layers=hybrid and unmodelled.MAMBA in kinds,
+                              gdn_layers=features.gated_delta_net.used(provider)
+                              and any(kind[1] for kind in stage_layer_kinds(provider, stage)))
     deferred = phases.wgrad_deferral_component(provider, limit=prepared.reports.wgrad_deferral_limit,
                                                seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                                                vocab_local=vocab_local, element=element,
@@ -730,10 +732,11 @@ def _activations(traced, in_flight: pipeline.InFlight, contract: te.TeContract,
 
 def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int, sp: bool,
                 recomputed_layer: int, routed: int = 0, dense_layers: bool = True,
-                mamba_layers: bool = False) -> list[Component]:
+                mamba_layers: bool = False, gdn_layers: bool = False) -> list[Component]:
     """The loss's logits and one layer's backward (``routed``: the tokens the local experts of an MoE layer
     received; ``dense_layers``: the stage has layers with a dense MLP; ``mamba_layers``: a hybrid model's Mamba
-    layers, whose scan backward is :func:`..mamba.backward_bytes`)."""
+    layers, whose scan backward is :func:`..mamba.backward_bytes`; ``gdn_layers``: gated-delta-net layers, whose
+    delta rule's backward is :func:`..features.gated_delta_net.backward_bytes`)."""
     s, b, h = prepared.local_seq, prepared.micro_batch, provider.hidden_size
     tp = provider.tensor_model_parallel_size
     out = []
@@ -765,6 +768,8 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
                            f"mamba_ssm's ssd_combined.py): gradients [{b}, {s}, {m.in_proj}] + [{b}, {s}, {m.inner}] + "
                            f"2 x [{b}, {s}, {m.conv}], and the chunk states' fp32 recompute and gradients "
                            f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"))
+    if gdn_layers:
+        candidates.append(_gdn_backward(provider, seq=s, micro_batch=b, element=element))
     exchange = features.context_parallel.transient(provider, local_seq=s, micro_batch=b, element=element)
     candidates += [exchange] if exchange else []
     mlp_grads, basis = max(candidates)
@@ -775,6 +780,15 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
     else:
         out.append(Component(TRANSIENT, "layer backward", mlp_grads, basis))
     return out
+
+
+def _gdn_backward(provider, *, seq: int, micro_batch: int, element: int) -> tuple[int, str]:
+    heads = provider.linear_num_value_heads // provider.tensor_model_parallel_size
+    return (features.gated_delta_net.backward_bytes(provider, seq=seq, micro_batch=micro_batch, element=element),
+            f"formula: the gated delta rule's backward allocations (estimate.features.gated_delta_net.backward_bytes, "
+            f"from fla's chunk.py): its recomputed chunk states and their gradient ({heads} heads x "
+            f"{provider.linear_key_head_dim} x {provider.linear_value_head_dim} per 64-token chunk), and the query, "
+            f"key, value and gate gradients of [{micro_batch}, {seq}, {heads}] heads")
 
 
 def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mode, device: str) -> int:

@@ -29,8 +29,8 @@ fla-org/flash-linear-attention v0.4.2 (:data:`SOURCE_COMMIT`; Core pins ``flash-
   inverted WY matrix [B, T, H, 64] in ``k``'s dtype (L40-53; ``chunk_scaled_dot_kkt.py`` L113,
   ``solve_tril.py`` L374); no initial state, ``cu_seqlens`` or ``chunk_indices`` in Core's unpacked call, no
   ``q_rstd`` / ``k_rstd`` (Core norms outside the kernel). The chunk states ``h``, ``w``, ``u`` and ``v_new`` live
-  only inside the forward: backward recomputes them (L121-150). It returns ``o`` of ``v``'s shape in ``q``'s dtype
-  (``chunk_o.py`` L519, ``chunk.py`` L266) and no final state.
+  only inside the forward: backward recomputes them (L121-143), which :func:`backward_bytes` counts. It returns
+  ``o`` of ``v``'s shape in ``q``'s dtype (``chunk_o.py`` L519, ``chunk.py`` L266) and no final state.
 
 The stand-ins compute nothing: their outputs are zeros of the kernels' shapes and dtypes, so Core's module also runs
 around them on real CPU tensors (the saved-tensor meter's check of the trace).
@@ -179,6 +179,31 @@ def kernels() -> Iterator[None]:
             setattr(module, name, value)
 
 
+def backward_bytes(provider, *, seq: int, micro_batch: int, element: int) -> int:
+    """The delta rule's backward allocations at their peak (``chunk.py`` ``chunk_gated_delta_rule_bwd`` L105-216 at
+    :data:`SOURCE_COMMIT`), with the incoming gradient of ``o``: every tensor it makes stays referenced until it
+    returns, but the local ``dv`` (L145), replaced at L173 before the larger rest is made. For T = b x s tokens
+    (all of them, and heads / (TP x CP), after Core's CP all-to-all), H value heads, key dim K, value dim V and
+    N = b x ceil(s / 64) chunks, in ``element`` bytes but the fp32 gate gradients:
+
+    * [T, H, K] five times: the recomputed ``w`` (``wy_fast.py`` L260), ``dq``, ``dk``, ``dw`` (``chunk_o.py``
+      L680-683), ``dk2`` (``wy_fast.py`` L303);
+    * [T, H, V] five times: ``do``, the recomputed ``u`` (``wy_fast.py`` L261) and ``v_new`` (``chunk_delta_h.py``
+      L690), ``dv2`` (L749), the returned ``dv`` (``wy_fast.py`` L304);
+    * [N, H, K, V] twice: the recomputed chunk states ``h`` (``chunk_delta_h.py`` L687) and their gradient ``dh``
+      (L747);
+    * ``db`` [T, H] (``wy_fast.py`` L306) and, in fp32, ``dg``, ``dg2`` and ``dg``'s reverse cumulative sum
+      (``chunk_o.py`` L682 summed at L715, ``wy_fast.py`` L305, ``chunk.py`` L215).
+    """
+    cp = getattr(provider, "context_parallel_size", None) or 1
+    heads = provider.linear_num_value_heads // (provider.tensor_model_parallel_size * cp)
+    tokens = micro_batch * seq * cp
+    chunks = micro_batch * -(-seq * cp // CHUNK)
+    key, value = provider.linear_key_head_dim, provider.linear_value_head_dim
+    per_token = heads * (5 * key + 5 * value + 1)
+    return element * (tokens * per_token + 2 * chunks * heads * key * value) + 3 * 4 * tokens * heads
+
+
 def gdn_attention_spec(provider):
     """Core's gated-delta-net attention spec (``get_gated_delta_net_module_spec``, L60-78) on the local backend: a
     column-parallel ``in_proj`` (the layer's input norm runs before it, standalone), the local norm as ``out_norm``,
@@ -196,4 +221,5 @@ def gdn_attention_spec(provider):
 NOTE = (f"gated delta net: Core's GatedDeltaNet traced on the local backend, fla's causal_conv1d, l2norm and "
         f"chunk_gated_delta_rule by stand-ins that save what they save (estimate.features.gated_delta_net; "
         f"fla-org/flash-linear-attention v0.4.2 {SOURCE_COMMIT[:7]}: conv/triton/ops.py L364, l2norm.py L249, "
-        "gated_delta_rule/chunk.py L261); the chunk states backward recomputes are not counted")
+        "gated_delta_rule/chunk.py L261); the delta rule's backward (its recomputed chunk states and gradients) as "
+        "a formula, estimate.features.gated_delta_net.backward_bytes")

@@ -218,3 +218,36 @@ def test_a_tp_that_does_not_divide_the_linear_heads_is_a_layout_problem():
     problems = memory.parallel_problems(cfg.model, micro_batch=1)
     assert [p.message for p in problems] == [
         "TP x CP = 4 does not divide the 2 gated-delta-net key heads (model.linear_num_key_heads)"]
+
+
+def _backward_tensors(*, tp: int, seq: int, batch: int, element: int) -> dict[str, int]:
+    """The delta rule backward's tensors alive at its return (chunk.py L105-216 at v0.4.2), name -> bytes."""
+    heads, chunks = VALUE_HEADS // tp, batch * -(-seq // 64)
+    tokens = batch * seq
+    key, value, states = tokens * heads * KEY_DIM, tokens * heads * VALUE_DIM, chunks * heads * KEY_DIM * VALUE_DIM
+    shapes = dict(w=key, dq=key, dk=key, dw=key, dk2=key, do=value, u=value, v_new=value, dv2=value, dv=value,
+                  h=states, dh=states, db=tokens * heads)
+    out = {name: elements * element for name, elements in shapes.items()}
+    out.update({name: tokens * heads * 4 for name in ("dg", "dg2", "dg_cumsum")})
+    return out
+
+
+@pytest.mark.parametrize("tp, seq, batch", [(1, 32, 2), (2, 200, 1), (4, 4096, 2)])
+def test_the_delta_rule_backward_transient_is_the_sum_of_its_allocations(tp, seq, batch):
+    provider = SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=1, **GDN_FIELDS)
+    expected = sum(_backward_tensors(tp=tp, seq=seq, batch=batch, element=2).values())
+    assert gdn.backward_bytes(provider, seq=seq, micro_batch=batch, element=2) == expected
+
+
+def test_the_estimate_prices_a_layer_backward_with_the_delta_rule_when_it_is_the_largest():
+    """The tiny model's MLP gradients, [s, b, 2 ffn + ffn + h] x 4 B, are smaller than the delta rule's backward."""
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
+
+    shape = _tiny_shape(tp=1)
+    est = estimate(tiny_config(shape, None, linear_attention_freq=[1], **GDN_FIELDS), attention="fused",
+                   transformer_impl="local", device="cpu")
+    (layer,) = [c for c in est.components if c.name.startswith("layer backward")]
+    mlp = SEQ * shape.micro_batch * (3 * shape.ffn + H) * E
+    delta_rule = sum(_backward_tensors(tp=1, seq=SEQ, batch=shape.micro_batch, element=E).values())
+    assert delta_rule > mlp and layer.bytes == delta_rule and "gated delta rule" in layer.basis
