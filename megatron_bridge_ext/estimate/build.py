@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from megatron_bridge_ext.estimate.features import dsa, latent_moe, mla, moe_act, mtp, recipe_attention
+from megatron_bridge_ext.estimate.features import (dsa, gated_delta_net, latent_moe, mla, moe_act, mtp,
+                                                   recipe_attention)
 from megatron_bridge_ext.estimate.mamba import mamba_kernels, rebind_parameters
 
 FUSED = "fused"
@@ -44,12 +45,40 @@ def moe_layer_pattern(provider) -> list[int]:
 
 
 def layer_kinds(provider) -> list:
-    """The kind of each layer: a hybrid model's pattern symbols (``M``, ``*``, ``-``, ``E``), otherwise
-    :func:`moe_layer_pattern`'s 1 (MoE) or 0 (dense)."""
+    """The kind of each layer: a hybrid model's pattern symbols (``M``, ``*``, ``-``, ``E``), a gated-delta-net
+    model's (MoE, linear attention) pairs (:func:`gpt_layer_kinds`), otherwise :func:`moe_layer_pattern`'s 1 (MoE)
+    or 0 (dense)."""
     from megatron_bridge_ext.estimate.unmodelled import hybrid_pattern
 
     pattern = hybrid_pattern(provider)
-    return list(pattern) if pattern is not None else moe_layer_pattern(provider)
+    return list(pattern) if pattern is not None else gpt_layer_kinds(provider)
+
+
+def gpt_layer_kinds(config) -> list:
+    """A GPT model's layer kinds, from a provider or Core's config: :func:`moe_layer_pattern`, paired with
+    :func:`..features.gated_delta_net.attention_pattern` (1: gated delta net, 0: full attention) where the model has
+    gated-delta-net layers, as Core's experimental spec reads the two patterns apart
+    (``get_transformer_layer_with_experimental_attention_variant_spec``)."""
+    moe = moe_layer_pattern(config)
+    if gated_delta_net.used(config):
+        return list(zip(moe, gated_delta_net.attention_pattern(config)))
+    return moe
+
+
+def is_moe_kind(kind) -> bool:
+    """Whether a layer of ``kind`` (:func:`layer_kinds`) has experts."""
+    from megatron_bridge_ext.estimate.unmodelled import MOE
+
+    return (kind[0] if isinstance(kind, tuple) else kind) in (1, MOE)
+
+
+def set_gpt_layer_kinds(provider, kinds: list) -> None:
+    """Core's fields that make a GPT model's layers of ``kinds`` (:func:`gpt_layer_kinds`), one per layer."""
+    if gated_delta_net.used(provider):
+        provider.linear_attention_freq = [linear for _, linear in kinds]
+        kinds = [moe for moe, _ in kinds]
+    if getattr(provider, "num_moe_experts", None):
+        provider.moe_layer_freq = list(kinds)
 
 
 def stage_layer_kinds(provider, stage: int) -> list:
@@ -83,8 +112,8 @@ def set_layer_kinds(provider, kinds: list) -> None:
         depths = given[len(given.split(MTP_SEPARATOR, 1)[0]):]
         provider.hybrid_layer_pattern = "|".join(["".join(kinds)] * pp) + depths
         provider.hybrid_override_pattern = None
-    elif getattr(provider, "num_moe_experts", None):
-        provider.moe_layer_freq = list(kinds) * pp
+    else:
+        set_gpt_layer_kinds(provider, list(kinds) * pp)
 
 
 def layer_spec(provider, attention: str, *, transformer_impl: str):
@@ -98,10 +127,12 @@ def layer_spec(provider, attention: str, *, transformer_impl: str):
     With multi-latent attention, Core's ``MLASelfAttention``, in Transformer Engine's layout of its projections
     when ``transformer_impl`` is ``transformer_engine`` (:func:`..features.mla.te_layout`); with DeepSeek sparse
     attention, Core's DSA spec (:func:`..features.dsa.attention_spec`).
+    With gated-delta-net layers, a block spec in the model's pattern whose linear layers' attention is Core's
+    ``GatedDeltaNet`` (:func:`..features.gated_delta_net.gdn_attention_spec`).
     """
-    pattern = moe_layer_pattern(provider)
+    pattern = gpt_layer_kinds(provider)
     te = transformer_impl == mla.TRANSFORMER_ENGINE
-    if len(set(pattern)) > 1:
+    if len(set(pattern)) > 1 or gated_delta_net.used(provider):
         return _mixed_block_spec(provider, attention, te=te)
     return _local_layer_spec(provider, attention, moe=1 in pattern, te=te)
 
@@ -136,11 +167,10 @@ def _local_layer_spec(provider, attention: str, *, moe: bool, te: bool = False, 
 
 
 def _mixed_block_spec(provider, attention: str, *, te: bool):
-    """The decoder block spec of a model with dense and MoE layers: a callable of the config, as Bridge's provider
-    takes its ``transformer_layer_spec``, that builds this stage's slice of the pattern (Core's layer offset and
-    layer count, the final norm of a single-layer spec)."""
-    specs = {0: _local_layer_spec(provider, attention, moe=False, te=te),
-             1: _local_layer_spec(provider, attention, moe=True, te=te)}
+    """The decoder block spec of a model whose layers differ (dense and MoE, gated delta net and full attention): a
+    callable of the config, as Bridge's provider takes its ``transformer_layer_spec``, that builds this stage's slice
+    of the pattern (Core's layer offset and layer count, the final norm of a single-layer spec)."""
+    specs = {kind: _kind_spec(provider, attention, kind, te=te) for kind in dict.fromkeys(gpt_layer_kinds(provider))}
 
     def block_spec(config, vp_stage=None):
         from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
@@ -148,10 +178,20 @@ def _mixed_block_spec(provider, attention: str, *, te: bool):
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        pattern = moe_layer_pattern(config)[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
-        return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in pattern], layer_norm=LayerNormImpl)
+        pattern = gpt_layer_kinds(config)[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+        return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in pattern], layer_norm=LayerNormImpl)
 
     return block_spec
+
+
+def _kind_spec(provider, attention: str, kind, *, te: bool):
+    """The local layer spec of one :func:`gpt_layer_kinds` kind; a gated-delta-net layer's attention is Core's
+    ``GatedDeltaNet``, its input norm the local spec's standalone norm before ``in_proj``."""
+    moe, linear = kind if isinstance(kind, tuple) else (kind, 0)
+    spec = _local_layer_spec(provider, attention, moe=bool(moe), te=te)
+    if linear:
+        spec.submodules.self_attention = gated_delta_net.gdn_attention_spec(provider)
+    return spec
 
 
 def is_hybrid(provider) -> bool:
@@ -222,6 +262,7 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
     from megatron.core.transformer.enums import AttnBackend
 
     hybrid = is_hybrid(provider)
+    gdn = gated_delta_net.used(provider)
     latent_te = mla.used(provider) and transformer_impl == mla.TRANSFORMER_ENGINE
     if hybrid:
         provider.hybrid_stack_spec = hybrid_stack_spec(provider, attention)
@@ -238,7 +279,8 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
     with mode, (mamba_kernels() if hybrid else contextlib.nullcontext()), \
             (mla.te_modules() if latent_te else contextlib.nullcontext()), mtp_block, \
             latent_moe.te_modules(provider), moe_act.te_grouped_recompute(provider), \
-            (dsa.te_modules() if dsa.used(provider) else contextlib.nullcontext()):
+            (dsa.te_modules() if dsa.used(provider) else contextlib.nullcontext()), \
+            (gated_delta_net.kernels() if gdn else contextlib.nullcontext()):
         model = provider.provide()
     if peft is not None:
         model = _apply_peft(model, copy.deepcopy(peft))

@@ -22,8 +22,9 @@ import torch
 
 from megatron_bridge_ext.estimate import (configs, features, mamba, phases, pipeline, precision, routing, static, te,
                                           te_fp8, unmodelled)
-from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, layer_kinds,
-                                                moe_layer_pattern, set_layer_kinds, stage_layer_kinds)
+from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
+                                                layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
+                                                stage_layer_kinds)
 from megatron_bridge_ext.estimate.routing import BALANCED
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT, Component, MemoryEstimate
 from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
@@ -152,6 +153,7 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
                     f"TP={tp} does not divide the {m.heads} Mamba heads"),
                    (m.groups % tp, "model.tensor_model_parallel_size",
                     f"TP={tp} does not divide the {m.groups} Mamba groups")]
+    checks += features.gated_delta_net.layout_checks(model)
     for failed, setting, message in checks:
         if failed:
             refuse("parallel_layout", setting, message, "choose sizes that divide it")
@@ -559,10 +561,6 @@ def _uniform_dense(provider, ignore: tuple = ()) -> bool:
     return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS if name not in ignore)
 
 
-MOE_KINDS = (1, unmodelled.MOE)
-"""The kinds of :func:`..build.layer_kinds` that are MoE layers."""
-
-
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,
                     imbalance: float = BALANCED, candidates: tuple = ()) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -605,7 +603,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         if reduced:
             traced = traced.extended(reduced.sources)
             layers = len(reduced.sources)
-            moe_layers = sum(reduced.pattern[source] in MOE_KINDS for source in reduced.sources)
+            moe_layers = sum(is_moe_kind(reduced.pattern[source]) for source in reduced.sources)
         routed = max(load.routed_tokens, default=0)
         vocab_local = _output_weight(model).shape[0] if model.post_process else 0
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
@@ -649,7 +647,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     components += _transients(provider, prepared, element=element, vocab_local=vocab_local, sp=sp,
                               recomputed_layer=recomputed_layer, routed=routed,
                               dense_layers=unmodelled.MLP in kinds if hybrid else layers > moe_layers,
-                              mamba_layers=hybrid and unmodelled.MAMBA in kinds)
+                              mamba_layers=hybrid and unmodelled.MAMBA in kinds,
+                              gdn_layers=features.gated_delta_net.used(provider)
+                              and any(kind[1] for kind in stage_layer_kinds(provider, stage)))
     deferred = phases.wgrad_deferral_component(provider, limit=prepared.reports.wgrad_deferral_limit,
                                                seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                                                vocab_local=vocab_local, element=element,
@@ -717,7 +717,7 @@ def _fp8_layers(global_layers: list[int], fp8: Optional[precision.Fp8]):
 def _moe_layer_indices(model, reduced: Optional[ReducedStage]) -> list[int]:
     """The indices of the stage's MoE layers, in the real stage's order (a reduced stage's by its sources)."""
     if reduced:
-        return [i for i, source in enumerate(reduced.sources) if reduced.pattern[source] in MOE_KINDS]
+        return [i for i, source in enumerate(reduced.sources) if is_moe_kind(reduced.pattern[source])]
     return sorted({layer_of(name) for name in moe_layers_of(model)} - {None})
 
 
@@ -764,13 +764,14 @@ def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipelin
 
 def _one_chunk_per_stage(stage_provider, provider) -> None:
     """Build ``stage_provider`` (a copy of ``provider``) with each stage's chunks as one chunk of the same layers
-    (:func:`.pipeline.flatten`), its MoE layers where they are in the real split."""
+    (:func:`.pipeline.flatten`), its MoE and gated-delta-net layers where they are in the real split."""
     stages = pipeline.stage_chunks(provider)
     pipeline.flatten(stage_provider, [sum(len(chunk.layers) for chunk in chunks) for chunks in stages],
                      mtp=[sum(chunk.mtp for chunk in chunks) for chunks in stages])
-    if getattr(provider, "num_moe_experts", None):
+    if getattr(provider, "num_moe_experts", None) or features.gated_delta_net.used(provider):
         kinds = layer_kinds(provider)
-        stage_provider.moe_layer_freq = [kinds[layer] for chunks in stages for chunk in chunks for layer in chunk.layers]
+        set_gpt_layer_kinds(stage_provider, [kinds[layer] for chunks in stages for chunk in chunks
+                                             for layer in chunk.layers])
 
 
 def _activations(traced, in_flight: pipeline.InFlight, contract: te.TeContract,
@@ -799,10 +800,11 @@ def _activations(traced, in_flight: pipeline.InFlight, contract: te.TeContract,
 
 def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int, sp: bool,
                 recomputed_layer: int, routed: int = 0, dense_layers: bool = True,
-                mamba_layers: bool = False) -> list[Component]:
+                mamba_layers: bool = False, gdn_layers: bool = False) -> list[Component]:
     """The loss's logits and one layer's backward (``routed``: the tokens the local experts of an MoE layer
     received; ``dense_layers``: the stage has layers with a dense MLP; ``mamba_layers``: a hybrid model's Mamba
-    layers, whose scan backward is :func:`..mamba.backward_bytes`)."""
+    layers, whose scan backward is :func:`..mamba.backward_bytes`; ``gdn_layers``: gated-delta-net layers, whose
+    delta rule's backward is :func:`..features.gated_delta_net.backward_bytes`)."""
     s, b, h = prepared.local_seq, prepared.micro_batch, provider.hidden_size
     tp = provider.tensor_model_parallel_size
     out = []
@@ -834,6 +836,8 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
                            f"mamba_ssm's ssd_combined.py): gradients [{b}, {s}, {m.in_proj}] + [{b}, {s}, {m.inner}] + "
                            f"2 x [{b}, {s}, {m.conv}], and the chunk states' fp32 recompute and gradients "
                            f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"))
+    if gdn_layers:
+        candidates.append(_gdn_backward(provider, seq=s, micro_batch=b, element=element))
     exchange = features.context_parallel.transient(provider, local_seq=s, micro_batch=b, element=element)
     candidates += [exchange] if exchange else []
     mlp_grads, basis = max(candidates)
@@ -844,6 +848,15 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
     else:
         out.append(Component(TRANSIENT, "layer backward", mlp_grads, basis))
     return out
+
+
+def _gdn_backward(provider, *, seq: int, micro_batch: int, element: int) -> tuple[int, str]:
+    heads = provider.linear_num_value_heads // provider.tensor_model_parallel_size
+    return (features.gated_delta_net.backward_bytes(provider, seq=seq, micro_batch=micro_batch, element=element),
+            f"formula: the gated delta rule's backward allocations (estimate.features.gated_delta_net.backward_bytes, "
+            f"from fla's chunk.py): its recomputed chunk states and their gradient ({heads} heads x "
+            f"{provider.linear_key_head_dim} x {provider.linear_value_head_dim} per 64-token chunk), and the query, "
+            f"key, value and gate gradients of [{micro_batch}, {seq}, {heads}] heads")
 
 
 def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mode, device: str) -> int:
