@@ -82,6 +82,9 @@ def peft_findings(model, peft) -> list[Finding]:
     """Adapters other than Bridge's LoRA on multi-latent attention's projections: LoRA's are traced on the stand-ins
     Bridge takes for TE's modules (:func:`bridge_lora_view`); DoRA's and CanonicalLoRA's wrappers are not traced on
     those stand-ins."""
+    from megatron_bridge_ext.patches import bridge_peft_without_te
+
+    bridge_peft_without_te.import_bridge_peft()
     from megatron.bridge.peft.lora import LoRA
 
     targets = set(getattr(peft, "target_modules", None) or [])
