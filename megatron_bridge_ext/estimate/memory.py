@@ -547,7 +547,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     ep, etp = expert_sizes(provider)
     sp = bool(provider.sequence_parallel) and tp > 1
     rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
-    load = routing.RoutedLoad(imbalance)
+    load = routing.RoutedLoad(imbalance, capacity_factor=getattr(provider, "moe_expert_capacity_factor", None),
+                              pad_to_capacity=bool(getattr(provider, "moe_pad_expert_input_to_capacity", False)))
     hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
             routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
@@ -935,7 +936,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append(mamba.ASSUMPTION)
     latent = features.dsa.assumption(prepared.provider) or features.mla.assumption(prepared.provider, impl)
     described = [latent, features.mtp.assumption(prepared.provider),
-                 features.latent_moe.assumption(prepared.provider), features.context_parallel.assumption(prepared.provider),
+                 features.latent_moe.assumption(prepared.provider), features.token_dropping.assumption(prepared.provider),
+                 features.context_parallel.assumption(prepared.provider),
                  features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype)),
                  features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared))]
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
