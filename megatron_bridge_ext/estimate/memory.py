@@ -556,7 +556,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
             (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
             (features.hybridep.hybridep_kernels(load, provider) if features.hybridep.used(provider)
-             else contextlib.nullcontext()):
+             else contextlib.nullcontext()), features.token_dropping.padded_counts_on_host(provider):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
