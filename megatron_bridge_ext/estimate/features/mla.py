@@ -29,6 +29,10 @@ that code on fake tensors; what it changes while tracing:
   rotary frequencies; ``tensor_parallel/random.py`` L702-704); after core attention the query, key and value it
   made are released (their storages resized to nothing, L847-848) and recomputed in backward. The saved-tensor
   meter counts a storage released so by the end of the forward as nothing (``measure.saved``).
+* LoRA on the latent projections: Bridge's LoRA takes the two stand-ins for TE's modules
+  (:func:`bridge_lora_view`), so the adapters are the ones it builds on a GPU: on a duplicated down projection
+  LoRA-A takes the sequence shard as it comes and LoRA-B's output is gathered over TP; a norm-fused projection
+  returns its norm output (gathered under sequence parallelism) to LoRA-A and keeps its shard, as TE does.
 * ``apply_rope_fusion``: Core's fused MLA YaRN RoPE is a Triton kernel (``fusions/fused_mla_yarn_rope_apply.py``),
   which does not run on fake tensors: traced unfused (:data:`ROPE_FUSION_NOTE`).
 """
