@@ -7,7 +7,9 @@ the router, the permutation and every saved tensor stay Core's; only the counts 
 are stated instead: every expert of the traced rank receives ``ceil(load x tokens x top-k / experts)``
 tokens from each rank that sends it tokens, where ``load`` is the imbalance factor (1.0: the balanced
 load; above 1: the traced rank's experts are the most loaded ones, each ``load`` times the balanced
-share, an upper bound for that rank). What the stand-ins replace, in
+share, an upper bound for that rank). With token dropping (``moe_expert_capacity_factor``) each expert's tokens from
+one rank are capped at Core's capacity, or padded to it (:meth:`RoutedLoad.received`, :mod:`.features.token_dropping`);
+the all-to-all dispatcher padded to capacity runs Core's own static ``preprocess``. What the stand-ins replace, in
 ``megatron/core/transformer/moe/token_dispatcher.py`` (Core 0.19):
 
 * ``MoEAllGatherTokenDispatcher.dispatch_postprocess``: the counts and the probability
