@@ -283,25 +283,27 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
             (gated_delta_net.kernels() if gdn else contextlib.nullcontext()):
         model = provider.provide()
     if peft is not None:
-        model = _apply_peft(model, copy.deepcopy(peft))
+        model = _apply_peft(model, copy.deepcopy(peft), latent_te=latent_te)
     _to_fake_device(model, mode, device, dtype)
     if hybrid:
         rebind_parameters(model)
     return model.train()
 
 
-def _apply_peft(model, peft):
+def _apply_peft(model, peft, *, latent_te: bool):
     """``peft(model)`` as training does, with its per-adapter log lines held back (a trace is not a run).
 
     The adapters are created on the CPU (``use_cpu_initialization``), so Megatron's collectives that
     allocate on ``torch.cuda.current_device()`` while they are built (DoRA gathers the adapter weights
     over TP for its magnitude's initial norm) allocate there too: same shapes, no GPU needed, and no
-    CPU/GPU mix where a GPU is present.
+    CPU/GPU mix where a GPU is present. ``latent_te``: multi-latent attention in Transformer Engine's layout, whose
+    stand-ins Bridge takes for TE's modules (:func:`.features.mla.bridge_lora_view`).
     """
     from megatron_bridge_ext.estimate.fake import current_device, scoped_patch
     from megatron_bridge_ext.patches import bridge_truthful_te_detection
 
     with scoped_patch(bridge_truthful_te_detection.PATCH), current_device("cpu"), _adapter_values_left_unset(), \
+            (mla.bridge_lora_view() if latent_te else contextlib.nullcontext()), \
             _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
         out = peft(model, training=True)
     return out[0] if isinstance(out, list) else out

@@ -573,7 +573,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     ep, etp = expert_sizes(provider)
     sp = bool(provider.sequence_parallel) and tp > 1
     rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
-    load = routing.RoutedLoad(imbalance)
+    load = routing.RoutedLoad(imbalance, capacity_factor=getattr(provider, "moe_expert_capacity_factor", None),
+                              pad_to_capacity=bool(getattr(provider, "moe_pad_expert_input_to_capacity", False)))
     hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
             routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
@@ -581,7 +582,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
             (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
             (features.hybridep.hybridep_kernels(load, provider) if features.hybridep.used(provider)
-             else contextlib.nullcontext()):
+             else contextlib.nullcontext()), features.token_dropping.padded_counts_on_host(provider):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
@@ -1009,7 +1010,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
         out.append(mamba.ASSUMPTION)
     latent = features.dsa.assumption(prepared.provider) or features.mla.assumption(prepared.provider, impl)
     described = [latent, features.mtp.assumption(prepared.provider),
-                 features.latent_moe.assumption(prepared.provider), features.context_parallel.assumption(prepared.provider),
+                 features.latent_moe.assumption(prepared.provider), features.token_dropping.assumption(prepared.provider),
+                 features.context_parallel.assumption(prepared.provider),
                  features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype)),
                  features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared))]
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)

@@ -7,7 +7,9 @@ the router, the permutation and every saved tensor stay Core's; only the counts 
 are stated instead: every expert of the traced rank receives ``ceil(load x tokens x top-k / experts)``
 tokens from each rank that sends it tokens, where ``load`` is the imbalance factor (1.0: the balanced
 load; above 1: the traced rank's experts are the most loaded ones, each ``load`` times the balanced
-share, an upper bound for that rank). What the stand-ins replace, in
+share, an upper bound for that rank). With token dropping (``moe_expert_capacity_factor``) each expert's tokens from
+one rank are capped at Core's capacity, or padded to it (:meth:`RoutedLoad.received`, :mod:`.features.token_dropping`);
+the all-to-all dispatcher padded to capacity runs Core's own static ``preprocess``. What the stand-ins replace, in
 ``megatron/core/transformer/moe/token_dispatcher.py`` (Core 0.19):
 
 * ``MoEAllGatherTokenDispatcher.dispatch_postprocess``: the counts and the probability
@@ -34,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy
 import torch
@@ -48,10 +50,37 @@ class RoutedLoad:
 
     imbalance: float = BALANCED
     routed_tokens: list[int] = field(default_factory=list)
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
 
     def per_expert(self, source_tokens: int, topk: int, experts: int) -> int:
         """Tokens one expert receives from ``source_tokens`` tokens routed top-``topk`` over ``experts``."""
         return math.ceil(self.imbalance * source_tokens * topk / experts)
+
+    def received(self, tokens: int, topk: int, experts: int, *, sources: int = 1) -> int:
+        """Tokens one expert receives from ``sources`` ranks whose routers each hold ``tokens`` tokens: the stated
+        share, or with a capacity factor what Core's ``apply_router_token_dropping`` (``moe_utils.py`` L958-1021)
+        leaves of it from each rank: at most the capacity (``get_capacity`` of tokens x top-k over the experts,
+        L241-259), and with ``pad_to_capacity`` exactly the capacity (every token where the capacity exceeds the
+        tokens, L997-999, L1013-1015)."""
+        share = self.per_expert(tokens * sources, topk, experts)
+        if self.capacity_factor is None:
+            return share
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        capacity = get_capacity(tokens * topk, experts, self.capacity_factor)
+        if self.pad_to_capacity:
+            return sources * min(capacity, tokens)
+        return min(share, sources * capacity)
+
+    def sent(self, tokens: int, topk: int, experts: int) -> int:
+        """Tokens a rank's router sends: each token to its top-k experts, with a capacity factor at most the
+        capacity to each expert."""
+        if self.capacity_factor is None:
+            return tokens * topk
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        return min(tokens * topk, experts * get_capacity(tokens * topk, experts, self.capacity_factor))
 
 
 class _MaskedSelectSaves(torch.autograd.Function):
@@ -85,7 +114,9 @@ def _allgather_dispatch_postprocess(load: RoutedLoad):
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.local_map = self.routing_map[:, first:last].contiguous()
         self.local_probs = probs[:, first:last].contiguous()
-        each = load.per_expert(self.local_map.shape[0], self.router_topk, self.config.num_moe_experts)
+        sources = self.tp_size * self.ep_size  # the ranks whose tokens the dispatch gathered
+        each = load.received(self.local_map.shape[0] // sources, self.router_topk, self.config.num_moe_experts,
+                             sources=sources)
         total = each * self.num_local_experts
         load.routed_tokens.append(total)
         permuted, _, self.reversed_local_input_permutation_mapping, _, _ = token_dispatcher.permute(
@@ -98,13 +129,19 @@ def _allgather_dispatch_postprocess(load: RoutedLoad):
     return dispatch_postprocess
 
 
-def _alltoall_preprocess(load: RoutedLoad):
+def _alltoall_preprocess(load: RoutedLoad, core_preprocess):
     def preprocess(self, routing_map):
-        """Core's ``MoEAlltoAllTokenDispatcher.preprocess`` (dropless) with the stated counts, as its host copies
-        leave them (numpy split sizes, host tensors of counts)."""
+        """Core's ``MoEAlltoAllTokenDispatcher.preprocess`` with the stated counts, as its host copies leave them
+        (numpy split sizes, host tensors of counts); padded to capacity, Core's own (its counts are the capacity,
+        L511-531), with the counts handed back on the host."""
+        if self.drop_and_pad:
+            core_preprocess(self, routing_map)
+            each = self.capacity * self.tp_size * self.ep_size
+            load.routed_tokens.append(each * self.num_local_experts)
+            return _host_tensor([each] * self.num_local_experts)
         tokens, topk = routing_map.size(0), self.config.moe_router_topk
-        self.num_out_tokens = tokens * topk
-        each = load.per_expert(tokens, topk, self.num_experts)  # from one source rank to one local expert
+        each = load.received(tokens, topk, self.num_experts)  # from one source rank to one local expert
+        self.num_out_tokens = load.sent(tokens, topk, self.num_experts)
         sources = self.tp_size * self.ep_size
         load.routed_tokens.append(each * sources * self.num_local_experts)
         sent = [self.num_out_tokens // self.ep_size + (r < self.num_out_tokens % self.ep_size)
@@ -196,7 +233,7 @@ def balanced_routing(load: RoutedLoad) -> Iterator[RoutedLoad]:
              (alltoall, "cuda_dtoh_stream", alltoall.__dict__["cuda_dtoh_stream"]),
              (td, "sort_chunks_by_idxs", td.sort_chunks_by_idxs)]
     allgather.dispatch_postprocess = _allgather_dispatch_postprocess(load)
-    alltoall.preprocess = _alltoall_preprocess(load)
+    alltoall.preprocess = _alltoall_preprocess(load, alltoall.__dict__["preprocess"])
     alltoall._maybe_dtoh_and_synchronize = _counts_on_host
     alltoall.cuda_dtoh_stream = alltoall.cuda_dtoh_stream or _NoStream()
     td.sort_chunks_by_idxs = _sort_equal_chunks

@@ -29,6 +29,10 @@ that code on fake tensors; what it changes while tracing:
   rotary frequencies; ``tensor_parallel/random.py`` L702-704); after core attention the query, key and value it
   made are released (their storages resized to nothing, L847-848) and recomputed in backward. The saved-tensor
   meter counts a storage released so by the end of the forward as nothing (``measure.saved``).
+* LoRA on the latent projections: Bridge's LoRA takes the two stand-ins for TE's modules
+  (:func:`bridge_lora_view`), so the adapters are the ones it builds on a GPU: on a duplicated down projection
+  LoRA-A takes the sequence shard as it comes and LoRA-B's output is gathered over TP; a norm-fused projection
+  returns its norm output (gathered under sequence parallelism) to LoRA-A and keeps its shard, as TE does.
 * ``apply_rope_fusion``: Core's fused MLA YaRN RoPE is a Triton kernel (``fusions/fused_mla_yarn_rope_apply.py``),
   which does not run on fake tensors: traced unfused (:data:`ROPE_FUSION_NOTE`).
 """
@@ -79,15 +83,22 @@ def findings(model) -> list[Finding]:
 
 
 def peft_findings(model, peft) -> list[Finding]:
-    """Adapters on multi-latent attention's projections: Transformer Engine fuses norms into some of them, which
-    the estimate's adapter contract (:mod:`..te`) does not model."""
+    """Adapters other than Bridge's LoRA on multi-latent attention's projections: LoRA's are traced on the stand-ins
+    Bridge takes for TE's modules (:func:`bridge_lora_view`); DoRA's and CanonicalLoRA's wrappers are not traced on
+    those stand-ins."""
+    from megatron_bridge_ext.patches import bridge_peft_without_te
+
+    bridge_peft_without_te.import_bridge_peft()
+    from megatron.bridge.peft.lora import LoRA
+
     targets = set(getattr(peft, "target_modules", None) or [])
     named = sorted(targets & set(PROJECTIONS))
-    if not used(model) or not named:
+    if not used(model) or not named or isinstance(peft, LoRA):
         return []
     return [_not_modelled("peft.target_modules",
-                          f"adapters on multi-latent attention's {', '.join(named)} are not modelled by the estimate",
-                          "target linear_proj, linear_fc1 and linear_fc2 (Bridge's defaults that the model has)")]
+                          f"{type(peft).__name__} adapters on multi-latent attention's {', '.join(named)} are not "
+                          "modelled by the estimate (LoRA's are)",
+                          "estimate with LoRA on the same targets, or target linear_proj, linear_fc1 and linear_fc2")]
 
 
 def layout_findings(model, *, transformer_impl: str) -> list[Finding]:
@@ -168,10 +179,28 @@ class DuplicatedLinear(torch.nn.Module):
             raise ValueError("DuplicatedLinear stands in for TELinear's duplicated mode without bias, outside the "
                              "experts, with its own weight (multi-latent attention's down projections, latent MoE's "
                              "projections)")
+        self.config, self.in_features, self.out_features = config, input_size, output_size
+        self.parallel_mode = None  # what Core hands TE for the duplicated mode (L996-1001), as TE's module keeps it
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
 
     def forward(self, x):
         return _DuplicatedLinearSaves.apply(x, self.weight), None
+
+
+class _KeepsNormOutput(torch.autograd.Function):
+    """The identity, keeping its input for backward: TE's ``_LayerNormLinear`` keeps its norm-output shard when it
+    returns the norm output, its weight frozen or not (``layernorm_linear.py`` v2.4 L356-358 and L437-447, as
+    :mod:`..te` reads them), which Core's frozen-weight linear (``tensor_parallel/layers.py`` L415-417: the weight
+    alone) does not keep."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class NormColumnParallelLinear(torch.nn.Module):
@@ -179,7 +208,12 @@ class NormColumnParallelLinear(torch.nn.Module):
     config's RMSNorm or LayerNorm over ``input_size``), then Core's ``ColumnParallelLinear`` (``linear``) with the
     arguments the fused module was given. The pair keeps what TE's fused module keeps (the norm's input and
     statistics, and the norm-output shard while the weight trains: :mod:`..te`), as the local spec's separate norm
-    and linear do for ``linear_qkv``. Returns what the linear returns, ``(output, bias)``."""
+    and linear do for ``linear_qkv``. Returns what the linear returns, ``(output, bias)``; with
+    ``return_layernorm_output`` (what Bridge's LoRA sets on TE's module, ``peft/utils.py`` L598-600)
+    ``((output, norm output), bias)``, the norm output gathered over the sequence under sequence parallelism with
+    ``return_layernorm_output_gathered`` (L608-611), as TE returns them; the shard kept while the weight is frozen
+    (:class:`_KeepsNormOutput`). ``in_features`` and ``out_features`` (this rank's columns), ``config`` and
+    ``tp_group`` are the attributes of TE's module that Bridge reads (L554, L591-596, L339-342)."""
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         from megatron.core.models.backends import LocalSpecProvider
@@ -189,9 +223,22 @@ class NormColumnParallelLinear(torch.nn.Module):
         norm = LocalSpecProvider().layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
         self.layernorm = norm(config=config, hidden_size=input_size, eps=config.layernorm_epsilon)
         self.linear = ColumnParallelLinear(input_size, output_size, config=config, **kwargs)
+        self.config, self.tp_group, self.in_features = config, self.linear.tp_group, input_size
+        self.out_features = self.linear.output_size_per_partition
+        self.return_layernorm_output = self.return_layernorm_output_gathered = False
 
     def forward(self, x):
-        return self.linear(self.layernorm(x))
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        normed = self.layernorm(x)
+        if not self.return_layernorm_output:
+            return self.linear(normed)
+        out, bias = self.linear(normed)
+        if not self.linear.weight.requires_grad:
+            normed = _KeepsNormOutput.apply(normed)
+        if self.config.sequence_parallel and self.return_layernorm_output_gathered:
+            normed = gather_from_sequence_parallel_region(normed, group=self.tp_group)
+        return (out, normed), bias
 
 
 def te_layout(attention_spec) -> None:
@@ -227,6 +274,36 @@ def te_modules() -> Iterator[None]:
     finally:
         for (module, name), value in saved.items():
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def bridge_lora_view() -> Iterator[None]:
+    """While Bridge's PEFT transforms the model: its ``get_adapter_attributes_from_linear`` (``peft/utils.py``
+    L522-652) takes :class:`DuplicatedLinear` for ``TELinear`` (L629-633: the whole input and output, LoRA-B
+    gathered, no sequence-parallel communication since TE's module has ``parallel_mode`` None, L562-564) and
+    :class:`NormColumnParallelLinear` for ``TELayerNormColumnParallelLinear`` (L591-624: the norm output returned,
+    gathered by the module under sequence parallelism), with TE's other classes kept only where they are classes
+    (without TE Core's are placeholders on which ``isinstance`` raises), and TE's version read as the modelled
+    release's (L612). Bridge so builds the adapters it builds on TE's modules. Everything is put back on exit."""
+    from megatron.bridge.peft import utils
+
+    from megatron_bridge_ext.estimate.te import MODELLED_VERSION
+
+    def classes(*found):
+        return tuple(c for c in found if isinstance(c, type))
+
+    replaced = {"HAVE_TE": True, "TELinear": DuplicatedLinear,
+                "TELayerNormColumnParallelLinear": NormColumnParallelLinear,
+                "TECL": classes(*utils.TECL) + (NormColumnParallelLinear,), "TERL": classes(*utils.TERL),
+                "version": lambda distribution: MODELLED_VERSION}
+    saved = {name: getattr(utils, name) for name in replaced}
+    for name, value in replaced.items():
+        setattr(utils, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(utils, name, value)
 
 
 def assumption(model, transformer_impl: str) -> Optional[str]:

@@ -550,8 +550,10 @@ def _row(lines: list[str], name: str, nbytes: int, basis: str) -> bool:
     return any(f" {name} " in line and f"{nbytes / 2**30:,.2f} GiB" in line and basis in line for line in lines)
 
 
-DROPPING = ["model.moe_expert_capacity_factor=1.0"]
-"""Token dropping: an MoE setting our estimate does not model (Bridge's formula reads the config regardless)."""
+DROPPING = ["model.moe_expert_capacity_factor=1.0", "model.moe_token_dispatcher_type=flex",
+            "model.moe_flex_dispatcher_backend=deepep"]
+"""Token dropping on DeepEP: an MoE setting our estimate does not model (Bridge's formula reads the config
+regardless)."""
 
 
 def test_a_moe_plan_prints_our_table_beside_bridges_with_the_expert_load_stated(capsys):
@@ -590,9 +592,11 @@ def test_a_moe_plan_with_token_dropping_shows_bridges_figure_and_our_refusal_in_
     status, text = _moe_plan(capsys, "--ep", "4", "--dp", "4", *DROPPING)
     assert status == plan_cli.NOT_MODELLED_STATUS
     refusals = [line for line in text.splitlines() if line.startswith("our estimate: ")]
-    assert refusals == ["our estimate: not modelled: model.moe_expert_capacity_factor: token dropping (expert "
-                        "capacity) is not modelled by the estimate. Fix: estimate the dropless config "
-                        "(moe_expert_capacity_factor=None), an upper bound"]
+    assert refusals == ["our estimate: not modelled: model.moe_expert_capacity_factor: token dropping on the flex "
+                        "dispatcher is not modelled by the estimate unless HybridEP pads to capacity (its kernels "
+                        "count the capped tokens, which the stand-ins state dropless). Fix: estimate with "
+                        "model.moe_pad_expert_input_to_capacity=true on HybridEP, or on Core's all-to-all dispatcher "
+                        "(model.moe_token_dispatcher_type=alltoall)"]
     assert "Bridge's estimate_training_memory for the same config, per rank" in text
     assert "config: TP=4 PP=1 CP=1 EP=4 ETP=1 DP=4 SP=on, seq 8192, micro-batch 1, 128 experts (top-8)" in text
     assert "fits: no verdict" in text and "fits as is" not in text and "answer:" not in text

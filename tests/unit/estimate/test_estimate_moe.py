@@ -232,9 +232,49 @@ def test_shared_experts_overlapped_with_the_dispatch_trace_without_cuda():
     assert overlapped.activations_per_microbatch[MOE_DISPATCH] != in_order.activations_per_microbatch[MOE_DISPATCH]
 
 
-def test_token_dropping_is_not_modelled():
+LOCAL_TOKENS = SEQ // 2  # s/TP x b tokens in each router (TP 2, SP, micro-batch 1)
+SHARE = LOCAL_TOKENS * TOPK // EXPERTS_N  # the balanced tokens of one expert from one router: 16
+SOURCES, LOCAL_EXPERTS = 4, EXPERTS_N // 4  # EP x ETP routers send to each expert; experts / EP on a rank
+
+
+def _capacity(factor: float) -> int:
+    """Core's get_capacity: ceil(tokens x top-k / experts x factor)."""
+    return math.ceil(LOCAL_TOKENS * TOPK / EXPERTS_N * factor)
+
+
+@pytest.fixture(scope="module")
+def dropless():
+    return {d: memory.estimate(_tiny(dispatcher=d, peft="none")) for d in ("allgather", "alltoall")}
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("factor, padded, per_expert", [
+    (0.5, False, _capacity(0.5)),  # 8 < 16: capped
+    (2.0, False, SHARE),  # 32 > 16: nothing dropped
+    (0.5, True, _capacity(0.5)),
+    (2.0, True, _capacity(2.0)),  # padded up to the capacity, 32
+])
+def test_token_dropping_caps_or_pads_each_experts_tokens_at_the_capacity(dropless, dispatcher, factor, padded,
+                                                                         per_expert):
+    """Each expert takes min(share, capacity) tokens from each router, exactly the capacity when padded; the experts'
+    saves and their backward transient scale with those tokens, the rest of the layer does not."""
+    extra = [f"model.moe_expert_capacity_factor={factor}", f"model.moe_pad_expert_input_to_capacity={padded}"]
+    est, base = memory.estimate(_tiny(dispatcher=dispatcher, peft="none", extra=extra)), dropless[dispatcher]
+    routed = per_expert * SOURCES * LOCAL_EXPERTS
+    assert est.settings.moe.routed_tokens_per_layer == routed
+    assert base.settings.moe.routed_tokens_per_layer == SHARE * SOURCES * LOCAL_EXPERTS
+    a, b = base.activations_per_microbatch, est.activations_per_microbatch
+    assert b[EXPERTS] * SHARE == a[EXPERTS] * per_expert
+    for category in (ATTENTION, NORMS, LOGITS_LOSS):
+        assert b[category] == a[category]
+    assert _part(est, "layer backward") == routed * (2 * MOE_FFN + MOE_FFN + H) * BF16
+    assert any("token dropping" in line for line in est.assumptions)
+
+
+def test_token_dropping_on_deepep_is_not_modelled():
     with pytest.raises(memory.NotModelled) as raised:
-        memory.estimate(_tiny(extra=["model.moe_expert_capacity_factor=1.0"]))
+        memory.estimate(_tiny(extra=["model.moe_expert_capacity_factor=1.0", "model.moe_token_dispatcher_type=flex",
+                                     "model.moe_flex_dispatcher_backend=deepep"]))
     assert raised.value.findings[0].setting == "model.moe_expert_capacity_factor"
 
 

@@ -57,14 +57,14 @@ def test_multi_latent_attention_refuses_what_it_cannot_trace_and_what_the_layout
     assert not isinstance(refused.value, NotModelled)  # a layout problem, not a feature left out
 
 
-def test_adapters_on_the_latent_projections_are_refused_before_anything_is_built():
-    from megatron.bridge.peft.lora import LoRA
+def test_dora_on_the_latent_projections_is_refused_before_anything_is_built():
+    from megatron.bridge.peft.dora import DoRA
 
     from megatron_bridge_ext.estimate import estimate
     from megatron_bridge_ext.estimate.memory import NotModelled
 
-    peft = LoRA(target_modules=["linear_proj", "linear_kv_up_proj"], dim=8, alpha=16)
-    with pytest.raises(NotModelled, match="peft.target_modules: adapters on multi-latent attention's "
+    peft = DoRA(target_modules=["linear_proj", "linear_kv_up_proj"], dim=8, alpha=16)
+    with pytest.raises(NotModelled, match="peft.target_modules: DoRA adapters on multi-latent attention's "
                                           "linear_kv_up_proj"):
         estimate(_latent_config(peft=peft), attention="fused", device="cpu")
 

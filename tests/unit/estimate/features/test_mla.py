@@ -206,13 +206,93 @@ def test_variants_not_modelled_are_named(fields, setting):
     assert finding.setting == setting and "not modelled" in finding.message and finding.fix
 
 
-def test_adapters_on_the_latent_projections_are_refused_and_on_the_output_projection_not():
+def test_lora_on_the_latent_projections_is_traced_and_other_adapters_refused():
     model = _model()
     assert mla.peft_findings(model, None) == []
+    assert mla.peft_findings(model, _lora("linear_kv_up_proj", "linear_q_down_proj")) == []
     assert mla.peft_findings(model, SimpleNamespace(target_modules=["linear_qkv", "linear_proj", "linear_fc1"])) == []
     [finding] = mla.peft_findings(model, SimpleNamespace(target_modules=["linear_kv_up_proj", "linear_q_down_proj"]))
     assert finding.setting == "peft.target_modules"
     assert "linear_kv_up_proj, linear_q_down_proj" in finding.message
+
+
+R, TP = 4, 2
+"""LoRA rank, and the TP size of the LoRA tests (with SP)."""
+LORA_SHAPES = {  # projection -> (q_lora_rank, its input width, its output width, fused norm before it)
+    "linear_q_proj": (None, H, HEADS * (NOPE + ROPE), True),
+    "linear_q_down_proj": (Q_LORA, H, Q_LORA, False),
+    "linear_q_up_proj": (Q_LORA, Q_LORA, HEADS * (NOPE + ROPE), True),
+    "linear_kv_down_proj": (Q_LORA, H, KV + ROPE, False),
+    "linear_kv_up_proj": (Q_LORA, KV, HEADS * (NOPE + V), True),
+}
+
+
+def _lora(*targets):
+    from megatron_bridge_ext.patches import bridge_peft_without_te
+
+    bridge_peft_without_te.import_bridge_peft()
+    from megatron.bridge.peft.lora import LoRA
+
+    return LoRA(target_modules=["linear_proj", *targets], dim=R, alpha=2 * R)
+
+
+def _adapter_parameters(shape, peft) -> dict[str, tuple[int, ...]]:
+    """The adapters' parameter shapes in layer 0's attention on TP rank 0, in TE's layout (name -> shape)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from megatron_bridge_ext.estimate import memory
+    from megatron_bridge_ext.estimate.build import FUSED, build_rank_model
+    from megatron_bridge_ext.estimate.fake import fake_parallel_world
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
+
+    prepared = memory.prepare(tiny_config(shape), data_parallel_size=1, num_microbatches=1)
+    with fake_parallel_world(tp=shape.tp, pp=1, cp=1, rank=0, device="cpu"):
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        model = build_rank_model(copy.deepcopy(prepared.provider), peft, attention=FUSED, mode=mode, device="cpu",
+                                 dtype=torch.float32, transformer_impl=TE)
+    prefix = "decoder.layers.0.self_attention."
+    return {name[len(prefix):]: tuple(p.shape) for name, p in model.named_parameters()
+            if name.startswith(prefix) and p.requires_grad}
+
+
+@pytest.mark.parametrize("projection", sorted(LORA_SHAPES))
+def test_lora_on_a_latent_projection_has_bridges_adapter_shapes(projection):
+    """Bridge's ParallelLinearAdapter (peft/utils.py L1006-1056): LoRA-A column-parallel over the rank
+    [r/t, input], LoRA-B column-parallel over the output [output/t, r], for TE's duplicated down projections (whose
+    own weight is whole on every rank) as for the column-parallel up projections; only the adapters train."""
+    q_lora, width_in, width_out, _ = LORA_SHAPES[projection]
+    shape = _shape(tp=TP, q_lora=q_lora, qk_layernorm=True)
+    expected = {f"{projection}.adapter.linear_in.weight": (R // TP, width_in),
+                f"{projection}.adapter.linear_out.weight": (width_out // TP, R),
+                "linear_proj.adapter.linear_in.weight": (R, HEADS * V // TP),
+                "linear_proj.adapter.linear_out.weight": (H // TP, R)}
+    assert _adapter_parameters(shape, _lora(projection)) == expected
+
+
+@pytest.mark.parametrize("projection", sorted(LORA_SHAPES))
+def test_lora_on_a_latent_projection_saves_its_inputs_from_the_shapes(projection):
+    """What one adapter adds to a layer's saved bytes at TP 2 with SP, against LoRA on linear_proj alone (T = s/t x
+    b local tokens). A duplicated down projection takes the sequence shard and Bridge neither gathers it nor
+    scatters the output (TE's module has parallel_mode None, utils.py L562-564): LoRA-A keeps its input [T, h],
+    LoRA-B its input [T, r] (LoRA-A's output gathered over TP). A norm-fused up projection returns its norm output
+    gathered (utils.py L598-611): TE keeps the shard [T, input] beside it, LoRA-A the gathered [s x b, input],
+    LoRA-B [s x b, r]."""
+    q_lora, width_in, _, fused = LORA_SHAPES[projection]
+    shape = _shape(tp=TP, q_lora=q_lora, qk_layernorm=True)
+    tokens, gathered = SEQ // TP * BATCH, SEQ * BATCH
+    expected = (tokens * width_in + gathered * width_in + gathered * R if fused else
+                tokens * width_in + tokens * R) * E
+    baseline = _layer_bytes_with(shape, _lora())
+    assert _layer_bytes_with(shape, _lora(projection)) - baseline == expected
+
+
+def _layer_bytes_with(shape, peft) -> int:
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
+
+    return estimate(tiny_config(shape, peft), attention="fused", transformer_impl=TE,
+                    device="cpu").activations_per_layer[1]
 
 
 def test_unfused_attention_and_a_local_query_norm_without_a_latent_are_not_modelled():
