@@ -564,9 +564,11 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             set_layer_kinds(stage_provider, reduced.pattern)
         elif not hybrid and not pipeline.is_plain(provider):
             _one_chunk_per_stage(stage_provider, provider)
-        model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
-                                 dtype=prepared.dtype, transformer_impl=impl,
-                                 mtp_moe=moe_layer_pattern(provider)[-1] == 1)
+        with (features.mtp.final_norm_on_stage(pipeline.final_norm_chunk(provider, stage) is not None)
+              if features.mtp.used(provider) and not hybrid else contextlib.nullcontext()):
+            model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
+                                     dtype=prepared.dtype, transformer_impl=impl,
+                                     mtp_moe=moe_layer_pattern(provider)[-1] == 1)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
         fp8 = precision.fp8_of(stage_provider)
         traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
@@ -698,7 +700,9 @@ def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipelin
     if is_hybrid(provider):
         return pipeline.InFlight(tuple(forwards), (0,) * layers)
     chunks = pipeline.stage_chunks(provider)[stage]
-    return pipeline.InFlight(tuple(forwards), tuple(v for v, chunk in enumerate(chunks) for _ in chunk.layers))
+    norm = pipeline.final_norm_chunk(provider, stage)
+    return pipeline.InFlight(tuple(forwards), tuple(v for v, chunk in enumerate(chunks) for _ in chunk.layers),
+                             norm_chunk=-1 if norm is None else norm, embedding_chunk=0 if stage == 0 else -1)
 
 
 def _one_chunk_per_stage(stage_provider, provider) -> None:
