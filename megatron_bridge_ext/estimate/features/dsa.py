@@ -68,7 +68,74 @@ def findings(model) -> list[Finding]:
                               "dsa.py L253-269) is not modelled by the estimate",
                               "estimate with model.dsa_indexer_rotate_activation=False (it keeps nothing for "
                               "backward beyond the indexer's query and key)")]
+    return sharing_problems(model)
+
+
+def index_shared(model) -> bool:
+    """Whether layers reuse another layer's top-k (``dsa_indexer_topk_freq`` > 1, GLM-5.2's index sharing)."""
+    return used(model) and (getattr(model, "dsa_indexer_topk_freq", 1) or 1) > 1
+
+
+def source_of(model, layer: int) -> int:
+    """The 0-based layer whose top-k 0-based ``layer`` uses: itself on a computing layer, else Core's source
+    (``source_dsa_compute_layer``, dsa.py L50-56, on 1-based numbers)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import source_dsa_compute_layer
+
+    if not index_shared(model):
+        return layer
+    return source_dsa_compute_layer(layer + 1, model.dsa_indexer_skip_topk_offset or 0, model.dsa_indexer_topk_freq) - 1
+
+
+def sharing_problems(model) -> list[Finding]:
+    """A model chunk whose skip layer's source does not run before it in the chunk: Core raises in that layer's
+    forward (dsa.py L1962-1973: top-k is not shared across pipeline stages); one finding, the first such layer."""
+    from megatron_bridge_ext.estimate import pipeline
+
+    if not index_shared(model) or pipeline.split_problems(model):
+        return []
+    for stage, chunks in enumerate(pipeline.stage_chunks(model)):
+        for chunk in chunks:
+            for index, layer in enumerate(chunk.layers):
+                if source_of(model, layer) not in chunk.layers[:index + 1]:
+                    return [Finding("parallel_layout", ERROR, "model.dsa_indexer_topk_freq",
+                                    f"layer {layer + 1} of pipeline stage {stage} reuses the top-k of layer "
+                                    f"{source_of(model, layer) + 1}, which runs on another stage or model chunk: "
+                                    "Megatron Core raises in its forward (dsa.py L1962-1973)",
+                                    "split the pipeline so that each stage's model chunks start on a layer that "
+                                    "computes its top-k")]
     return []
+
+
+@contextlib.contextmanager
+def real_layer_numbers(numbers: list[int]) -> Iterator[None]:
+    """While a stage is built with its layers renumbered (its chunks as one, or a few of its layers): the
+    ``DSAttention`` of the i-th layer number built takes the 0-based global number ``numbers[i]`` (+1, Core's
+    1-based numbers), so that its computing or skipping the top-k and its source layer are the real layer's (dsa.py
+    L1562-1575). Numbers past ``numbers`` (the MTP depths', numbered by Core on their own) are kept. A subclass's
+    ``super().__init__`` comes through here again with the number already mapped: passed on as it is. Put back on
+    exit."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    saved = DSAttention.__init__
+    real: dict[int, int] = {}
+    inside = []
+
+    def __init__(self, config, submodules, layer_number, *args, **kwargs):
+        if not inside:
+            if layer_number not in real and len(real) < len(numbers):
+                real[layer_number] = numbers[len(real)] + 1
+            layer_number = real.get(layer_number, layer_number)
+        inside.append(layer_number)
+        try:
+            saved(self, config, submodules, layer_number, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    DSAttention.__init__ = __init__
+    try:
+        yield
+    finally:
+        DSAttention.__init__ = saved
 
 
 def turn_off_fused_kernels(model) -> Optional[str]:
