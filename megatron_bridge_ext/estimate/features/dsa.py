@@ -138,6 +138,33 @@ def real_layer_numbers(numbers: list[int]) -> Iterator[None]:
         DSAttention.__init__ = saved
 
 
+@contextlib.contextmanager
+def indexer_loss_tracker() -> Iterator[None]:
+    """While a stage is traced: a fresh tracker for Core's indexer-loss logging (``DSAIndexerLossLoggingHelper``, a
+    class global sized by the first write's ``num_layers``, dsa.py L272-303), grown to the layer's number where the
+    build keeps real numbers beyond its own layer count (:func:`real_layer_numbers`); the caller's back on exit. It
+    logs one fp32 value per layer and keeps nothing for backward."""
+    import torch
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper as helper
+
+    saved_tracker, saved_save = helper.tracker, helper.__dict__["save_loss_to_tracker"]
+
+    def save_loss_to_tracker(loss, layer_number, num_layers, *args, **kwargs):
+        values = helper.tracker.get("values")
+        if values is not None and layer_number is not None and layer_number > values.numel():
+            helper.tracker["values"] = torch.cat([values, values.new_zeros(layer_number - values.numel())])
+        size = num_layers if layer_number is None else max(num_layers, layer_number)
+        return saved_save.__func__(loss, layer_number, size, *args, **kwargs)
+
+    helper.tracker = {}
+    helper.save_loss_to_tracker = staticmethod(save_loss_to_tracker)
+    try:
+        yield
+    finally:
+        helper.tracker = saved_tracker
+        helper.save_loss_to_tracker = saved_save
+
+
 def turn_off_fused_kernels(model) -> Optional[str]:
     """Trace Core's PyTorch path in place of a fused kernel backend (which needs CUDA, refused by Core's config
     check before anything is built) and say so; None where there is nothing to turn off."""
