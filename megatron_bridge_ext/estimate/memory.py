@@ -579,7 +579,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
             (features.hybridep.hybridep_kernels(load, provider) if features.hybridep.used(provider)
              else contextlib.nullcontext()), \
-            (features.dsa.indexer_loss_tracker() if features.dsa.used(provider) else contextlib.nullcontext()):
+            (features.dsa.indexer_loss_tracker() if features.dsa.used(provider) else contextlib.nullcontext()), \
+            (features.dsa.cp_lengths_by_shape() if features.dsa.used(provider) and cp > 1 else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)

@@ -165,6 +165,27 @@ def indexer_loss_tracker() -> Iterator[None]:
         helper.save_loss_to_tracker = saved_save
 
 
+@contextlib.contextmanager
+def cp_lengths_by_shape() -> Iterator[None]:
+    """While a stage is traced under context parallelism: Core's check that every CP rank holds as many tokens
+    (``_validate_nonpacked_cp_uniform_length``, dsa.py L220-250: it all-gathers the lengths and compares their values,
+    which fake tensors do not carry) compares the shapes only: the estimate gives every rank s / CP tokens. It keeps
+    nothing for backward. Put back on exit."""
+    from megatron.core.transformer.experimental_attention_variant import dsa as core_dsa
+
+    saved = core_dsa._validate_nonpacked_cp_uniform_length
+
+    def _validate_nonpacked_cp_uniform_length(sq, skv, cp_size, cp_group, device):
+        if skv not in (sq, sq * cp_size):
+            raise RuntimeError(f"DSA context parallelism: key length {skv} is neither {sq} nor {sq} x {cp_size}")
+
+    core_dsa._validate_nonpacked_cp_uniform_length = _validate_nonpacked_cp_uniform_length
+    try:
+        yield
+    finally:
+        core_dsa._validate_nonpacked_cp_uniform_length = saved
+
+
 def turn_off_fused_kernels(model) -> Optional[str]:
     """Trace Core's PyTorch path in place of a fused kernel backend (which needs CUDA, refused by Core's config
     check before anything is built) and say so; None where there is nothing to turn off."""

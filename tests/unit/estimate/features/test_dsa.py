@@ -190,3 +190,22 @@ def test_a_split_whose_chunk_starts_on_a_layer_reusing_another_stages_top_k_is_r
     with pytest.raises(Refused) as refused:
         estimate(cfg, attention="fused", transformer_impl="local", device="cpu", num_microbatches=2)
     assert "model.dsa_indexer_topk_freq" in str(refused.value) and "layer 3 of pipeline stage 1" in str(refused.value)
+
+
+def test_context_parallel_lengths_are_checked_by_shape():
+    """Core checks that every CP rank holds as many tokens by all-gathering their values (dsa.py L220-250), which fake
+    tensors do not carry: the stand-in accepts a key of the local or the gathered length and refuses another, and a
+    tiny model at CP 2 is traced through it."""
+    from megatron.core.transformer.experimental_attention_variant import dsa as core_dsa
+
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
+
+    with dsa.cp_lengths_by_shape():
+        core_dsa._validate_nonpacked_cp_uniform_length(sq=16, skv=32, cp_size=2, cp_group=None, device="cpu")
+        with pytest.raises(RuntimeError):
+            core_dsa._validate_nonpacked_cp_uniform_length(sq=16, skv=24, cp_size=2, cp_group=None, device="cpu")
+    cfg = tiny_config(_shape(), None, **INDEXER, dsa_indexer_loss_coeff=0.01, context_parallel_size=2,
+                      cp_comm_type="allgather")
+    est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu", data_parallel_size=1)
+    assert est.settings.cp == 2 and est.activations_per_layer[1] > 0
