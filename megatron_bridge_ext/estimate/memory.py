@@ -495,7 +495,8 @@ def _te_problems(prepared: Prepared, impl: str) -> list[Finding]:
 def candidate_stages(provider) -> list[int]:
     """The pipeline stages estimated: every stage of a hybrid model (its segments need not hold equal layers), else
     the first stage of each group that holds the same chunks (:func:`.pipeline.candidate_stages`): a layer's kind,
-    its number where its build depends on it (:data:`LAYER_NUMBER_FIELDS`), whether it runs in FP8."""
+    its number where its build depends on it (:data:`LAYER_NUMBER_FIELDS`), whether it runs in FP8, whether it
+    computes its sparse attention's top-k (:func:`..features.dsa.index_shared`)."""
     pp = provider.pipeline_model_parallel_size
     if is_hybrid(provider):
         return list(range(pp))
@@ -505,6 +506,8 @@ def candidate_stages(provider) -> list[int]:
     fp8 = precision.fp8_of(provider)
     if fp8 is not None:
         kinds = [(kind, fp8.layer_in_fp8(number)) for number, kind in enumerate(kinds)]
+    if features.dsa.index_shared(provider):
+        kinds = [(kind, features.dsa.source_of(provider, number) == number) for number, kind in enumerate(kinds)]
     return pipeline.candidate_stages(provider, kinds)
 
 
@@ -516,10 +519,13 @@ for the rest."""
 @dataclass(frozen=True)
 class ReducedStage:
     """A stage traced with fewer layers: ``pattern`` (1 MoE, 0 dense) of the layers built and traced, and for each
-    layer of the real stage the traced layer whose saves and parameters it has (``sources``)."""
+    layer of the real stage the traced layer whose saves and parameters it has (``sources``); ``numbers``: the
+    traced layers' real 0-based global numbers where the build must keep them (DeepSeek sparse attention's shared
+    top-k, :func:`_index_shared_prefix`), else None."""
 
     pattern: list[int]
     sources: list[int]
+    numbers: Optional[list[int]] = None
 
 
 def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
@@ -541,10 +547,27 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
     if (not (getattr(provider, "num_moe_experts", None) or hybrid or _uniform_dense(provider))
             or len(layers) <= TRACED_LAYERS or provider.recompute_granularity == "full"):
         return None
+    if features.dsa.index_shared(provider) and not hybrid:
+        return _index_shared_prefix(provider, stage, layers)
     pattern = [layers[0]] + list(dict.fromkeys(layers[1:]))
     pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
     last = {kind: index for index, kind in enumerate(pattern)}
     return ReducedStage(pattern, [0] + [last[kind] for kind in layers[1:]])
+
+
+def _index_shared_prefix(provider, stage: int, layers: list) -> ReducedStage:
+    """A stage of DeepSeek sparse attention with shared top-k, traced as its first layers with their real numbers:
+    a layer that reuses another's top-k saves no indexer (dsa.py L1962-1976) and needs its source built before it,
+    so the stage's kinds are (dense/MoE, computes its top-k), and the traced layers are the shortest run from the
+    stage's first layer (which computes its own, :func:`..features.dsa.sharing_problems`) holding every kind that
+    follows; each later layer repeats the last traced layer of its kind."""
+    numbers = pipeline.stage_layers(provider, stage)
+    keys = [(kind, features.dsa.source_of(provider, layer) == layer) for kind, layer in zip(layers, numbers)]
+    wanted = set(keys[1:])
+    count = next(n for n in range(TRACED_LAYERS, len(keys) + 1) if set(keys[1:n]) >= wanted)
+    last = {key: index for index, key in enumerate(keys[:count]) if index}
+    sources = list(range(count)) + [last[key] for key in keys[count:]]
+    return ReducedStage(layers[:count], sources, numbers[:count])
 
 
 LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading", "fine_grained_activation_offloading",
@@ -582,7 +605,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
             (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
             (features.hybridep.hybridep_kernels(load, provider) if features.hybridep.used(provider)
-             else contextlib.nullcontext()), features.token_dropping.padded_counts_on_host(provider):
+             else contextlib.nullcontext()), features.token_dropping.padded_counts_on_host(provider), \
+            (features.dsa.indexer_loss_tracker() if features.dsa.used(provider) else contextlib.nullcontext()), \
+            (features.dsa.cp_lengths_by_shape() if features.dsa.used(provider) and cp > 1 else contextlib.nullcontext()):
         # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         stage_provider = copy.deepcopy(provider)
@@ -591,9 +616,13 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             set_layer_kinds(stage_provider, reduced.pattern)
         elif not hybrid and not pipeline.is_plain(provider):
             _one_chunk_per_stage(stage_provider, provider)
-        model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
-                                 dtype=prepared.dtype, transformer_impl=impl,
-                                 mtp_moe=moe_layer_pattern(provider)[-1] == 1)
+        with (features.mtp.final_norm_on_stage(pipeline.final_norm_chunk(provider, stage) is not None)
+              if features.mtp.used(provider) and not hybrid else contextlib.nullcontext()), \
+                (features.dsa.real_layer_numbers(reduced.numbers if reduced else pipeline.stage_layers(provider, stage))
+                 if features.dsa.index_shared(provider) and not hybrid else contextlib.nullcontext()):
+            model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
+                                     dtype=prepared.dtype, transformer_impl=impl,
+                                     mtp_moe=moe_layer_pattern(provider)[-1] == 1)
         counts = static.count_parameters(model, reduced.sources if reduced else None)
         fp8 = precision.fp8_of(provider)  # the whole model's layers: a reduced stage's copy has fewer
         traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
@@ -760,7 +789,9 @@ def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipelin
     if is_hybrid(provider):
         return pipeline.InFlight(tuple(forwards), (0,) * layers)
     chunks = pipeline.stage_chunks(provider)[stage]
-    return pipeline.InFlight(tuple(forwards), tuple(v for v, chunk in enumerate(chunks) for _ in chunk.layers))
+    norm = pipeline.final_norm_chunk(provider, stage)
+    return pipeline.InFlight(tuple(forwards), tuple(v for v, chunk in enumerate(chunks) for _ in chunk.layers),
+                             norm_chunk=-1 if norm is None else norm, embedding_chunk=0 if stage == 0 else -1)
 
 
 def _one_chunk_per_stage(stage_provider, provider) -> None:
@@ -871,7 +902,8 @@ def _recomputed_layer_bytes(provider, prepared: Prepared, attention: str, impl: 
 
 def _one_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mode, device: str, kind) -> int:
     """What layer 0 of a one-layer-per-stage build of layers of ``kind`` (:func:`..build.layer_kinds`) saves,
-    without recompute."""
+    without recompute. Under DeepSeek sparse attention's shared top-k the layer is built as the model's first layer,
+    which computes its own top-k (the larger: a layer reusing one keeps no indexer)."""
     one_layer = copy.deepcopy(provider)
     set_layer_kinds(one_layer, [kind])
     one_layer.num_layers_in_first_pipeline_stage = one_layer.num_layers_in_last_pipeline_stage = None
@@ -879,8 +911,9 @@ def _one_layer_bytes(provider, prepared: Prepared, attention: str, impl: str, mo
     one_layer.virtual_pipeline_model_parallel_size = None
     one_layer.recompute_granularity = one_layer.recompute_method = one_layer.recompute_num_layers = None
     one_layer.mtp_num_layers = None  # the layer alone; the last stage's MTP depths are traced with the stage
-    model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
-                             dtype=prepared.dtype, transformer_impl=impl)
+    with (features.dsa.real_layer_numbers([0]) if features.dsa.index_shared(provider) else contextlib.nullcontext()):
+        model = build_rank_model(one_layer, prepared.peft, attention=attention, mode=mode, device=device,
+                                 dtype=prepared.dtype, transformer_impl=impl)
     sp_tp = provider.tensor_model_parallel_size if provider.sequence_parallel else 1
     traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
                               hidden=provider.hidden_size, dtype=prepared.dtype, device=device,

@@ -132,6 +132,17 @@ def _mtp_per_chunk(model, pp: int, vpp: int) -> list[list[int]]:
     return out
 
 
+def final_norm_chunk(model, stage: int) -> Optional[int]:
+    """The chunk of ``stage`` that builds the decoder's final norm, None if none does: the chunk with the loss, or
+    with multi-token prediction the chunk with the last decoder layer, wherever the split puts it
+    (``transformer_block.py`` ``has_final_layernorm_in_this_stage`` L387-413)."""
+    last = model.num_layers - 1
+    for index, chunk in enumerate(stage_chunks(model)[stage]):
+        if (last in chunk.layers) if getattr(model, "mtp_num_layers", None) else chunk.loss:
+            return index
+    return None
+
+
 def stage_layers(model, stage: int) -> list[int]:
     """The global numbers of ``stage``'s decoder layers, chunk after chunk."""
     return [layer for chunk in stage_chunks(model)[stage] for layer in chunk.layers]
@@ -233,12 +244,13 @@ def chunk_forwards(*, pp: int, vpp: Optional[int], num_microbatches: int, stage:
 
 def candidate_stages(model, kinds: list) -> list[int]:
     """The stages that can be the most loaded: the first of each group of stages that hold the same chunks (layer
-    counts and kinds, embedding, loss, MTP). A later stage with the same chunks holds no more forwards in flight
+    counts and kinds, embedding, loss, MTP, the decoder's final norm). A later stage with the same chunks holds no more forwards in flight
     than an earlier one, so it cannot be heavier. ``kinds``: each global layer's kind (:func:`..build.layer_kinds`,
     or the layer numbers themselves where a layer's build depends on its number)."""
     seen, out = set(), []
     for stage, chunks in enumerate(stage_chunks(model)):
-        key = tuple((tuple(kinds[layer] for layer in c.layers), c.embedding, c.loss, c.mtp) for c in chunks)
+        key = (tuple((tuple(kinds[layer] for layer in c.layers), c.embedding, c.loss, c.mtp) for c in chunks),
+               final_norm_chunk(model, stage))
         if key not in seen:
             seen.add(key)
             out.append(stage)
@@ -275,10 +287,15 @@ def flatten(provider, counts: list[int], mtp: Optional[list[int]] = None) -> Non
 @dataclass(frozen=True)
 class InFlight:
     """The forwards a stage holds, per model chunk (:func:`chunk_forwards`), and the chunk of each of its traced
-    layers (the stage's layers in chunk order): each saved byte counts as many times as its chunk's forwards."""
+    layers (the stage's layers in chunk order): each saved byte counts as many times as its chunk's forwards.
+    ``norm_chunk``: the chunk of the decoder's final norm (with multi-token prediction the chunk of the last decoder
+    layer, :func:`final_norm_chunk`); ``embedding_chunk``: the chunk whose forwards run the embedding (the first;
+    on a later stage the last, where only the MTP depths embed their tokens)."""
 
     forwards: tuple[int, ...]
     layer_chunks: tuple[int, ...]
+    norm_chunk: int = -1
+    embedding_chunk: int = 0
 
     @property
     def mean(self) -> float:
@@ -290,15 +307,19 @@ class InFlight:
 
     def weight(self, category: str, layer: Optional[int]) -> float:
         """How many times what ``layer`` (None: outside the layers) saved in ``category`` is alive: its chunk's
-        forwards; the embedding's are the first chunk's, the final norm's and the loss's the last chunk's, other
-        saves outside the layers (full recompute's checkpoints) the layers' mean."""
-        from megatron_bridge_ext.estimate.trace import EMBEDDING, LOGITS_LOSS, NORMS
+        forwards; the embedding's are :attr:`embedding_chunk`'s, the final norm's :attr:`norm_chunk`'s, the MTP
+        depths' and the loss's the last chunk's (Core builds MTP in the last chunk of its stage,
+        ``pipeline_parallel_layer_layout.py`` L118-124), other saves outside the layers (full recompute's
+        checkpoints) the layers' mean."""
+        from megatron_bridge_ext.estimate.trace import EMBEDDING, LOGITS_LOSS, MTP, NORMS
 
         if layer is not None:
             return float(self.forwards[self.layer_chunks[layer]])
         if category == EMBEDDING:
-            return float(self.forwards[0])
-        if category in (LOGITS_LOSS, NORMS):
+            return float(self.forwards[self.embedding_chunk])
+        if category == NORMS:
+            return float(self.forwards[self.norm_chunk])
+        if category in (LOGITS_LOSS, MTP):
             return float(self.forwards[-1])
         return self.mean
 

@@ -68,7 +68,122 @@ def findings(model) -> list[Finding]:
                               "dsa.py L253-269) is not modelled by the estimate",
                               "estimate with model.dsa_indexer_rotate_activation=False (it keeps nothing for "
                               "backward beyond the indexer's query and key)")]
+    return sharing_problems(model)
+
+
+def index_shared(model) -> bool:
+    """Whether layers reuse another layer's top-k (``dsa_indexer_topk_freq`` > 1, GLM-5.2's index sharing)."""
+    return used(model) and (getattr(model, "dsa_indexer_topk_freq", 1) or 1) > 1
+
+
+def source_of(model, layer: int) -> int:
+    """The 0-based layer whose top-k 0-based ``layer`` uses: itself on a computing layer, else Core's source
+    (``source_dsa_compute_layer``, dsa.py L50-56, on 1-based numbers)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import source_dsa_compute_layer
+
+    if not index_shared(model):
+        return layer
+    return source_dsa_compute_layer(layer + 1, model.dsa_indexer_skip_topk_offset or 0, model.dsa_indexer_topk_freq) - 1
+
+
+def sharing_problems(model) -> list[Finding]:
+    """A model chunk whose skip layer's source does not run before it in the chunk: Core raises in that layer's
+    forward (dsa.py L1962-1973: top-k is not shared across pipeline stages); one finding, the first such layer."""
+    from megatron_bridge_ext.estimate import pipeline
+
+    if not index_shared(model) or pipeline.split_problems(model):
+        return []
+    for stage, chunks in enumerate(pipeline.stage_chunks(model)):
+        for chunk in chunks:
+            for index, layer in enumerate(chunk.layers):
+                if source_of(model, layer) not in chunk.layers[:index + 1]:
+                    return [Finding("parallel_layout", ERROR, "model.dsa_indexer_topk_freq",
+                                    f"layer {layer + 1} of pipeline stage {stage} reuses the top-k of layer "
+                                    f"{source_of(model, layer) + 1}, which runs on another stage or model chunk: "
+                                    "Megatron Core raises in its forward (dsa.py L1962-1973)",
+                                    "split the pipeline so that each stage's model chunks start on a layer that "
+                                    "computes its top-k")]
     return []
+
+
+@contextlib.contextmanager
+def real_layer_numbers(numbers: list[int]) -> Iterator[None]:
+    """While a stage is built with its layers renumbered (its chunks as one, or a few of its layers): the
+    ``DSAttention`` of the i-th layer number built takes the 0-based global number ``numbers[i]`` (+1, Core's
+    1-based numbers), so that its computing or skipping the top-k and its source layer are the real layer's (dsa.py
+    L1562-1575). Numbers past ``numbers`` (the MTP depths', numbered by Core on their own) are kept. A subclass's
+    ``super().__init__`` comes through here again with the number already mapped: passed on as it is. Put back on
+    exit."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    saved = DSAttention.__init__
+    real: dict[int, int] = {}
+    inside = []
+
+    def __init__(self, config, submodules, layer_number, *args, **kwargs):
+        if not inside:
+            if layer_number not in real and len(real) < len(numbers):
+                real[layer_number] = numbers[len(real)] + 1
+            layer_number = real.get(layer_number, layer_number)
+        inside.append(layer_number)
+        try:
+            saved(self, config, submodules, layer_number, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    DSAttention.__init__ = __init__
+    try:
+        yield
+    finally:
+        DSAttention.__init__ = saved
+
+
+@contextlib.contextmanager
+def indexer_loss_tracker() -> Iterator[None]:
+    """While a stage is traced: a fresh tracker for Core's indexer-loss logging (``DSAIndexerLossLoggingHelper``, a
+    class global sized by the first write's ``num_layers``, dsa.py L272-303), grown to the layer's number where the
+    build keeps real numbers beyond its own layer count (:func:`real_layer_numbers`); the caller's back on exit. It
+    logs one fp32 value per layer and keeps nothing for backward."""
+    import torch
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper as helper
+
+    saved_tracker, saved_save = helper.tracker, helper.__dict__["save_loss_to_tracker"]
+
+    def save_loss_to_tracker(loss, layer_number, num_layers, *args, **kwargs):
+        values = helper.tracker.get("values")
+        if values is not None and layer_number is not None and layer_number > values.numel():
+            helper.tracker["values"] = torch.cat([values, values.new_zeros(layer_number - values.numel())])
+        size = num_layers if layer_number is None else max(num_layers, layer_number)
+        return saved_save.__func__(loss, layer_number, size, *args, **kwargs)
+
+    helper.tracker = {}
+    helper.save_loss_to_tracker = staticmethod(save_loss_to_tracker)
+    try:
+        yield
+    finally:
+        helper.tracker = saved_tracker
+        helper.save_loss_to_tracker = saved_save
+
+
+@contextlib.contextmanager
+def cp_lengths_by_shape() -> Iterator[None]:
+    """While a stage is traced under context parallelism: Core's check that every CP rank holds as many tokens
+    (``_validate_nonpacked_cp_uniform_length``, dsa.py L220-250: it all-gathers the lengths and compares their values,
+    which fake tensors do not carry) compares the shapes only: the estimate gives every rank s / CP tokens. It keeps
+    nothing for backward. Put back on exit."""
+    from megatron.core.transformer.experimental_attention_variant import dsa as core_dsa
+
+    saved = core_dsa._validate_nonpacked_cp_uniform_length
+
+    def _validate_nonpacked_cp_uniform_length(sq, skv, cp_size, cp_group, device):
+        if skv not in (sq, sq * cp_size):
+            raise RuntimeError(f"DSA context parallelism: key length {skv} is neither {sq} nor {sq} x {cp_size}")
+
+    core_dsa._validate_nonpacked_cp_uniform_length = _validate_nonpacked_cp_uniform_length
+    try:
+        yield
+    finally:
+        core_dsa._validate_nonpacked_cp_uniform_length = saved
 
 
 def turn_off_fused_kernels(model) -> Optional[str]:

@@ -41,16 +41,26 @@ def findings(model) -> list[Finding]:
     if not used(model):
         return []
     out = []
-    if getattr(model, "pipeline_model_parallel_layout", None):
+    if _standalone(model):
         out.append(_not_modelled("model.pipeline_model_parallel_layout",
-                                 "multi-token prediction placed by a custom pipeline layout is not modelled by the "
-                                 "estimate (it traces the MTP depths on the last pipeline stage, Core's default)",
-                                 "estimate without the layout (its stages' layers then split evenly)"))
+                                 "multi-token prediction on a pipeline stage before the loss's (Core's standalone "
+                                 "MTP, whose stage hands the decoder's and every depth's hidden states on) is not "
+                                 "modelled by the estimate", "put the layout's 'm' on the last stage, before its 'L'"))
     if getattr(model, "fp8", None):
         out.append(_not_modelled("model.mtp_num_layers",
                                  "FP8 in multi-token prediction's layers is not modelled by the estimate (their "
                                  "quantised weights and inputs are not counted)", "estimate the bf16 config"))
     return out
+
+
+def _standalone(model) -> bool:
+    """Whether a custom pipeline layout puts the MTP depths on a stage before the last (Core's ``mtp_standalone``,
+    ``pipeline_parallel_layer_layout.py`` L136-145)."""
+    from megatron_bridge_ext.estimate.pipeline import parse_layout
+
+    layout = getattr(model, "pipeline_model_parallel_layout", None)
+    stages = parse_layout(layout, model.pipeline_model_parallel_size) if layout is not None else None
+    return bool(stages) and any("mtp" in chunk for stage in stages[:-1] for chunk in stage)
 
 
 def _not_modelled(setting: str, message: str, fix: str) -> Finding:
@@ -104,11 +114,32 @@ def local_modules(layer_spec) -> Iterator[None]:
         gpt_provider.mtp_block_spec = saved
 
 
+@contextlib.contextmanager
+def final_norm_on_stage(holds: bool) -> Iterator[None]:
+    """While a stage is built as one chunk of its layers (or a few of them): the decoder's final norm is built on it
+    iff the real stage holds the last decoder layer, where Core builds it under multi-token prediction
+    (``transformer_block.py`` ``has_final_layernorm_in_this_stage`` L387-413, by the layer's global number, which
+    the stage's build renumbers). Put back on exit."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    saved = TransformerBlock.has_final_layernorm_in_this_stage
+
+    def has_final_layernorm_in_this_stage(block):
+        return block.submodules.layer_norm and holds and block.post_layer_norm
+
+    TransformerBlock.has_final_layernorm_in_this_stage = has_final_layernorm_in_this_stage
+    try:
+        yield
+    finally:
+        TransformerBlock.has_final_layernorm_in_this_stage = saved
+
+
 def assumption(model) -> Optional[str]:
     """How the estimate traced the model's multi-token prediction, or None without it."""
     if not used(model):
         return None
-    return (f"multi-token prediction: Megatron Core's MTP block traced on the last pipeline stage, "
+    return (f"multi-token prediction: Megatron Core's MTP block traced on the last pipeline stage (in its last "
+            "model chunk, where Core builds it with or without a custom layout), "
             f"{model.mtp_num_layers} depth(s) of norms, eh_proj over [s, b, 2h] and one transformer layer of the "
             "decoder's last layer's spec (Core's local norms and column-parallel eh_proj in place of Transformer "
             "Engine's, which keep the same), then each depth's full-vocabulary logits and loss "

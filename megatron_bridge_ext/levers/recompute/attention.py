@@ -89,7 +89,8 @@ def _spec_uses_te(spec) -> tuple[str, bool]:
 
     None or Bridge's ``default_layer_spec``: TE's spec. A built ``ModuleSpec``: its core-attention
     class (TE's: :func:`~megatron_bridge_ext.estimate.features.recipe_attention.is_te_class`). A spec function
-    that cannot be built here: its name (``..._transformer_engine_...``, ``te_...``).
+    that cannot be built here: its name (``..._transformer_engine_...``, ``te_...``), or its module where Core
+    builds that module's specs on TE only (:data:`TE_ONLY_SPEC_MODULES`).
     """
     from megatron_bridge_ext.estimate.features.recipe_attention import declared_name, is_te_class
 
@@ -102,7 +103,16 @@ def _spec_uses_te(spec) -> tuple[str, bool]:
         return f"ModuleSpec with {name}", is_te_class(core)
     name = getattr(spec, "__name__", repr(spec))
     lowered = name.lower()
-    return name, name == "default_layer_spec" or "te" in lowered.split("_") or "transformer_engine" in lowered
+    te_only = getattr(spec, "__module__", None) in TE_ONLY_SPEC_MODULES
+    return name, te_only or name == "default_layer_spec" or "te" in lowered.split("_") or "transformer_engine" in lowered
+
+
+TE_ONLY_SPEC_MODULES = ("megatron.core.models.gpt.experimental_attention_variant_module_specs",)
+"""Megatron Core's spec modules whose functions build on Transformer Engine only: the experimental attention variants'
+(DeepSeek sparse attention, gated delta net; GLM-5.2's ``get_transformer_block_with_experimental_attention_variant_spec``)
+take their backend from ``_get_backend_spec_provider``, which asserts ``transformer_impl == 'transformer_engine'`` and
+returns ``TESpecProvider`` (``experimental_attention_variant_module_specs.py`` L439-452): its layers' attention is TE's
+fused one, whatever their names say."""
 
 
 def _te_unfused_backend() -> bool:

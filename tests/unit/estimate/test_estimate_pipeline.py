@@ -69,10 +69,16 @@ SPLITS = [
     (6, 2, 2, dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)),
     (6, 3, 2, dict(pipeline_model_parallel_layout="Ett|t|t|t|t|L")),
     (8, 2, 2, dict(num_layers_in_first_pipeline_stage=2)),
+    # Multi-token prediction: Core builds the decoder's final norm with the last decoder layer (here on stage 1's
+    # second chunk, the depths on stage 2's), the depths in the last chunk of the stage the layout puts them on.
+    (6, 3, 2, dict(pipeline_model_parallel_layout="Ett|t|t|t|t|mL", mtp_num_layers=1)),
+    (5, 2, None, dict(pipeline_model_parallel_layout="Et|ttttmmL", mtp_num_layers=2)),
+    (8, 2, 2, dict(num_layers_in_first_pipeline_stage=2, mtp_num_layers=1)),
 ]
 
 
-@pytest.mark.parametrize("layers, pp, vpp, split", SPLITS)
+@pytest.mark.parametrize("layers, pp, vpp, split", SPLITS, ids=["layout", "first", "accounted", "layout-vpp", "first-vpp",
+                                                              "mtp-layout-vpp", "mtp-layout", "mtp-first-vpp"])
 def test_each_stage_holds_what_cores_chunks_save_times_their_forwards(layers, pp, vpp, split):
     cfg = _config(layers, pp, vpp, **split)
     est = memory.estimate(cfg, device="cpu", num_microbatches=NUM_MICROBATCHES, attention="fused",

@@ -124,3 +124,88 @@ def test_te_modules_put_cores_name_back():
 def test_the_estimate_names_what_it_traced_among_its_assumptions():
     assert "DSAttention" in dsa.assumption(_model())
     assert dsa.assumption(_model(experimental_attention_variant=None)) is None
+
+
+SHARED = INDEXER | dict(dsa_indexer_topk_freq=4, dsa_indexer_skip_topk_offset=0, dsa_indexer_loss_coeff=0.01)
+"""Top-k shared: layers 1 and 5 compute it, 2-4 reuse layer 1's, 6-8 layer 5's (dsa.py L37-56)."""
+
+
+def _shared_config(layers: int, **fields):
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
+
+    shape = _shape()
+    shape.layers = layers
+    cfg = tiny_config(shape, None, **(SHARED | fields))
+    cfg.model.pipeline_dtype = torch.float32
+    return cfg
+
+
+def _core_stage(prepared, stage: int):
+    """The saves per layer of Core's real stage ``stage`` (Bridge's ``provide`` on that pipeline rank, its layers with
+    their real numbers), one microbatch traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from megatron_bridge_ext.estimate.build import build_rank_model
+    from megatron_bridge_ext.estimate.fake import fake_parallel_world
+    from megatron_bridge_ext.estimate.trace import trace_microbatch
+
+    provider = prepared.provider
+    with fake_parallel_world(tp=1, pp=provider.pipeline_model_parallel_size, cp=1, rank=stage, device="cpu"), \
+            dsa.indexer_loss_tracker():
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        model = build_rank_model(provider, None, attention="fused", mode=mode, device="cpu", dtype=prepared.dtype,
+                                 transformer_impl="local")
+        skips = [layer.self_attention.core_attention.skip_topk for layer in model.decoder.layers]
+        traced = trace_microbatch(model, mode, seq=prepared.seq, micro_batch=prepared.micro_batch,
+                                  hidden=provider.hidden_size, dtype=prepared.dtype, device="cpu",
+                                  sequence_parallel_tp=1)
+    return traced.by_layer, skips
+
+
+def test_a_stage_of_shared_top_k_is_traced_with_its_layers_real_numbers():
+    """PP 2 of 8 layers: stage 1 holds layers 5-8, of which 5 computes the top-k and 6-8 reuse it. The estimate traces
+    the stage as two layers (the first and one that stands for the rest), which Core's build would number 3 and 4
+    (3 reusing the top-k of a layer 1 not on the stage, so Core raises): built with their real numbers 5 and 6, their
+    saves are those of Core's real stage, layer by layer (a layer reusing the top-k keeps no indexer)."""
+    from megatron_bridge_ext.estimate import memory
+
+    cfg = _shared_config(8, pipeline_model_parallel_size=2)
+    prepared = memory.prepare(cfg, data_parallel_size=1, num_microbatches=2)
+    assert memory.traced_layers(prepared.provider, 1).numbers == [4, 5]
+    one = memory._estimate_stage(prepared, 1, attention="fused", impl="local", device="cpu")
+    real, skips = _core_stage(prepared, 1)
+    assert skips == [False, True, True, True]
+    assert real[0] > real[1] == real[2] == real[3]
+    assert one.activations_per_layer == real
+
+
+def test_a_split_whose_chunk_starts_on_a_layer_reusing_another_stages_top_k_is_refused():
+    """Stage 1 of layout ``Ett|ttttttL`` starts on layer 3, which reuses layer 1's top-k: Core raises in its forward
+    (top-k is not shared across pipeline stages, dsa.py L1962-1973)."""
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.findings import Refused
+
+    cfg = _shared_config(8, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|ttttttL")
+    with pytest.raises(Refused) as refused:
+        estimate(cfg, attention="fused", transformer_impl="local", device="cpu", num_microbatches=2)
+    assert "model.dsa_indexer_topk_freq" in str(refused.value) and "layer 3 of pipeline stage 1" in str(refused.value)
+
+
+def test_context_parallel_lengths_are_checked_by_shape():
+    """Core checks that every CP rank holds as many tokens by all-gathering their values (dsa.py L220-250), which fake
+    tensors do not carry: the stand-in accepts a key of the local or the gathered length and refuses another, and a
+    tiny model at CP 2 is traced through it."""
+    from megatron.core.transformer.experimental_attention_variant import dsa as core_dsa
+
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.testing.tiny_model import tiny_config
+
+    with dsa.cp_lengths_by_shape():
+        core_dsa._validate_nonpacked_cp_uniform_length(sq=16, skv=32, cp_size=2, cp_group=None, device="cpu")
+        with pytest.raises(RuntimeError):
+            core_dsa._validate_nonpacked_cp_uniform_length(sq=16, skv=24, cp_size=2, cp_group=None, device="cpu")
+    cfg = tiny_config(_shape(), None, **INDEXER, dsa_indexer_loss_coeff=0.01, context_parallel_size=2,
+                      cp_comm_type="allgather")
+    est = estimate(cfg, attention="fused", transformer_impl="local", device="cpu", data_parallel_size=1)
+    assert est.settings.cp == 2 and est.activations_per_layer[1] > 0

@@ -137,8 +137,14 @@ def test_a_model_without_mtp_saves_nothing_as_mtp_and_is_not_described():
 
 
 def test_the_variants_not_modelled_are_refused_by_name():
-    model = SimpleNamespace(mtp_num_layers=1, pipeline_model_parallel_layout="Et|(tt|)*30mL", fp8="hybrid")
+    """MTP on a stage before the loss's (Core's standalone MTP) and FP8 are refused; MTP a layout puts on the last
+    stage is traced there."""
+    model = SimpleNamespace(mtp_num_layers=1, pipeline_model_parallel_layout="Et|tm|L", pipeline_model_parallel_size=3,
+                            fp8="hybrid")
     assert [f.setting for f in mtp.findings(model)] == ["model.pipeline_model_parallel_layout", "model.mtp_num_layers"]
+    last = SimpleNamespace(mtp_num_layers=1, pipeline_model_parallel_layout="Et|t|tmL", pipeline_model_parallel_size=3,
+                           fp8=None)
+    assert mtp.findings(last) == []
     assert mtp.findings(SimpleNamespace(mtp_num_layers=2, pipeline_model_parallel_layout=None, fp8=None)) == []
     assert mtp.findings(SimpleNamespace(mtp_num_layers=None, pipeline_model_parallel_layout="x", fp8="hybrid")) == []
 

@@ -104,3 +104,17 @@ def test_bridges_default_spec_is_judged_fused_without_transformer_engine_too():
     found = attention.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=default_layer_spec,
                                                                  attention_backend="AttnBackend.auto"))
     assert found.kind == attention.FUSED, (HAVE_TE, found)
+
+
+def test_cores_experimental_attention_spec_is_judged_fused():
+    """GLM-5.2's spec function (Core's experimental attention variants) builds on TESpecProvider only
+    (experimental_attention_variant_module_specs.py L439-452), whatever its name says; it cannot be built here."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec as spec)
+
+    found = attention.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=spec,
+                                                                 attention_backend="AttnBackend.auto"))
+    assert found.kind == attention.FUSED, found
+    unfused = attention.attention_kind_from_config(SimpleNamespace(transformer_layer_spec=spec,
+                                                                   attention_backend="AttnBackend.unfused"))
+    assert unfused.kind == attention.UNFUSED
