@@ -772,7 +772,8 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
                            f"formula: the Mamba scan's backward allocations (estimate.mamba.backward_bytes, from "
                            f"mamba_ssm's ssd_combined.py): gradients [{b}, {s}, {m.in_proj}] + [{b}, {s}, {m.inner}] + "
                            f"2 x [{b}, {s}, {m.conv}], and the chunk states' fp32 recompute and gradients "
-                           f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"))
+                           f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"
+                           f"{mamba.UNFUSED_BACKWARD if getattr(provider, 'use_mamba_mem_eff_path', True) is False else ''}"))
     exchange = features.context_parallel.transient(provider, local_seq=s, micro_batch=b, element=element)
     candidates += [exchange] if exchange else []
     mlp_grads, basis = max(candidates)

@@ -82,7 +82,7 @@ MODELLED = frozenset("M*-E")
 
 def hybrid_findings(model) -> list[Finding]:
     """What of a hybrid model the estimate does not model, each by name: layer kinds other than Mamba, attention,
-    MLP and MoE, low precision on Mamba layers, the mixer's unfused path, and virtual pipelines (which Bridge's
+    MLP and MoE, low precision on Mamba layers, and virtual pipelines (which Bridge's
     provider refuses). Empty for a hybrid model the estimate traces and for any other model."""
     pattern = hybrid_pattern(model)
     if pattern is None:
@@ -97,11 +97,6 @@ def hybrid_findings(model) -> list[Finding]:
                            f"the hybrid model's {named} layer(s) (of {len(pattern)}) are not modelled by our estimate "
                            "(it traces Mamba, attention, MLP and MoE layers)",
                            "read Bridge's figure beside it, or measure one training step on a GPU"))
-    if MAMBA in pattern and getattr(model, "use_mamba_mem_eff_path", True) is False:
-        out.append(Finding("unsupported_model", ERROR, "model.use_mamba_mem_eff_path",
-                           "is False: the Mamba mixer's unfused path (causal_conv1d, then mamba_chunk_scan_combined; "
-                           "Core warns it is not tested for training) is not modelled by our estimate",
-                           "estimate with model.use_mamba_mem_eff_path=True (Core's default, the fused scan)"))
     if MAMBA in pattern and (getattr(model, "fp8", None) or getattr(model, "fp4", None)):
         out.append(Finding("unsupported_model", ERROR, "model.fp8" if getattr(model, "fp8", None) else "model.fp4",
                            "low precision on a hybrid model's Mamba layers is not modelled by our estimate (the "

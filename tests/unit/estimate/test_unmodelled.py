@@ -42,11 +42,14 @@ def test_the_deprecated_override_pattern_is_read_too():
     ({"virtual_pipeline_model_parallel_size": 2}, "model.virtual_pipeline_model_parallel_size"),
     ({"fp8": "hybrid"}, "model.fp8"),
     ({"fp4": "nvfp4"}, "model.fp4"),
-    ({"use_mamba_mem_eff_path": False}, "model.use_mamba_mem_eff_path"),
 ])
-def test_virtual_pipelines_low_precision_and_the_unfused_path_of_a_mamba_hybrid_are_named(fields, setting):
+def test_virtual_pipelines_and_low_precision_of_a_mamba_hybrid_are_named(fields, setting):
     [finding] = unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*M-", **fields))
     assert finding.setting == setting and finding.fix
+
+
+def test_the_unfused_mamba_path_is_traced_not_refused():
+    assert unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*M-", use_mamba_mem_eff_path=False)) == []
 
 
 def test_low_precision_without_mamba_layers_is_left_to_the_precision_model():
