@@ -193,13 +193,32 @@ class MambaShapes:
         return 2 * self.inner + 2 * self.groups * self.state + self.heads
 
 
-def shapes(provider, tp: Optional[int] = None) -> MambaShapes:
-    """The sizes on one of ``tp`` ranks (the provider's TP by default; 1: the whole layer's)."""
+def shapes(provider, tp: Optional[int] = None, cp: Optional[int] = None) -> MambaShapes:
+    """The sizes the scan runs with on one of ``tp`` x ``cp`` ranks (the provider's TP and CP by default; 1 and 1:
+    the whole layer's). Under CP the scan holds heads / (TP x CP) of the whole sequence, and its groups are split
+    over CP when there are at least CP of them per TP rank, else each is repeated to CP / groups ranks, one per
+    rank (``mamba_context_parallel.py`` L106-131)."""
     tp = tp or provider.tensor_model_parallel_size
+    cp = cp or getattr(provider, "context_parallel_size", None) or 1
     head_dim = provider.mamba_head_dim
     heads = provider.mamba_num_heads or EXPAND * provider.hidden_size // head_dim
-    return MambaShapes(heads // tp, head_dim, provider.mamba_num_groups // tp, provider.mamba_state_dim,
+    groups = provider.mamba_num_groups // tp
+    return MambaShapes(heads // tp // cp, head_dim, max(groups // cp, 1), provider.mamba_state_dim,
                        getattr(provider, "mamba_chunk_size", None) or CHUNK_SIZE)
+
+
+def layout_checks(provider, tp: int, cp: int) -> list[tuple[bool, str, str]]:
+    """What Core's mixer asserts of TP and CP (``mamba_mixer.py`` and ``mamba_context_parallel.py`` L106-131): TP
+    divides the heads and the groups; CP the heads per TP rank, and the groups per TP rank or CP divides them;
+    each as (failed, setting, message)."""
+    m = shapes(provider, tp=1, cp=1)
+    heads, groups = m.heads // tp, m.groups // tp
+    return [(m.heads % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {m.heads} Mamba heads"),
+            (m.groups % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {m.groups} Mamba groups"),
+            (heads % cp, "model.context_parallel_size",
+             f"CP={cp} does not divide the {heads} Mamba heads of a TP rank"),
+            (bool(groups) and (cp % groups if groups < cp else groups % cp), "model.context_parallel_size",
+             f"CP={cp} and the {groups} Mamba groups of a TP rank do not divide one another")]
 
 
 def backward_bytes(m: MambaShapes, *, seq: int, micro_batch: int, element: int, state_element: int) -> int:

@@ -86,6 +86,55 @@ def test_the_unfused_mamba_path_saves_what_its_three_kernels_and_core_keep(tp, e
     assert est.activations_per_microbatch[MAMBA] == 2 * _unfused_layer_bytes(tp=tp, batch=batch)
 
 
+D_CONV = 4
+"""``MambaMixer``'s convolution width (Core's default ``d_conv``; the hybrid specs pass none)."""
+
+
+def _cp_layer_bytes(*, tp: int, cp: int, unfused: bool) -> int:
+    """A Mamba layer under CP (micro-batch 1): the rank's s / CP tokens reach ``in_proj`` and leave ``out_proj``;
+    between them Core's all-to-all hands the scan the whole sequence on heads / CP (groups / CP, or one repeated
+    group per rank), and hands the norm back [s / CP, d_inner / TP]. The convolution's weight and bias slices are
+    concatenated copies (``_slice_conv_param``), kept by the kernel that convolves."""
+    local = SEQ // cp
+    heads_tp, groups_tp = HEADS // tp, GROUPS // tp
+    heads, groups = heads_tp // cp, max(groups_tp // cp, 1)
+    inner, bc = heads * HEAD_DIM, 2 * groups * STATE
+    conv = inner + bc
+    padded = -(-SEQ // CHUNK) * CHUNK
+    kept = BF16 * local // tp * H + BF16 * conv * (D_CONV + 1) + 3 * FP32 * heads
+    if unfused:  # the transposed x, B, C; out, x, dt, B, C; dA_cumsum; the gate back on the rank's tokens
+        kept += BF16 * SEQ * (conv + 2 * inner + heads + bc) + FP32 * heads * padded + BF16 * local * heads_tp * HEAD_DIM
+    else:  # zxbcdt and out_x
+        kept += BF16 * SEQ * (2 * inner + bc + heads + inner)
+    return kept + 2 * BF16 * local * heads_tp * HEAD_DIM + FP32 * groups_tp * local  # norm input, out_proj's, rstd
+
+
+@pytest.mark.parametrize("tp, cp", [(2, 2), (1, 2), (1, 4)])
+@pytest.mark.parametrize("unfused", [False, True])
+def test_context_parallel_mamba_layers_scan_the_whole_sequence_on_their_share_of_heads(tp, cp, unfused):
+    extra = [f"model.context_parallel_size={cp}", f"model.use_mamba_mem_eff_path={not unfused}"]
+    est = memory.estimate(_tiny(tp=tp, ep=1, dp=1, pattern="MM", extra=extra))
+    assert est.activations_per_microbatch[MAMBA] == 2 * _cp_layer_bytes(tp=tp, cp=cp, unfused=unfused)
+
+
+def test_the_scan_backward_under_cp_runs_at_the_whole_sequence_on_heads_over_cp():
+    cfg = _tiny(tp=1, ep=1, dp=1, pattern="MM", seq=1024, extra=["model.context_parallel_size=4"])
+    shapes = mamba.shapes(cfg.model)
+    assert shapes == mamba.MambaShapes(HEADS // 4, HEAD_DIM, 1, STATE, CHUNK)
+    layer = memory.estimate(cfg).component("layer backward")
+    assert layer.bytes == mamba.backward_bytes(shapes, seq=1024, micro_batch=1, element=BF16, state_element=BF16)
+
+
+@pytest.mark.parametrize("tp, cp, message", [
+    (2, 8, "CP=8 does not divide the 4 Mamba heads of a TP rank"),
+    (1, 3, "CP=3 and the 2 Mamba groups of a TP rank do not divide one another"),
+])
+def test_a_cp_that_does_not_split_the_mamba_heads_or_groups_is_a_layout_problem(tp, cp, message):
+    model = _tiny(tp=tp, ep=1, dp=1).model
+    model.context_parallel_size = cp
+    assert message in [p.message for p in memory.parallel_problems(model, micro_batch=1)]
+
+
 def test_the_reduced_trace_of_a_hybrid_stage_equals_the_whole_trace(monkeypatch):
     """First layer, then one of each kind: M E M * - traced as M E M * -; a longer pattern repeats the kinds."""
     cfg = _tiny(pattern="MEM*EMEM-E")
