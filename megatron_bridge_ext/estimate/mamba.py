@@ -20,8 +20,12 @@ v2.3.2.post1; its ``state_dtype`` argument is newer than every release, and chan
   [b, l, nheads * headdim] in the input's dtype (L855-856);
 * the gated RMSNorm (``layernorm_gated.py`` ``LayerNormFn.forward`` L341-366, saves at L360): its input
   as [M, n] (a view of the tensor it was given), the weight, and ``rstd``, fp32 [ngroups * M]
-  (``_layer_norm_fwd`` L130), for M rows and ``ngroups = n / group_size``; no ``mean`` (RMS) and no ``z``
-  (Core calls ``self.norm(y)``: the gate is applied inside the scan).
+  (``_layer_norm_fwd`` L130), for M rows and ``ngroups = n / group_size``; no ``mean`` (RMS). The fused path
+  calls ``self.norm(y)`` (the gate is applied inside the scan): no ``z``; the unfused path passes the gate,
+  which it keeps as [M, n] (L353).
+
+With ``use_mamba_mem_eff_path=False`` Core's mixer runs the causal convolution and the chunked scan apart, by the
+stand-ins of :mod:`.mamba_unfused`.
 
 They compute nothing (fake tensors only): the saved set depends on shapes and dtypes alone. Everything
 else in a Mamba layer (its norm, ``in_proj``, ``out_proj``, the residual) is Megatron Core's own code
@@ -84,27 +88,29 @@ def split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D
 
 
 class _GatedRMSNormSaves(torch.autograd.Function):
-    """``LayerNormFn`` of an RMS norm without ``z``: saves the input as [M, n], the weight and fp32 ``rstd``
-    [ngroups * M]; returns the input's shape and dtype."""
+    """``LayerNormFn`` of an RMS norm: saves the input as [M, n], the weight, fp32 ``rstd`` [ngroups * M] and the
+    gate ``z`` as [M, n] when given; returns the input's shape and dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, group_size):
+    def forward(ctx, x, weight, z, group_size):
         _fake_only(x, "the gated RMSNorm's stand-in")
         rows = x.reshape(-1, x.shape[-1])
         groups = x.shape[-1] // group_size
         rstd = torch.empty(groups * rows.shape[0], dtype=torch.float32, device=x.device)
-        ctx.save_for_backward(rows, weight, rstd)
+        gate = None if z is None else z.reshape(-1, z.shape[-1])
+        ctx.save_for_backward(rows, weight, rstd, gate)
         return torch.empty_like(x)
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, weight, _ = ctx.saved_tensors
-        return grad_out.new_empty(grad_out.shape), torch.empty_like(weight), None
+        rows, weight, _, gate = ctx.saved_tensors
+        dz = None if gate is None else grad_out.new_empty(grad_out.shape)
+        return grad_out.new_empty(grad_out.shape), torch.empty_like(weight), dz, None
 
 
 class GatedRMSNorm(torch.nn.Module):
     """Takes the place of ``mamba_ssm``'s gated ``RMSNorm`` (and Core's ``ExtendedRMSNorm``): same constructor,
-    a weight of ``hidden_size``; called without ``z`` as Core calls it."""
+    a weight of ``hidden_size``; called without ``z`` by the fused path, with it by the unfused one."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: Optional[int] = None,
                  norm_before_gate: bool = True, device=None, dtype=None):
@@ -115,15 +121,14 @@ class GatedRMSNorm(torch.nn.Module):
         self.register_parameter("bias", None)
 
     def forward(self, x, z=None):
-        if z is not None:
-            raise NotImplementedError("the gated RMSNorm stand-in models Megatron Core's call only (no z)")
-        return _GatedRMSNormSaves.apply(x, self.weight, self.group_size)
+        return _GatedRMSNormSaves.apply(x, self.weight, z, self.group_size)
 
 
 @contextlib.contextmanager
 def mamba_kernels() -> Iterator[None]:
     """Megatron Core's Mamba mixer builds and trains with the stand-ins in place of ``mamba_ssm``'s kernels
-    (``mamba_mixer.py``: ``HAVE_MAMBA_SSM``, ``ExtendedRMSNorm``, ``mamba_split_conv1d_scan_combined``, and
+    (``mamba_mixer.py``: ``HAVE_MAMBA_SSM``, ``ExtendedRMSNorm``, ``mamba_split_conv1d_scan_combined``, the unfused
+    path's ``causal_conv1d_fn`` and ``mamba_chunk_scan_combined``, and
     ``MAMBA_HAS_STATE_DTYPE``, as with a ``mamba_ssm`` whose scan takes ``state_dtype``, so that a config's
     ``mamba_training_ssm_states_dtype`` reaches :func:`split_conv1d_scan_combined`), and Core's hybrid stack takes
     the local norm for its final norm (``hybrid_block.py`` builds ``TENorm``, which needs Transformer Engine).
@@ -132,9 +137,13 @@ def mamba_kernels() -> Iterator[None]:
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.ssm import mamba_mixer
 
+    from megatron_bridge_ext.estimate import mamba_unfused
+
     local_norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)  # reads config.normalization itself
     replaced = {(mamba_mixer, "HAVE_MAMBA_SSM"): True, (mamba_mixer, "ExtendedRMSNorm"): GatedRMSNorm,
                 (mamba_mixer, "mamba_split_conv1d_scan_combined"): split_conv1d_scan_combined,
+                (mamba_mixer, "causal_conv1d_fn"): mamba_unfused.causal_conv1d_fn,
+                (mamba_mixer, "mamba_chunk_scan_combined"): mamba_unfused.chunk_scan_combined,
                 (mamba_mixer, "MAMBA_HAS_STATE_DTYPE"): True, (hybrid_block, "TENorm"): local_norm}
     saved = {key: getattr(*key) for key in replaced}
     for (module, name), value in replaced.items():
@@ -184,13 +193,32 @@ class MambaShapes:
         return 2 * self.inner + 2 * self.groups * self.state + self.heads
 
 
-def shapes(provider, tp: Optional[int] = None) -> MambaShapes:
-    """The sizes on one of ``tp`` ranks (the provider's TP by default; 1: the whole layer's)."""
+def shapes(provider, tp: Optional[int] = None, cp: Optional[int] = None) -> MambaShapes:
+    """The sizes the scan runs with on one of ``tp`` x ``cp`` ranks (the provider's TP and CP by default; 1 and 1:
+    the whole layer's). Under CP the scan holds heads / (TP x CP) of the whole sequence, and its groups are split
+    over CP when there are at least CP of them per TP rank, else each is repeated to CP / groups ranks, one per
+    rank (``mamba_context_parallel.py`` L106-131)."""
     tp = tp or provider.tensor_model_parallel_size
+    cp = cp or getattr(provider, "context_parallel_size", None) or 1
     head_dim = provider.mamba_head_dim
     heads = provider.mamba_num_heads or EXPAND * provider.hidden_size // head_dim
-    return MambaShapes(heads // tp, head_dim, provider.mamba_num_groups // tp, provider.mamba_state_dim,
+    groups = provider.mamba_num_groups // tp
+    return MambaShapes(heads // tp // cp, head_dim, max(groups // cp, 1), provider.mamba_state_dim,
                        getattr(provider, "mamba_chunk_size", None) or CHUNK_SIZE)
+
+
+def layout_checks(provider, tp: int, cp: int) -> list[tuple[bool, str, str]]:
+    """What Core's mixer asserts of TP and CP (``mamba_mixer.py`` and ``mamba_context_parallel.py`` L106-131): TP
+    divides the heads and the groups; CP the heads per TP rank, and the groups per TP rank or CP divides them;
+    each as (failed, setting, message)."""
+    m = shapes(provider, tp=1, cp=1)
+    heads, groups = m.heads // tp, m.groups // tp
+    return [(m.heads % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {m.heads} Mamba heads"),
+            (m.groups % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {m.groups} Mamba groups"),
+            (heads % cp, "model.context_parallel_size",
+             f"CP={cp} does not divide the {heads} Mamba heads of a TP rank"),
+            (bool(groups) and (cp % groups if groups < cp else groups % cp), "model.context_parallel_size",
+             f"CP={cp} and the {groups} Mamba groups of a TP rank do not divide one another")]
 
 
 def backward_bytes(m: MambaShapes, *, seq: int, micro_batch: int, element: int, state_element: int) -> int:
@@ -217,6 +245,15 @@ def backward_bytes(m: MambaShapes, *, seq: int, micro_batch: int, element: int, 
     late = (2 * state_element * states + 4 * b * m.groups * padded * L + 16 * b * m.heads * padded
             + 8 * b * l * m.groups * m.state)
     return live + kept + max(passing, late)
+
+
+UNFUSED_BACKWARD = ("; the unfused path's scan backward (mamba_chunk_scan_combined) is priced by the fused one's, "
+                    "which bounds it: its gradients of x, B, C and dt together are smaller than the gradient of "
+                    "zxbcdt and the convolution's two tensors")
+"""Said after the scan backward's basis when the mixer runs unfused: ``_mamba_chunk_scan_combined_bwd``
+(``ssd_combined.py`` L397-470) makes the same chunk recompute and state phases, with ``dx``, ``dB``, ``dC`` and
+``ddt`` [b, l, ...] in place of the fused backward's ``dzxbcdt`` [b, l, in_proj] and the recomputed convolution
+with its gradient (2 x [b, l, conv]), and no ``dout_x``; the convolution's backward runs after it."""
 
 
 CONTEXT_PARALLEL_PARAMETERS = {"conv1d_weight_cp1": "conv1d_weight", "conv1d_bias_cp1": "conv1d_bias",

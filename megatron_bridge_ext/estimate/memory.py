@@ -148,11 +148,7 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     if dim and tp > 1:
         checks.append((dim % tp, "peft.dim", f"LoRA rank {dim} is not divisible by TP={tp} (Bridge shards LoRA-A on it)"))
     if is_hybrid(model) and unmodelled.MAMBA in layer_kinds(model):
-        m = mamba.shapes(model, tp=1)
-        checks += [(m.heads % tp, "model.tensor_model_parallel_size",
-                    f"TP={tp} does not divide the {m.heads} Mamba heads"),
-                   (m.groups % tp, "model.tensor_model_parallel_size",
-                    f"TP={tp} does not divide the {m.groups} Mamba groups")]
+        checks += mamba.layout_checks(model, tp, model.context_parallel_size or 1)
     checks += features.gated_delta_net.layout_checks(model)
     for failed, setting, message in checks:
         if failed:
@@ -863,11 +859,13 @@ def _transients(provider, prepared: Prepared, *, element: int, vocab_local: int,
         m = mamba.shapes(provider)
         states_dtype = getattr(provider, "mamba_training_ssm_states_dtype", None)
         state_element = static.dtype_bytes(states_dtype) if states_dtype is not None else element
-        candidates.append((mamba.backward_bytes(m, seq=s, micro_batch=b, element=element, state_element=state_element),
+        seq = s * (provider.context_parallel_size or 1)  # MambaContextParallel: the whole sequence, heads / CP
+        candidates.append((mamba.backward_bytes(m, seq=seq, micro_batch=b, element=element, state_element=state_element),
                            f"formula: the Mamba scan's backward allocations (estimate.mamba.backward_bytes, from "
-                           f"mamba_ssm's ssd_combined.py): gradients [{b}, {s}, {m.in_proj}] + [{b}, {s}, {m.inner}] + "
-                           f"2 x [{b}, {s}, {m.conv}], and the chunk states' fp32 recompute and gradients "
-                           f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"))
+                           f"mamba_ssm's ssd_combined.py): gradients [{b}, {seq}, {m.in_proj}] + "
+                           f"[{b}, {seq}, {m.inner}] + 2 x [{b}, {seq}, {m.conv}], and the chunk states' fp32 recompute and gradients "
+                           f"({m.heads} heads x {m.head_dim} x {m.state} state per {m.chunk}-token chunk)"
+                           f"{'' if getattr(provider, 'use_mamba_mem_eff_path', True) else mamba.UNFUSED_BACKWARD}"))
     if gdn_layers:
         candidates.append(_gdn_backward(provider, seq=s, micro_batch=b, element=element))
     exchange = features.context_parallel.transient(provider, local_seq=s, micro_batch=b, element=element)

@@ -82,9 +82,9 @@ MODELLED = frozenset("M*-E")
 
 def hybrid_findings(model) -> list[Finding]:
     """What of a hybrid model the estimate does not model, each by name: layer kinds other than Mamba, attention,
-    MLP and MoE, the mixer's unfused path, and virtual pipelines (which Bridge's provider refuses). FP8 on Mamba
-    layers is modelled (:mod:`.te_fp8`: ``in_proj`` and ``out_proj`` are TE linears); FP4 is refused for every
-    model. Empty for a hybrid model the estimate traces and for any other model."""
+    MLP and MoE, and virtual pipelines (which Bridge's provider refuses). The mixer's unfused path is traced
+    (:mod:`.mamba_unfused`); FP8 on Mamba layers is modelled (:mod:`.te_fp8`: ``in_proj`` and ``out_proj`` are TE
+    linears); FP4 is refused for every model. Empty for a hybrid model the estimate traces and for any other model."""
     pattern = hybrid_pattern(model)
     if pattern is None:
         return []
@@ -98,11 +98,6 @@ def hybrid_findings(model) -> list[Finding]:
                            f"the hybrid model's {named} layer(s) (of {len(pattern)}) are not modelled by our estimate "
                            "(it traces Mamba, attention, MLP and MoE layers)",
                            "read Bridge's figure beside it, or measure one training step on a GPU"))
-    if MAMBA in pattern and getattr(model, "use_mamba_mem_eff_path", True) is False:
-        out.append(Finding("unsupported_model", ERROR, "model.use_mamba_mem_eff_path",
-                           "is False: the Mamba mixer's unfused path (causal_conv1d, then mamba_chunk_scan_combined; "
-                           "Core warns it is not tested for training) is not modelled by our estimate",
-                           "estimate with model.use_mamba_mem_eff_path=True (Core's default, the fused scan)"))
     if (getattr(model, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
         out.append(Finding("unsupported_model", ERROR, "model.virtual_pipeline_model_parallel_size",
                            "is set on a hybrid model: Bridge's HybridModelProvider refuses virtual pipelines "

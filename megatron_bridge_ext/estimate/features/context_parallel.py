@@ -29,6 +29,10 @@ CP kernels save (``transformer_engine/pytorch/attention/dot_product_attention/co
 
 Each also keeps per step a random-number state and, in some formats, sequence offsets (a few bytes, not counted).
 The exchange buffers live only while one layer's attention runs: :func:`exchange_transient` counts them.
+
+A hybrid model's Mamba layers run Core's ``MambaContextParallel`` (``ssm/mamba_context_parallel.py``) as they are:
+its all-to-alls hand the scan the whole sequence on heads / CP and save nothing for backward; the scan's sizes
+under CP are :func:`..mamba.shapes`, and Core's assertions on them :func:`..mamba.layout_checks`.
 """
 
 from __future__ import annotations
@@ -80,12 +84,6 @@ def findings(model) -> list[Finding]:
     if unknown:
         out.append(_not_modelled("model.cp_comm_type", f"cp_comm_type {', '.join(unknown)} is not one of Transformer "
                                  f"Engine's {', '.join(COMM_TYPES)}", f"use one of {', '.join(COMM_TYPES)}"))
-    from megatron_bridge_ext.estimate import unmodelled
-
-    if unmodelled.MAMBA in (unmodelled.hybrid_pattern(model) or ""):
-        out.append(_not_modelled("model.context_parallel_size", "context parallelism in Mamba layers (Core's "
-                                 "MambaContextParallel all-to-all) is not modelled by the estimate",
-                                 "estimate with context_parallel_size=1 and the sequence divided by CP"))
     return out
 
 

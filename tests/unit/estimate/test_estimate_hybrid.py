@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megatron_bridge_ext.estimate import configs, mamba, memory
+from megatron_bridge_ext.estimate import configs, mamba, mamba_unfused, memory
 from megatron_bridge_ext.estimate.trace import CATEGORIES, MAMBA, category_of
 from tests.support.estimate import DATA
 from tests.support.estimate import assert_reduced_equals_whole
@@ -60,6 +60,79 @@ def test_the_micro_batch_scales_the_mamba_saves_through_the_copies_core_makes():
     cfg.train.micro_batch_size = 2
     est = memory.estimate(cfg)
     assert est.activations_per_microbatch[MAMBA] == 2 * _mamba_layer_bytes(tp=2, batch=2)
+
+
+def _unfused_layer_bytes(*, tp: int, batch: int = 1) -> int:
+    """A Mamba layer on Core's unfused path (``use_mamba_mem_eff_path=False``), from the kernels' saved sets
+    (:mod:`megatron_bridge_ext.estimate.mamba_unfused`): the convolution keeps its transposed input [b, conv, l];
+    the chunked scan its output, x and dt, B and C (Core's contiguous copies), fp32 ``dA_cumsum`` [b, heads,
+    chunks, chunk], ``A`` and ``dt_bias``; the gated norm its input (the scan's output itself at b = 1, the
+    transpose's copy beyond), the gate z [l, b, d_inner] and fp32 ``rstd``; ``out_proj`` its input."""
+    heads, groups = HEADS // tp, GROUPS // tp
+    inner, conv = heads * HEAD_DIM, heads * HEAD_DIM + 2 * groups * STATE
+    padded = -(-SEQ // CHUNK) * CHUNK
+    proj_input = BF16 * SEQ // tp * batch * H
+    norm_input_copy = inner if batch > 1 else 0
+    scan = 2 * inner + heads + 2 * groups * STATE  # out, x, dt, B, C
+    return (proj_input + BF16 * batch * SEQ * (conv + scan + norm_input_copy + inner + inner)  # + z, out_proj input
+            + FP32 * batch * heads * padded + FP32 * groups * SEQ * batch + 3 * FP32 * heads)
+
+
+@pytest.mark.parametrize("tp, ep, dp, batch", [(2, 2, 2, 1), (1, 2, 2, 1), (2, 2, 2, 2)])
+def test_the_unfused_mamba_path_saves_what_its_three_kernels_and_core_keep(tp, ep, dp, batch):
+    cfg = _tiny(tp=tp, ep=ep, dp=dp, extra=["model.use_mamba_mem_eff_path=False"])
+    cfg.train.micro_batch_size = batch
+    est = memory.estimate(cfg)
+    assert est.activations_per_microbatch[MAMBA] == 2 * _unfused_layer_bytes(tp=tp, batch=batch)
+
+
+D_CONV = 4
+"""``MambaMixer``'s convolution width (Core's default ``d_conv``; the hybrid specs pass none)."""
+
+
+def _cp_layer_bytes(*, tp: int, cp: int, unfused: bool) -> int:
+    """A Mamba layer under CP (micro-batch 1): the rank's s / CP tokens reach ``in_proj`` and leave ``out_proj``;
+    between them Core's all-to-all hands the scan the whole sequence on heads / CP (groups / CP, or one repeated
+    group per rank), and hands the norm back [s / CP, d_inner / TP]. The convolution's weight and bias slices are
+    concatenated copies (``_slice_conv_param``), kept by the kernel that convolves."""
+    local = SEQ // cp
+    heads_tp, groups_tp = HEADS // tp, GROUPS // tp
+    heads, groups = heads_tp // cp, max(groups_tp // cp, 1)
+    inner, bc = heads * HEAD_DIM, 2 * groups * STATE
+    conv = inner + bc
+    padded = -(-SEQ // CHUNK) * CHUNK
+    kept = BF16 * local // tp * H + BF16 * conv * (D_CONV + 1) + 3 * FP32 * heads
+    if unfused:  # the transposed x, B, C; out, x, dt, B, C; dA_cumsum; the gate back on the rank's tokens
+        kept += BF16 * SEQ * (conv + 2 * inner + heads + bc) + FP32 * heads * padded + BF16 * local * heads_tp * HEAD_DIM
+    else:  # zxbcdt and out_x
+        kept += BF16 * SEQ * (2 * inner + bc + heads + inner)
+    return kept + 2 * BF16 * local * heads_tp * HEAD_DIM + FP32 * groups_tp * local  # norm input, out_proj's, rstd
+
+
+@pytest.mark.parametrize("tp, cp", [(2, 2), (1, 2), (1, 4)])
+@pytest.mark.parametrize("unfused", [False, True])
+def test_context_parallel_mamba_layers_scan_the_whole_sequence_on_their_share_of_heads(tp, cp, unfused):
+    extra = [f"model.context_parallel_size={cp}", f"model.use_mamba_mem_eff_path={not unfused}"]
+    est = memory.estimate(_tiny(tp=tp, ep=1, dp=1, pattern="MM", extra=extra))
+    assert est.activations_per_microbatch[MAMBA] == 2 * _cp_layer_bytes(tp=tp, cp=cp, unfused=unfused)
+
+
+def test_the_scan_backward_under_cp_runs_at_the_whole_sequence_on_heads_over_cp():
+    cfg = _tiny(tp=1, ep=1, dp=1, pattern="MM", seq=1024, extra=["model.context_parallel_size=4"])
+    shapes = mamba.shapes(cfg.model)
+    assert shapes == mamba.MambaShapes(HEADS // 4, HEAD_DIM, 1, STATE, CHUNK)
+    layer = memory.estimate(cfg).component("layer backward")
+    assert layer.bytes == mamba.backward_bytes(shapes, seq=1024, micro_batch=1, element=BF16, state_element=BF16)
+
+
+@pytest.mark.parametrize("tp, cp, message", [
+    (2, 8, "CP=8 does not divide the 4 Mamba heads of a TP rank"),
+    (1, 3, "CP=3 and the 2 Mamba groups of a TP rank do not divide one another"),
+])
+def test_a_cp_that_does_not_split_the_mamba_heads_or_groups_is_a_layout_problem(tp, cp, message):
+    model = _tiny(tp=tp, ep=1, dp=1).model
+    model.context_parallel_size = cp
+    assert message in [p.message for p in memory.parallel_problems(model, micro_batch=1)]
 
 
 def test_the_reduced_trace_of_a_hybrid_stage_equals_the_whole_trace(monkeypatch):
@@ -222,21 +295,30 @@ def test_the_stand_ins_compute_nothing_on_real_tensors_and_refuse_other_calls():
                                          torch.zeros(1), 4, headdim=16, ngroups=1)
     with pytest.raises(NotImplementedError, match="initial_states"):
         mamba.split_conv1d_scan_combined(x, None, None, None, None, None, 4, initial_states=x, headdim=16)
-    with pytest.raises(NotImplementedError, match="no z"):
+    with pytest.raises(RuntimeError, match="fake tensors only"):
         mamba.GatedRMSNorm(16)(torch.zeros(2, 16), z=torch.zeros(2, 16))
+    with pytest.raises(RuntimeError, match="fake tensors only"):
+        mamba_unfused.causal_conv1d_fn(torch.zeros(1, 24, 4), torch.zeros(24, 4), torch.zeros(24), activation="silu")
+    with pytest.raises(NotImplementedError, match="seq_idx"):
+        mamba_unfused.causal_conv1d_fn(x, None, seq_idx=x)
+    with pytest.raises(NotImplementedError, match="return_final_states"):
+        mamba_unfused.chunk_scan_combined(x, None, None, None, None, 4, return_final_states=True)
 
 
 def test_the_kernels_are_put_back_after_the_trace():
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.ssm import mamba_mixer
 
-    before = (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.mamba_split_conv1d_scan_combined,
-              hybrid_block.TENorm)
+    def kernels():
+        return (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.mamba_split_conv1d_scan_combined,
+                mamba_mixer.causal_conv1d_fn, mamba_mixer.mamba_chunk_scan_combined, hybrid_block.TENorm)
+
+    before = kernels()
     with mamba.mamba_kernels():
         assert mamba_mixer.mamba_split_conv1d_scan_combined is mamba.split_conv1d_scan_combined
+        assert mamba_mixer.mamba_chunk_scan_combined is mamba_unfused.chunk_scan_combined
     memory.estimate(_tiny(pattern="M*"))
-    assert (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.mamba_split_conv1d_scan_combined,
-            hybrid_block.TENorm) == before
+    assert kernels() == before
 
 
 def test_te_keeps_a_norm_output_shard_beside_lora_a_on_its_layernorm_linears_only():

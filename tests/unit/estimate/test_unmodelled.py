@@ -40,9 +40,8 @@ def test_the_deprecated_override_pattern_is_read_too():
 
 @pytest.mark.parametrize("fields, setting", [
     ({"virtual_pipeline_model_parallel_size": 2}, "model.virtual_pipeline_model_parallel_size"),
-    ({"use_mamba_mem_eff_path": False}, "model.use_mamba_mem_eff_path"),
 ])
-def test_virtual_pipelines_and_the_unfused_path_of_a_mamba_hybrid_are_named(fields, setting):
+def test_virtual_pipelines_of_a_mamba_hybrid_are_named(fields, setting):
     [finding] = unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*M-", **fields))
     assert finding.setting == setting and finding.fix
 
@@ -53,6 +52,10 @@ def test_low_precision_is_left_to_the_precision_model_mamba_layers_or_not(patter
     by the estimate's own check (memory._unsupported)."""
     assert unmodelled.hybrid_findings(_model(hybrid_layer_pattern=pattern, fp8="hybrid")) == []
     assert unmodelled.hybrid_findings(_model(hybrid_layer_pattern=pattern, fp4="nvfp4")) == []
+
+
+def test_the_unfused_mamba_path_is_traced_not_refused():
+    assert unmodelled.hybrid_findings(_model(hybrid_layer_pattern="M*M-", use_mamba_mem_eff_path=False)) == []
 
 
 @pytest.mark.parametrize("fields", [{}, {"hybrid_layer_pattern": None}, {"virtual_pipeline_model_parallel_size": 4}])

@@ -170,7 +170,6 @@ def test_layouts_the_split_or_the_all_to_all_cannot_take_are_refused(fields, set
 
 def test_variants_not_modelled_are_named():
     assert [f.setting for f in cp_feature.findings(_model(cp_comm_type="ring"))] == ["model.cp_comm_type"]
-    hybrid = cp_feature.findings(_model(hybrid_layer_pattern="M*"))
-    assert [f.setting for f in hybrid] == ["model.context_parallel_size"]
+    assert cp_feature.findings(_model(hybrid_layer_pattern="M*")) == []  # Mamba layers under CP are traced
     assert [f.setting for f in cp_feature.trace_findings(_model(), attention="local", fused="fused")] == ["attention"]
     assert cp_feature.findings(_model(cp_comm_type=["p2p", "allgather"])) == []
