@@ -17,7 +17,7 @@ FAMILY_RECIPES = {
     # family: (recipe after megatron.bridge.recipes., its model's folder under tests/data or None)
     "deepseek": ("deepseek.h100.deepseek_v2:deepseek_v2_lite_pretrain_8gpu_h100_bf16_config", "deepseek-v2-lite"),
     "exaone": ("exaone.h100.exaone4:exaone4_1p2b_sft_1gpu_h100_bf16_config", "exaone-4.0-1.2b"),
-    "gemma": ("gemma.h100.gemma2:gemma2_9b_sft_4gpu_h100_bf16_config", "gemma-2-9b"),
+    "gemma": ("gemma.h100.gemma2:gemma2_9b_pretrain_8gpu_h100_bf16_config", "gemma-2-9b"),
     "glm": ("glm.h100.glm45:glm45_air_106b_peft_8gpu_h100_bf16_config", "glm-4.5-air"),
     "gpt": ("gpt.h100.gpt3_175b:gpt3_175b_pretrain_32gpu_h100_bf16_config", None),
     "gpt_oss": ("gpt_oss.h100.gpt_oss:gpt_oss_20b_sft_8gpu_h100_bf16_config", "gpt-oss-20b"),
