@@ -287,17 +287,19 @@ def hf_config_object(data: dict):
     if "torch_dtype" in data and "dtype" not in data:  # the older spelling, which transformers now warns about
         data["dtype"] = data.pop("torch_dtype")
     if unknown_model_type(data):
-        # The base class standardises RoPE fields at construction and reads max_position_embeddings, which it has
-        # not set yet (transformers 5: modeling_rope_utils.standardize_rope_params): build it without them, then
-        # set every field as the file states it.
-        config = PretrainedConfig.from_dict({k: v for k, v in data.items() if k not in RAW_ROPE_FIELDS})
+        # The base class reads some fields by its own rules at construction: it standardises RoPE fields, reading
+        # max_position_embeddings before it is set (transformers 5: modeling_rope_utils.standardize_rope_params),
+        # and checks layer_types against num_hidden_layers, which a model with MTP layers in the list fails
+        # (Step-3.5's 45 + 3): build it without them, then set every field as the file states it.
+        config = PretrainedConfig.from_dict({k: v for k, v in data.items() if k not in RAW_FIELDS})
         for name, value in data.items():
             setattr(config, name, value)
         return config
     return AutoConfig.for_model(**data)
 
 
-RAW_ROPE_FIELDS = ("rope_scaling", "rope_parameters")
+RAW_FIELDS = ("rope_scaling", "rope_parameters", "layer_types")
+"""Fields of an unknown model type's config.json that transformers' base class would read by its own rules."""
 
 
 def unknown_model_type(data: dict) -> Optional[str]:

@@ -75,3 +75,17 @@ def test_a_model_type_transformers_does_not_know_is_read_as_its_fields(tmp_path)
     assert (config.model_type, config.kv_lora_rank, config.architectures) == ("kimi_k2", 16, data["architectures"])
     assert "model_type 'kimi_k2' is not one transformers" in configs.unknown_model_type(data)
     assert configs.unknown_model_type({"model_type": "qwen3"}) is None
+
+
+@pytest.mark.parametrize("extra", [
+    # Kimi K2's YaRN RoPE: the base class would standardise it before max_position_embeddings is set
+    {"max_position_embeddings": 131072, "rope_scaling": {"type": "yarn", "factor": 32.0,
+                                                         "original_max_position_embeddings": 4096}},
+    # Step-3.5's per-layer list holds its 3 MTP layers too: the base class would refuse 2 + 1 entries for 2 layers
+    {"layer_types": ["full_attention", "sliding_attention", "full_attention"], "num_nextn_predict_layers": 1},
+], ids=["rope-before-positions", "layer-types-with-mtp"])
+def test_an_unknown_model_types_fields_are_kept_as_the_file_states_them(extra):
+    data = {"model_type": "a_type_nobody_registered", "architectures": ["Step3p5ForCausalLM"], "hidden_size": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128, **extra}
+    config = configs.hf_config_object(data)
+    assert {name: getattr(config, name) for name in extra} == extra
