@@ -145,14 +145,10 @@ def mamba_kernels() -> Iterator[None]:
                 (mamba_mixer, "causal_conv1d_fn"): mamba_unfused.causal_conv1d_fn,
                 (mamba_mixer, "mamba_chunk_scan_combined"): mamba_unfused.chunk_scan_combined,
                 (mamba_mixer, "MAMBA_HAS_STATE_DTYPE"): True, (hybrid_block, "TENorm"): local_norm}
-    saved = {key: getattr(*key) for key in replaced}
-    for (module, name), value in replaced.items():
-        setattr(module, name, value)
-    try:
+    from megatron_bridge_ext.estimate.standins import replaced_attributes
+
+    with replaced_attributes(replaced):
         yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
 
 
 ASSUMPTION = ("hybrid model: Megatron Core's hybrid stack on the local backend (estimate.build.hybrid_stack_spec); "

@@ -23,7 +23,8 @@ It is a model of the kernels' saved set, for tracing on fake tensors only: no nu
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -74,3 +75,17 @@ class FusedAttentionStandIn(MegatronModule):
 
             return context_parallel.attention(query, key, value, self.cp_kernel)
         return _FusedAttentionSaves.apply(query, key, value)
+
+
+@contextlib.contextmanager
+def replaced_attributes(replaced: dict) -> Iterator[None]:
+    """Each ``(module, name)`` of ``replaced`` set to its value for the block, and put back after it: how a stand-in
+    takes a kernel's place in the module that calls it while a rank is traced."""
+    saved = {key: getattr(*key) for key in replaced}
+    for (module, name), value in replaced.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)

@@ -43,6 +43,8 @@ from typing import Iterator
 
 import torch
 
+from megatron_bridge_ext.estimate.standins import replaced_attributes
+
 SOURCE_COMMIT = "ca910f88529565b28b6e16465258f2e239a02dc7"
 """The fla-org/flash-linear-attention commit (tag v0.4.2) the saved sets were read at."""
 VARIANT = "gated_delta_net"
@@ -169,14 +171,8 @@ def kernels() -> Iterator[None]:
     replaced = {(common, "HAVE_FLA"): True, (common, "causal_conv1d"): causal_conv1d, (common, "l2norm"): l2norm,
                 (common, "chunk_gated_delta_rule"): chunk_gated_delta_rule, (gdn, "causal_conv1d"): causal_conv1d,
                 (gdn, "chunk_gated_delta_rule"): chunk_gated_delta_rule}
-    saved = {key: getattr(*key) for key in replaced}
-    for (module, name), value in replaced.items():
-        setattr(module, name, value)
-    try:
+    with replaced_attributes(replaced):
         yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
 
 
 def backward_bytes(provider, *, seq: int, micro_batch: int, element: int) -> int:

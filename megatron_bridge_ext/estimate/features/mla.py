@@ -44,6 +44,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_bridge_ext.estimate.standins import replaced_attributes
 from megatron_bridge_ext.findings import ERROR, Finding
 
 TRANSFORMER_ENGINE = "transformer_engine"
@@ -266,14 +267,8 @@ def te_modules() -> Iterator[None]:
     replaced = {(multi_latent_attention, "TELinear"): DuplicatedLinear,
                 (te_spec, "TELayerNormColumnParallelLinear"): NormColumnParallelLinear,
                 (mla_qk_norm_config, "get_backend"): lambda transformer_impl: te_spec.TESpecProvider()}
-    saved = {key: getattr(*key) for key in replaced}
-    for (module, name), value in replaced.items():
-        setattr(module, name, value)
-    try:
+    with replaced_attributes(replaced):
         yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
 
 
 @contextlib.contextmanager
