@@ -7,7 +7,7 @@ own conversion of the received expert indices to a multihot map (``_indices_to_m
 permutation (``permute``, L1415-1448), the experts, Core's ``unpermute`` (L1450-1459) and DeepEP's fused combine
 (``FusedCombine``, L165-190). DeepEP's kernels do not run here; while tracing (:func:`deepep_kernels`):
 
-* ``fused_dispatch`` / ``fused_combine`` are :class:`_DispatchSaves` / :class:`_CombineSaves`. Core's functions call
+* ``fused_dispatch`` / ``fused_combine`` are :class:`_DispatchSaves` / :class:`CombineSaves`. Core's functions call
   no ``save_for_backward``: they keep DeepEP's ``handle`` on ``ctx`` (L133-136, L186-189) until their backward, so the
   stand-ins save the handle's tensors, whose shapes DeepEP's ``Buffer`` gives (:func:`handle_shapes`). The tokens
   a rank receives are the stated load's (:class:`..routing.RoutedLoad`), with no two of a token's top-k experts on one
@@ -215,9 +215,10 @@ class _DispatchSaves(torch.autograd.Function):
         return x_like.new_zeros(x_shape), None, probs_like.new_zeros(probs_shape), None, None
 
 
-class _CombineSaves(torch.autograd.Function):
-    """DeepEP's combine (buffer.py L387-432): the ``[tokens, hidden]`` sums back at their source; saves the handle's
-    tensors (Core keeps the handle on ``ctx``, fused_a2a.py L186)."""
+class CombineSaves(torch.autograd.Function):
+    """A flex backend's combine: the ``[tokens, hidden]`` sums back at their source; saves the handle's tensors, which
+    Core keeps on ``ctx`` (DeepEP: buffer.py L387-432, fused_a2a.py L186; HybridEP's ``combine_with_unpermute``:
+    hybrid_ep.cu L337-391, L361-362, fused_a2a.py L494)."""
 
     @staticmethod
     def forward(ctx, x, tokens: int, *handle):
@@ -275,7 +276,7 @@ def _fused_dispatch(load: RoutedLoad, sms: int):
 
 def _fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=False):
     """Core's ``fused_combine`` (fused_a2a.py L246-258): back to the tokens the dispatch took."""
-    return _CombineSaves.apply(x, _Dispatching.manager._received.tokens, *handle), None
+    return CombineSaves.apply(x, _Dispatching.manager._received.tokens, *handle), None
 
 
 def _indices_to_multihot(self, indices, probs):

@@ -7,7 +7,7 @@ probabilities, ``dispatch`` casts the probabilities to fp32 (L1127-1135) and cal
 get its output as it is (``get_permuted_hidden_states_by_experts``, L1203-1204, no permute of Core's own), and
 ``combine`` calls ``hybrid_ep_combine`` (``HybridEPCombine``, L477-514). Neither function calls
 ``save_for_backward``: both keep HybridEP's ``handle`` on ``ctx`` (L436, L494) until their backward, so while tracing
-(:func:`hybridep_kernels`) the stand-ins :class:`_DispatchSaves` / :class:`_CombineSaves` save the handle's device
+(:func:`hybridep_kernels`) the stand-ins :class:`_DispatchSaves` / :class:`..flex.CombineSaves` save the handle's device
 tensors (:func:`handle_shapes`). The rows the experts receive are the stated load's (:class:`..routing.RoutedLoad`):
 one per (token, local expert) pair, as HybridEP permutes per expert.
 
@@ -30,6 +30,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_bridge_ext.estimate.features.flex import CombineSaves
 from megatron_bridge_ext.estimate.routing import RoutedLoad, _host_tensor
 from megatron_bridge_ext.sizes import GIB
 
@@ -123,21 +124,6 @@ class _DispatchSaves(torch.autograd.Function):
         return x_like.new_zeros(x_shape), probs_like.new_zeros(probs_shape), None, None, None
 
 
-class _CombineSaves(torch.autograd.Function):
-    """HybridEP's ``combine_with_unpermute`` (hybrid_ep.cu L337-391): ``[tokens, hidden]`` back at their source
-    (L361-362); saves the handle's tensors (Core keeps the handle on ``ctx``, fused_a2a.py L494)."""
-
-    @staticmethod
-    def forward(ctx, x, tokens: int, *handle):
-        ctx.save_for_backward(*handle)
-        ctx.rows = x.shape[0]
-        return x.new_empty(tokens, x.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad.new_zeros(ctx.rows, grad.shape[1]), None) + (None,) * len(ctx.saved_tensors)
-
-
 def _as_handle(layout: Layout, tensors: tuple, non_blocking: bool) -> tuple:
     """HybridEP's 11-entry handle (hybrid_ep_buffer.py L419-431): the tensors, the tokens per rank and the config
     (None here), ``overflow_flag`` last (Core reads ``handle[-1]``, token_dispatcher.py L1159-1161)."""
@@ -173,7 +159,7 @@ def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
 
 def _hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False):
     """Core's ``hybrid_ep_combine`` (fused_a2a.py L584-602): back to the tokens the dispatch took."""
-    return _CombineSaves.apply(x, handle[-3], *(t for t in handle if isinstance(t, torch.Tensor)))
+    return CombineSaves.apply(x, handle[-3], *(t for t in handle if isinstance(t, torch.Tensor)))
 
 
 @contextlib.contextmanager
