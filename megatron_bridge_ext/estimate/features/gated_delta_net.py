@@ -165,12 +165,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def kernels() -> Iterator[None]:
     """Core's ``GatedDeltaNet`` builds and trains with the stand-ins in place of fla's kernels (``common.py`` L43-54:
     ``HAVE_FLA``, ``causal_conv1d``, ``l2norm``, ``chunk_gated_delta_rule``; ``gdn.py`` imports the conv and the
-    delta rule by name, L17-26). Everything is put back on exit."""
-    from megatron.core.ssm.gated_delta_net import common, gdn
+    delta rule by name, L17-26). Core 0.18 (Bridge 0.5.1's) has them all in one module,
+    ``megatron/core/ssm/gated_delta_net.py`` (its L43-54 import fla's three kernels and set ``HAVE_FLA``; L212-214
+    and L439 call them by those names), and the same stand-ins take their places there. Everything is put back on
+    exit."""
+    import megatron.core.ssm.gated_delta_net as package
 
-    replaced = {(common, "HAVE_FLA"): True, (common, "causal_conv1d"): causal_conv1d, (common, "l2norm"): l2norm,
-                (common, "chunk_gated_delta_rule"): chunk_gated_delta_rule, (gdn, "causal_conv1d"): causal_conv1d,
-                (gdn, "chunk_gated_delta_rule"): chunk_gated_delta_rule}
+    kernels_by_name = {"HAVE_FLA": True, "causal_conv1d": causal_conv1d, "l2norm": l2norm,
+                       "chunk_gated_delta_rule": chunk_gated_delta_rule}
+    if hasattr(package, "__path__"):
+        from megatron.core.ssm.gated_delta_net import common, gdn
+
+        replaced = {(common, name): kernel for name, kernel in kernels_by_name.items()}
+        replaced.update({(gdn, "causal_conv1d"): causal_conv1d, (gdn, "chunk_gated_delta_rule"): chunk_gated_delta_rule})
+    else:
+        replaced = {(package, name): kernel for name, kernel in kernels_by_name.items()}
     with replaced_attributes(replaced):
         yield
 
