@@ -25,11 +25,12 @@ def options(planner: Planner, state: State) -> State:
     """Step 2: ``shard_local`` on top of step 1, re-estimated, unless already in effect or refused."""
     lever = evidence_for("LoRA input under sequence parallelism")
     flags = MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False)
-    constraints = validate(flags, state.cfg)
+    out_of_scope = _not_lora(state.cfg)
+    constraints = [] if out_of_scope else validate(flags, state.cfg)
     peft = state.est.settings.peft
     current = peft.sequence_parallel_input_strategy if peft else None
     published = f"no published figure; upstream's regather for comparison: {evidence.QWEN3_8B_REGATHER}"
-    blocked = "already shard_local" if current == "shard_local" else blocking(constraints)
+    blocked = out_of_scope or ("already shard_local" if current == "shard_local" else blocking(constraints))
     if blocked:
         planner.add(Option(2, lever["name"], f"{PEFT_FIELD}=shard_local", False, blocked,
                            cost=Cost(published=published), constraints=constraints), state)
@@ -42,6 +43,15 @@ def options(planner: Planner, state: State) -> State:
     planner.add(Option(2, lever["name"], f"{PEFT_FIELD}=shard_local", True, constraints=constraints,
                        cost=Cost(collective_bytes=change, published=published, basis=basis)), new)
     return new
+
+
+def _not_lora(cfg) -> str:
+    """Why step 2 does not act on a run without a LoRA-family PEFT (full fine-tuning too); empty when it can.
+    Said as the lever's scope, not as a fix: a full fine-tuning run has nothing to change into LoRA here."""
+    if cfg.peft is not None and is_lora_family(cfg.peft):
+        return ""
+    run = "full fine-tuning (no PEFT)" if cfg.peft is None else type(cfg.peft).__name__
+    return f"applies to LoRA runs only (LoRA, DoRA, CanonicalLoRA); this run is {run}: the next lever follows"
 
 
 @dataclass(frozen=True)

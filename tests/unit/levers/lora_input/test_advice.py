@@ -78,3 +78,21 @@ def test_a_walking_plan_estimates_the_config_with_shard_local_once(monkeypatch):
     [step2] = [o for o in plan.options if o.step == 2]
     assert step2.applicable and step2.peak_bytes == plan.strategies[2].peak_bytes
     assert seen.count(("shard_local", None, 2, 1)) == 1
+
+
+def test_full_fine_tuning_is_told_the_lever_is_for_lora_runs_only():
+    """No PEFT: step 2 is n/a as out of the lever's scope, not a fix that turns the run into LoRA, and the walk
+    goes on to step 3."""
+    from megatron_bridge_ext import planner
+    from megatron_bridge_ext.cli.plan import format_plan
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=8, kv_heads=4, seq=512, micro_batch=1, vocab=128, tp=2,
+                         dtype="bfloat16", swiglu=True)
+    result = planner.plan(tiny_config(shape, None), gpu_memory=1, expandable_segments=False)
+    step2 = [o for o in result.options if o.step == 2]
+    assert len(step2) == 1 and not step2[0].applicable
+    assert "applies to LoRA runs only" in step2[0].reason and "full fine-tuning" in step2[0].reason
+    assert any(o.step == 3 for o in result.options)
+    text = format_plan(result)
+    assert "found NoneType" not in text and "set cfg.peft" not in text
