@@ -275,8 +275,7 @@ def _answer(result) -> list[str]:
     if result.fits_as_is:
         return ["answer: no lever needed"]
     if chosen is None:
-        return ["answer: no combination of the levers fits; more GPUs, a shorter sequence or a smaller micro-batch "
-                "are left"]
+        return [f"answer: no combination of the levers fits; {_left(result)} are left"]
     flags = ", ".join(f"{k}={v!r}" for k, v in chosen.flags.items())
     lines = [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}, step time {_time(chosen)}",
              f"  MemoryConfig({flags})",
@@ -286,6 +285,14 @@ def _answer(result) -> list[str]:
     if chosen.flags.get("expandable_segments"):
         lines.append("  allocator: launch with `mbx run -- torchrun ...` or call megatron_bridge_ext.init() first")
     return lines
+
+
+def _left(result) -> str:
+    """What is left when no lever fits: a smaller micro-batch only where the micro-batch is above 1."""
+    left = ["more GPUs", "a shorter sequence"]
+    if result.baseline.settings.micro_batch > 1:
+        left.append("a smaller micro-batch")
+    return ", ".join(left[:-1]) + " or " + left[-1]
 
 
 def _wrap(text: str, indent: str = "  - ") -> str:

@@ -177,3 +177,13 @@ def test_the_json_is_the_plans_dict_with_the_devices_default_said():
         assert json.loads(text) == {"gpu": {"name": "h100", "defaulted": defaulted}, "peak_bytes": hand.STEADY_PEAK,
                                     "path": "a/b"}
         assert text.splitlines()[1] == '  "gpu": {'  # indented by two
+
+
+@pytest.mark.parametrize("micro_batch, smaller", [(1, False), (2, True)])
+def test_a_smaller_micro_batch_is_left_only_above_micro_batch_1(micro_batch, smaller):
+    """No lever fits: the answer lists what is left; at micro-batch 1 there is no smaller one."""
+    est = hand.estimate(replace(hand.SETTINGS, micro_batch=micro_batch))
+    text = render_plan.format_plan(hand.plan(GIB, baseline=est, fits_as_is=False))
+    answer = _lines(text, "answer: ")
+    assert len(answer) == 1 and answer[0].startswith("answer: no combination of the levers fits; more GPUs")
+    assert ("a smaller micro-batch" in answer[0]) == smaller
