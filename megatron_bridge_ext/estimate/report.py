@@ -105,11 +105,22 @@ class MemoryEstimate:
             for c in (c for c in self.components if c.kind == kind):
                 mark = " (largest)" if c is largest else ""
                 rows.append([kind, c.name + mark, gib(c.bytes)] + ([c.basis] if basis else []))
-        rows.append(["peak", "static + activations + buffers + largest transient", gib(self.steady_peak_bytes)]
-                    + ([f"({self.steady_peak_bytes / GB:.3f} GB, the unit of Bridge's published peaks)"]
-                       if basis else []))
+        rows.append(self._peak_row(basis))
         columns = ["kind", "component", "bytes"] + (["basis"] if basis else [])
         return text_table(columns, rows)
+
+    def _peak_row(self, basis: bool) -> list[str]:
+        """The largest phase's peak, the one the verdict names: the steady state's sum of the rows above, or
+        another phase (the first optimizer step, say) by its name and what it holds."""
+        from megatron_bridge_ext.estimate.phases import STEADY  # phases builds on this module
+
+        phase = self.peak_phase
+        unit = f"({phase.peak_bytes / GB:.3f} GB, the unit of Bridge's published peaks)"
+        if phase.name == STEADY:
+            return ["peak", "static + activations + buffers + largest transient", gib(phase.peak_bytes)] + (
+                [unit] if basis else [])
+        return ["peak", f"{phase.name} (the largest phase)", gib(phase.peak_bytes)] + (
+            [f"{phase.basis} {unit}"] if basis else [])
 
     def phase_table(self) -> str:
         """Every phase's peak (GiB and GB) and what it holds, the largest marked."""

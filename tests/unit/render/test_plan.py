@@ -187,3 +187,24 @@ def test_a_smaller_micro_batch_is_left_only_above_micro_batch_1(micro_batch, sma
     answer = _lines(text, "answer: ")
     assert len(answer) == 1 and answer[0].startswith("answer: no combination of the levers fits; more GPUs")
     assert ("a smaller micro-batch" in answer[0]) == smaller
+
+
+def _peak_row(text: str) -> list[str]:
+    rows = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines() if line.startswith("  peak  ")]
+    assert len(rows) == 1, text
+    return rows[0]
+
+
+def test_the_peak_row_shows_the_phase_the_verdict_names():
+    """The first optimizer step holds the peak (:func:`_first_step_largest`): the component table's peak row is
+    that phase's, by name and bytes, not the steady state's sum of the rows above it."""
+    est, first_step = _first_step_largest()
+    text = render_plan.format_plan(hand.plan(80 * GIB, baseline=est))
+    row = _peak_row(text)
+    assert row[:3] == ["peak", f"{phases.FIRST_STEP} (the largest phase)", _gib(first_step)]
+    assert f"({first_step / 10**9:.3f} GB" in row[3]
+
+
+def test_the_peak_row_is_the_steady_state_sum_when_it_is_the_largest():
+    row = _peak_row(render_plan.format_plan(hand.plan(80 * GIB)))
+    assert row[:3] == ["peak", "static + activations + buffers + largest transient", _gib(hand.STEADY_PEAK)]
