@@ -564,7 +564,11 @@ def test_checkpoints_move_between_bridge_and_our_lora(tp2, tmp_path_factory, mon
 
 
 def _apply_logged(caplog, build):
-    """Run ``build`` (returns (model, peft)) while capturing the INFO logs of our PEFT classes."""
+    """Run ``build`` (returns (model, peft)) while capturing the INFO logs of our PEFT classes; each case is a run
+    of its own, so the reasons logged before it are forgotten (each is logged once per run)."""
+    from megatron_bridge_ext.levers.lora_input import sp_input
+
+    sp_input._LOGGED_REASONS.clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=PEFT_LOGGER):
         model, peft = build()

@@ -40,6 +40,10 @@ from megatron_bridge_ext.levers.lora_input.config import strategy_in_effect  # n
 from megatron_bridge_ext.levers.lora_input.eligibility import Decision, decide_wrapper, is_te_layernorm_linear  # noqa: E402
 from megatron_bridge_ext.peft import kinds  # noqa: E402
 
+_LOGGED_REASONS: set[str] = set()
+"""The fallback reasons already logged in this process: each once per run, however many PEFT objects (one per
+variant of ``mbx demo``, say) meet it; ``report()`` still lists every adapter's."""
+
 
 class SequenceParallelLoRAIn(ColumnParallelLinear):
     """LoRA-A that consumes the local sequence shard [s/t, b, h] and returns the full [s, b, r] input of LoRA-B.
@@ -122,7 +126,6 @@ class SequenceParallelInput:
         if parent_post_init is not None:
             parent_post_init()
         self._decisions: dict[str, Decision] = {}
-        self._logged_reasons: set[str] = set()
 
     def __setattr__(self, name: str, value) -> None:
         # Checked on every assignment, not only in __init__: Bridge's config overrides set fields
@@ -167,8 +170,8 @@ class SequenceParallelInput:
             enable_sp_input(result, [a for _, a in adapters], decision.strategy)
             self._log.debug("LoRA-A input under SP: %s uses %s", ", ".join(d.adapter for d in decisions),
                             decision.strategy)
-        elif strategy != sp_lora.OFF and decision.reason not in self._logged_reasons:
-            self._logged_reasons.add(decision.reason)
+        elif strategy != sp_lora.OFF and decision.reason not in _LOGGED_REASONS:
+            _LOGGED_REASONS.add(decision.reason)
             self._log.info("LoRA-A input under SP (%s) not used: %s (logged once per reason)", strategy,
                            decision.describe())
         return result
