@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -88,3 +89,30 @@ def configure(*, verbose: bool = False) -> None:
         warnings.filterwarnings("ignore", message=pattern)
     if os.environ.get("RANK", "0") != "0":  # other ranks would repeat rank 0's upstream warnings
         warnings.filterwarnings("ignore", module=_UPSTREAM)
+
+
+@contextlib.contextmanager
+def quiet_bridge_import():
+    """Import Bridge inside this block without its import-time INFO on stdout.
+
+    Bridge's modules import Megatron-LM's ``megatron.training`` (``megatron/bridge/utils/common_utils.py`` L29 ->
+    ``megatron/training/__init__.py`` L14 -> ``training.py``), whose ``training.py`` L36 calls
+    ``logging.basicConfig(handlers=[CustomHandler()], level=logging.INFO)``: the root logger at INFO with a
+    handler that writes to stdout (``log_handler.py`` L16). The INFO records of the rest of the import (a
+    traceback per Transformer Engine symbol Bridge's ``safe_import_from`` cannot import, ``utils/import_utils.py``
+    L333, one announcement per model family) then land on a script's stdout before its own output. INFO is
+    dropped while the block runs and the root's level is set back after it; warnings and errors pass, and the
+    handler stays, for Bridge's training to log through once its ``setup_logging`` sets the level it wants.
+    ``MBX_LOG_LEVEL=DEBUG`` leaves the import as it is.
+    """
+    if os.environ.get("MBX_LOG_LEVEL", "").strip().upper() == "DEBUG":
+        yield
+        return
+    root = logging.getLogger()
+    level, disabled = root.level, logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(disabled)
+        root.setLevel(level)

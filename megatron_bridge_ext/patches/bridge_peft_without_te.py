@@ -24,6 +24,7 @@ import sys
 import types
 from typing import Callable
 
+from megatron_bridge_ext import logs
 from megatron_bridge_ext.patches import import_hooks
 from megatron_bridge_ext.patches.base import APPLIED, Patch
 
@@ -78,8 +79,9 @@ def import_bridge_peft() -> None:
         return
     installed_here = not PATCH.applied and PATCH.apply(quiet=True)[0] == APPLIED
     try:
-        for name in TARGET_MODULES:
-            importlib.import_module(name)
+        with logs.quiet_bridge_import():
+            for name in TARGET_MODULES:
+                importlib.import_module(name)
     finally:
         if installed_here:
             PATCH.revert()

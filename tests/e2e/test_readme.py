@@ -3,7 +3,8 @@
 A block preceded by ``<!-- readme-test: run -->`` is run in a fresh interpreter (python blocks) or a
 shell (bash blocks) from the repository root, with nothing of the test's own setup; the block after
 ``<!-- readme-test: output -->`` that follows it is what it must print last: the end of stdout must be
-those lines exactly (Bridge's import chatter, which some of its modules log to stdout, comes before).
+those lines exactly. Bridge's warnings may come before them (Megatron-LM's ``training.py``, which Bridge
+imports, logs to stdout), its INFO not: importing our package keeps Bridge's import-time INFO off stdout.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def test_docs_block_runs_as_written(page, index, language, code, expected):
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # mbx of this venv
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert [line for line in done.stdout.splitlines() if line.startswith("INFO")] == [], done.stdout[-4000:]
     if expected is not None:
         want = expected.rstrip("\n").splitlines()
         assert done.stdout.rstrip("\n").splitlines()[-len(want):] == want

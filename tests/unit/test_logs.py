@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -92,3 +93,31 @@ def test_bridges_import_helper_info_tracebacks_are_dropped_unless_debug(monkeypa
             info_shown, True)
     finally:
         logger.filters = saved
+
+
+def test_importing_our_lora_leaves_no_bridge_info_on_stdout_and_keeps_warnings():
+    """Bridge's import chain runs Megatron-LM's ``training.py``, whose ``logging.basicConfig`` puts the root logger
+    at INFO with a stdout handler; a script importing our LoRA must not then print Bridge's import-time INFO (the
+    tracebacks of ``safe_import_from``) before its own output, nor later INFO of Bridge's loggers, while a
+    warning still reaches the handler Bridge installed."""
+    import subprocess
+    import sys
+
+    from importlib.util import find_spec
+
+    training = Path(find_spec("megatron.training").submodule_search_locations[0]) / "training.py"
+    assert "logging.basicConfig(handlers=[CustomHandler()], level=logging.INFO)" in training.read_text()
+    code = ("import logging\n"
+            "from megatron_bridge_ext.peft import LoRA\n"
+            "log = logging.getLogger('megatron.bridge.probe')\n"
+            "log.info('INFO-PROBE')\n"
+            "log.warning('WARNING-PROBE')\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "MBX_LOG_LEVEL"}
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line for line in done.stdout.splitlines() if line.startswith("INFO")] == []
+    assert "Traceback" not in done.stdout
+    assert "WARNING-PROBE" in done.stdout
