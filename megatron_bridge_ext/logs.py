@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import warnings
 
 # Messages upstream emits on every import on machines without Apex/TE; they say nothing about a run.
@@ -36,9 +37,27 @@ KNOWN_HARMLESS = (
     r".*MimoModelConfig is experimental.*",
 )
 """Upstream warnings on successful runs that are expected and say nothing about the run; ``--verbose`` shows them."""
+KNOWN_HARMLESS_LOGGED = {
+    # transformers' PretrainedConfig.torch_dtype property, getter and setter (configuration_utils.py L415, L425),
+    # read by Bridge's HF model bridges on a recipe's config: the renaming is Bridge's to do, nothing for the run
+    "transformers.configuration_utils": (r".*`torch_dtype` is deprecated! Use `dtype` instead!.*",),
+}
+"""Known harmless upstream lines that come through a logger, not ``warnings.warn``, by the logger that logs them
+(a filter on that logger drops them; ``--verbose`` shows them)."""
 QUIET_LOGGERS = ("torch.utils.cpp_extension",)
 """Loggers whose warnings are known noise: torch's "No CUDA runtime is found" on a machine without CUDA, once per
 process (each demo rank)."""
+
+
+class _KnownHarmless(logging.Filter):
+    """Drops the records of one logger whose message matches one of its :data:`KNOWN_HARMLESS_LOGGED` patterns."""
+
+    def __init__(self, patterns) -> None:
+        super().__init__()
+        self.patterns = [re.compile(p, re.S) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(p.match(record.getMessage()) for p in self.patterns)
 
 
 class _BelowWarning(logging.Filter):
@@ -72,6 +91,10 @@ def configure(*, verbose: bool = False) -> None:
             warnings.filterwarnings("ignore", message=pattern)
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
+        for name, patterns in KNOWN_HARMLESS_LOGGED.items():
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _KnownHarmless) for f in logger.filters):
+                logger.addFilter(_KnownHarmless(patterns))
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     # Ranks other than 0 repeat rank 0's decisions: they log warnings only.
     rank_level = level if os.environ.get("RANK", "0") == "0" else "WARNING"

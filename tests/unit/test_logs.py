@@ -121,3 +121,36 @@ def test_importing_our_lora_leaves_no_bridge_info_on_stdout_and_keeps_warnings()
     assert [line for line in done.stdout.splitlines() if line.startswith("INFO")] == []
     assert "Traceback" not in done.stdout
     assert "WARNING-PROBE" in done.stdout
+
+
+def _transformers_source(relative: str) -> str:
+    import transformers
+
+    return (Path(transformers.__file__).parent / relative).read_text()
+
+
+def test_the_logged_patterns_match_what_transformers_logs():
+    """Each logged pattern matches the message of a ``logger.warning_once`` line of the file that logs it."""
+    for name, patterns in logs.KNOWN_HARMLESS_LOGGED.items():
+        relative = name.removeprefix("transformers.").replace(".", "/") + ".py"
+        lines = [line.strip() for line in _transformers_source(relative).splitlines() if "logger.warning" in line]
+        messages = [line.split("(", 1)[1].rsplit(")", 1)[0].strip("\"") for line in lines]
+        for pattern in patterns:
+            assert any(re.match(pattern, m) for m in messages), pattern
+
+
+@pytest.mark.parametrize("verbose, shown", [(False, False), (True, True)])
+def test_transformers_torch_dtype_line_is_dropped_unless_verbose(verbose, shown):
+    """The line comes through transformers' logger (its own handler prints it), so a warnings filter misses it."""
+    name = "transformers.configuration_utils"
+    logger = logging.getLogger(name)
+    saved = list(logger.filters)
+    try:
+        logger.filters = []
+        logs.configure(verbose=verbose)
+        record = logger.makeRecord(name, logging.WARNING, __file__, 1, "`torch_dtype` is deprecated! Use `dtype` "
+                                   "instead!", None, None)
+        other = logger.makeRecord(name, logging.WARNING, __file__, 1, "a line nobody listed", None, None)
+        assert (bool(logger.filter(record)), bool(logger.filter(other))) == (shown, True)
+    finally:
+        logger.filters = saved
