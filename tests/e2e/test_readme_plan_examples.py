@@ -1,5 +1,6 @@
 """The README's ``mbx plan`` examples, each run as written: exit 0, the plan on stdout, and nothing on stderr (the
-upstream warnings a successful plan meets are filtered as known and harmless, ``megatron_bridge_ext.logs``)."""
+upstream warnings a successful plan meets are filtered as known and harmless, ``megatron_bridge_ext.logs``), with
+the GPU's memory in GiB, as the plan's note on a GB figure asks."""
 
 from __future__ import annotations
 
@@ -44,3 +45,5 @@ def test_a_readme_plan_example_prints_its_plan_and_nothing_on_stderr(command):
     assert done.stdout.splitlines()[0] == "$ " + command  # the plan's own first line: the command it ran
     assert done.stdout.splitlines()[1].startswith("config: ")
     assert done.stderr == ""
+    # The examples write a GPU's memory the way the note of a GB figure tells (sizes.sold_as_note): in GiB.
+    assert "a GPU sold as" not in done.stdout
