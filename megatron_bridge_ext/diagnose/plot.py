@@ -42,7 +42,7 @@ def draw(result, path: str, *, total_memory: Optional[int] = None) -> None:
     total = total_memory or _total(result)
     if total:
         ax.axhline(total / GIB, color="#d62728", linestyle="--", label=f"device total {total / GIB:.1f} GiB")
-    _stage_bands(ax, result, ranks)
+    labelled = _stage_bands(ax, result, ranks)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, rotation=90 if len(ranks) > 24 else 0, fontsize=8 if len(ranks) > 24 else 10)
     ax.set_xlabel("global rank (grouped by pipeline stage)")
@@ -50,7 +50,7 @@ def draw(result, path: str, *, total_memory: Optional[int] = None) -> None:
     iterations = sorted({last[r].iteration for r in ranks})
     ax.set_title(f"max allocated and max reserved per rank, last report (after iteration "
                  f"{', '.join(map(str, iterations))})" + (f"\n{result.layout.text()}" if result.layout else ""),
-                 fontsize=10)
+                 fontsize=10, pad=STAGE_LABEL_PAD if labelled else 6.0)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -62,10 +62,15 @@ def _stage(result, rank: int) -> int:
     return -1 if coords is None else coords.pp
 
 
-def _stage_bands(ax, result, ranks) -> None:
-    """A shaded band and a label per pipeline stage."""
+STAGE_LABEL_PAD = 16.0
+"""Points between the axes and the title when stage labels sit on the axes' top edge: a label's 8-point line and
+its padding, so that the title clears them (matplotlib's default pad, 6 points, put them across the title)."""
+
+
+def _stage_bands(ax, result, ranks) -> bool:
+    """A shaded band and a label per pipeline stage; whether it drew any label."""
     if not result.coordinates:
-        return
+        return False
     start = 0
     for i in range(1, len(ranks) + 1):
         if i == len(ranks) or _stage(result, ranks[i]) != _stage(result, ranks[start]):
@@ -75,6 +80,7 @@ def _stage_bands(ax, result, ranks) -> None:
             ax.text((start + i - 1) / 2, 1.0, f"stage {stage}", transform=ax.get_xaxis_transform(), ha="center",
                     va="bottom", fontsize=8)
             start = i
+    return True
 
 
 def _total(result) -> Optional[int]:
