@@ -46,7 +46,7 @@ def hf_problem(args):
     heads, layers = data["num_attention_heads"], data.get("num_hidden_layers")  # or a hybrid pattern's length
     groups = data.get("num_key_value_heads") or heads
     sp = args.sp if args.sp is not None else tp > 1
-    from megatron_bridge_ext.estimate.pipeline import UNEVEN_FIX
+    from megatron_bridge_ext.estimate.pipeline import UNEVEN_FIX, indivisible
 
     divide = "choose sizes that divide it"
     checks = [
@@ -58,7 +58,7 @@ def hf_problem(args):
         ("model.seq_length", sp and tp > 1 and args.seq and args.seq % tp, "model.seq_length",
          f"sequence {args.seq} is not divisible by TP={tp} (sequence parallelism splits it)", divide),
         ("model.num_layers", isinstance(layers, int) and layers % pp and not _split_elsewhere(args),
-         "model.pipeline_model_parallel_size", f"PP={pp} does not divide the {layers} layers", UNEVEN_FIX),
+         "model.pipeline_model_parallel_size", indivisible(pp, layers), UNEVEN_FIX),
     ]
     for field, failed, setting, message, fix in checks:
         if failed and not overridden(args.overrides, field, setting):

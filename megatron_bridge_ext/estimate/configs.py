@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -341,9 +342,7 @@ def _call_recipe(spec: str, hf_config: Optional[str]):
                                           f"is not reachable ({hub.unreachable}), and it is not in the local cache.",
                               "add --hf-config with the model's config.json (the recipe's read is answered from "
                               "it), or run where the hub is reachable") from None
-            raise _refuse("--recipe", f"{spec}() failed: {type(error).__name__}: {_first_line(error)}",
-                          "recipes that fetch a Hugging Face config need the hub; offline, add --hf-config with "
-                          "the model's config.json") from None
+            raise _recipe_failed(spec, error) from None
     from megatron.bridge.training.config import ConfigContainer
 
     if not isinstance(cfg, ConfigContainer):
@@ -583,6 +582,30 @@ def _bridge_warnings():
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
+
+
+def _recipe_failed(spec: str, error: Exception) -> Refused:
+    """A recipe function that raised, citing the line that raised. A ``NotImplementedError`` is the recipe refusing
+    itself (Bridge ships some so, e.g. a PEFT recipe of a model whose PEFT it does not support): no input given here
+    changes it; any other error is most often the recipe's read of its Hugging Face config."""
+    what = f"{type(error).__name__}: {_first_line(error).rstrip(".")} ({_raised_at(error)})"
+    if isinstance(error, NotImplementedError):
+        return _refuse("--recipe", f"{spec}() refuses to build, as Bridge ships it: {what}",
+                       "estimate another recipe of the model")
+    return _refuse("--recipe", f"{spec}() failed: {what}",
+                   "recipes that fetch a Hugging Face config need the hub; offline, add --hf-config with the model's "
+                   "config.json")
+
+
+def _raised_at(error: BaseException) -> str:
+    """Where ``error`` was raised: the innermost frame's file (from its ``megatron/`` folder when it has one) and
+    line."""
+    import traceback
+
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    path = frame.filename.replace(os.sep, "/")
+    path = path[path.rfind("/megatron/") + 1:] if "/megatron/" in path else os.path.basename(path)
+    return f"{path} L{frame.lineno}"
 
 
 def _first_line(error) -> str:

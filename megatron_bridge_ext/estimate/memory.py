@@ -159,7 +159,7 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     if getattr(model, "num_moe_experts", None) and tp > 1 and not model.sequence_parallel:
         refuse("parallel_layout", "model.sequence_parallel",
                f"is off with TP={tp} on an MoE model: Megatron Core's MoE layer refuses to train so "
-               "(moe/moe_layer.py, MoELayer.forward)", "set model.sequence_parallel=True")
+               "(MoELayer.forward raises it, moe/moe_layer.py L629-633)", "set model.sequence_parallel=True")
     return out
 
 

@@ -153,6 +153,17 @@ UNEVEN_FIX = ("choose sizes that divide it, or set num_layers_in_first/last_pipe
 """The fix for layers PP does not divide evenly (every check of it, early or on the built model, gives this one)."""
 
 
+def indivisible(pp: int, layers: int, extra: int = 0) -> str:
+    """PP does not divide the layers of an even split, and the line of Megatron Core that refuses it: with the
+    embedding or the loss counted as a layer, ``TransformerConfig.__post_init__`` raises (transformer_config.py
+    L2076-2080, L2089-2096 with VPP); else the even split of ``get_num_layers_to_build`` asserts when a stage is
+    built (transformer_block.py L150-152). Every check of it, early or on the built model, gives this message."""
+    counted = f"the {layers} layers" + (f" (+{extra} for embedding/loss)" if extra else "")
+    where = ("TransformerConfig raises it, transformer_config.py L2076-2080 / L2089-2096" if extra else
+             "Megatron Core's even split asserts it, transformer_block.py L150-152")
+    return f"PP={pp} does not divide {counted} ({where})"
+
+
 def split_problems(model) -> list[Finding]:
     """What Megatron Core refuses about the model's pipeline split, one finding each (empty: Core builds it)."""
     pp = model.pipeline_model_parallel_size
@@ -178,9 +189,8 @@ def split_problems(model) -> list[Finding]:
                          "choose first/last counts that leave the middle stages an even share")]
     extra = sum(bool(getattr(model, f"account_for_{part}_in_pipeline_split", False)) for part in ("embedding", "loss"))
     total = model.num_layers + extra
-    counted = f"the {model.num_layers} layers" + (f" (+{extra} for embedding/loss)" if extra else "")
     if total % pp:
-        return [_refused("model.pipeline_model_parallel_size", f"PP={pp} does not divide {counted}", UNEVEN_FIX)]
+        return [_refused("model.pipeline_model_parallel_size", indivisible(pp, model.num_layers, extra), UNEVEN_FIX)]
     return [_refused("model.virtual_pipeline_model_parallel_size",
                      f"VPP={vpp} does not divide the {total // pp} layers of a stage", "choose sizes that divide it")]
 

@@ -89,3 +89,24 @@ def test_an_unknown_model_types_fields_are_kept_as_the_file_states_them(extra):
             "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128, **extra}
     config = configs.hf_config_object(data)
     assert {name: getattr(config, name) for name in extra} == extra
+
+
+QWEN3_NEXT_PEFT = "megatron.bridge.recipes.qwen.h100.qwen3_next:qwen3_next_80b_a3b_peft_1gpu_h100_bf16_config"
+
+
+def test_a_recipe_that_refuses_itself_is_refused_citing_its_line_and_no_hub():
+    """Bridge ships Qwen3-Next's PEFT recipe raising NotImplementedError before it builds anything: the finding cites
+    the recipe file's line that raises (read from the recipe's own traceback) and does not send the user to the hub,
+    which would not change it."""
+    import importlib
+
+    from tests.support.cited import cites, raised_at
+
+    module, _, function = QWEN3_NEXT_PEFT.partition(":")
+    file, line = raised_at(getattr(importlib.import_module(module), function), NotImplementedError)
+    with pytest.raises(Refused) as refused:
+        configs.build(configs.Layout(), recipe=QWEN3_NEXT_PEFT)
+    [finding] = refused.value.findings
+    assert cites(finding.message, f"recipes/qwen/h100/{file}", line), finding.message
+    assert "NotImplementedError: PEFT is not currently supported" in finding.message
+    assert "hub" not in finding.fix and "--hf-config" not in finding.fix

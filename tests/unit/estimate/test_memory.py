@@ -99,3 +99,22 @@ def test_tp_a_multiple_of_the_query_groups_is_accepted_as_core_accepts_it():
     cfg.model.tensor_model_parallel_size, cfg.model.num_query_groups = 4, 6  # neither divides the other
     problems = [p for p in parallel_problems(cfg.model, micro_batch=1) if "query groups" in p.message]
     assert problems and problems[0].setting == "model.tensor_model_parallel_size"
+
+
+def test_sequence_parallel_off_with_tp_on_an_moe_model_cites_the_line_of_core_that_refuses_it():
+    """Core's ``MoELayer.forward`` raises in training when attention's TP group is larger than one and sequence
+    parallelism is off (Bridge's GLM-4.5 355B PEFT and SFT recipes ship so): run with a stand-in for the layer's
+    state, the line it raises from is the one the finding cites."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from tests.support.cited import cites, raised_at
+
+    layer = SimpleNamespace(training=True, attn_tp_group=SimpleNamespace(size=lambda: 2),
+                            config=SimpleNamespace(sequence_parallel=False))
+    file, line = raised_at(lambda: MoELayer.forward(layer, None), ValueError)
+    cfg = configs.from_hf_config(QWEN3_8B, configs.Layout(tp=2, seq=8192))
+    cfg.model.num_moe_experts, cfg.model.sequence_parallel = 8, False
+    [problem] = [p for p in parallel_problems(cfg.model, micro_batch=1) if p.setting == "model.sequence_parallel"]
+    assert cites(problem.message, f"moe/{file}", line), (file, line, problem.message)

@@ -181,3 +181,27 @@ def test_candidate_stages_are_the_first_of_each_kind():
     mixed = [0] * 3 + [1] * 58  # DeepSeek-V3's three dense layers first
     assert pipeline.candidate_stages(config, mixed) == [0, 1, 15]
     assert pipeline.candidate_stages(config, list(range(61))) == list(range(16))
+
+
+UNEVEN = [
+    (92, 8, None, {}),  # GLM-4.5's decoder at its H100 recipes' PP
+    (45, 8, None, {}),  # Step-3.5-Flash's at its recipe's PP
+    (125, 8, None, dict(account_for_embedding_in_pipeline_split=True)),
+    (124, 8, 2, dict(account_for_embedding_in_pipeline_split=True)),
+]
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, split", UNEVEN)
+def test_layers_pp_does_not_divide_cite_the_line_of_core_that_refuses_them(num_layers, pp, vpp, split):
+    """The refusal names the file and lines where Core raises it (its ``TransformerConfig`` with the embedding or
+    the loss counted, else the even split when a stage is built), read from Core's own traceback."""
+    from types import SimpleNamespace
+
+    from tests.support.cited import cites, raised_at
+
+    file, line = raised_at(lambda: core_chunks(_config(num_layers, pp, vpp, **split)), ValueError, AssertionError)
+    model = SimpleNamespace(num_layers=num_layers, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vpp, **split)
+    [problem] = pipeline.split_problems(model)
+    assert problem.setting == "model.pipeline_model_parallel_size"
+    assert cites(problem.message, file, line), (file, line, problem.message)
