@@ -186,8 +186,14 @@ def _piped(model) -> bool:
     return unmodelled.PIPE in (unmodelled.main_pattern(model) or "")
 
 
+FP4_GPUS = ("Transformer Engine runs NVFP4 only on compute capability 10.0 and up (Blackwell): on Hopper the run "
+            "fails when Core enters the FP4 autocast (TE v2.8 pytorch/fp8.py L57-61, L508-510; Core fp4_utils.py "
+            "L273-276)")
+"""Why an FP4 recipe named for H100 does not run there either: said with the refusal."""
+
+
 def _fp4(setting: str) -> Finding:
-    return Finding("unsupported_model", ERROR, setting, "FP4 training is not modelled by the estimate",
+    return Finding("unsupported_model", ERROR, setting, f"FP4 training is not modelled by the estimate; {FP4_GPUS}",
                    "estimate the bf16 or FP8 config")
 
 
