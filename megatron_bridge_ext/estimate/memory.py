@@ -186,8 +186,14 @@ def _piped(model) -> bool:
     return unmodelled.PIPE in (unmodelled.main_pattern(model) or "")
 
 
+FP4_GPUS = ("Transformer Engine runs NVFP4 only on compute capability 10.0 and up (Blackwell): on Hopper the run "
+            "fails when Core enters the FP4 autocast (TE v2.8 pytorch/fp8.py L57-61, L508-510; Core fp4_utils.py "
+            "L273-276)")
+"""Why an FP4 recipe named for H100 does not run there either: said with the refusal."""
+
+
 def _fp4(setting: str) -> Finding:
-    return Finding("unsupported_model", ERROR, setting, "FP4 training is not modelled by the estimate",
+    return Finding("unsupported_model", ERROR, setting, f"FP4 training is not modelled by the estimate; {FP4_GPUS}",
                    "estimate the bf16 or FP8 config")
 
 
@@ -226,7 +232,22 @@ def _te_release_for_fp8_experts(provider):
 def _unhonoured(optimizer, ddp) -> list[Finding]:
     sections = {"optimizer": optimizer, "ddp": ddp}
     return [Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
-            for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
+            for section, name, what in UNHONOURED if getattr(sections[section], name, False)] + _optimizer(optimizer)
+
+
+def _optimizer(optimizer) -> list[Finding]:
+    """An optimizer other than Adam and SGD, refused by name before the estimate: Megatron Core builds any other name
+    apart from them (``get_megatron_optimizer``, optimizer/__init__.py L1038-1044), as an emerging optimizer whose
+    state is laid out its own way (Muon on the linear weights with its scalar optimizer on the rest, L800-808; a
+    ``dist_`` name sharded layer by layer, L744-755), which the optimizer formula (``static.optimizer_rule``) does
+    not follow."""
+    name = getattr(optimizer, "optimizer", "adam")
+    if name in ("adam", "sgd"):
+        return []
+    return [Finding("unsupported_model", ERROR, "optimizer.optimizer",
+                    f"{name!r} is not modelled by the estimate, which knows Adam and SGD: Megatron Core builds it as an "
+                    "emerging optimizer with its own state layout (optimizer/__init__.py L744-808)",
+                    "estimate with optimizer.optimizer=adam")]
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],

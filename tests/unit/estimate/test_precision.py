@@ -216,6 +216,17 @@ def test_an_fp4_recipe_is_refused_before_bridge_asks_for_transformer_engine():
     assert refused.value.findings[0].setting == "mixed_precision"
 
 
+def test_the_fp4_refusal_says_transformer_engine_runs_nvfp4_on_blackwell_only():
+    """Llama 3 8B's ``..._h100_nvfp4_config`` names H100, where TE asserts compute capability 10.0 on entering the
+    FP4 autocast: the refusal says so, the bf16 / FP8 fix stays."""
+    from megatron_bridge_ext.estimate.memory import NotModelled, prepare
+
+    with pytest.raises(NotModelled) as refused:
+        prepare(_tiny("bf16_with_nvfp4_mixed"), data_parallel_size=1, num_microbatches=1)
+    assert "compute capability 10.0" in refused.value.findings[0].message
+    assert "Blackwell" in refused.value.findings[0].message
+
+
 @pytest.mark.parametrize("recipe, note", [("blockwise", True), ("delayed", False), ("tensorwise", False),
                                           ("mxfp8", False)])
 def test_only_blockwise_activations_are_named_as_not_modelled(recipe, note):
