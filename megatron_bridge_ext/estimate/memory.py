@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import (configs, features, mamba, phases, pipeline, precision, routing, static, te,
-                                          te_fp8, unmodelled)
+from megatron_bridge_ext.estimate import (configs, features, mamba, offload, phases, pipeline, precision, routing,
+                                          static, te, te_fp8, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
                                                 layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
                                                 stage_layer_kinds)
@@ -203,9 +203,6 @@ def _unsupported(model) -> list[Finding]:
 
 
 UNHONOURED = (
-    ("optimizer", "optimizer_cpu_offload", "optimizer states offloaded to the CPU are not modelled (the estimate keeps "
-                                           "them on the GPU)"),
-    ("optimizer", "use_layer_wise_optimizer", "the layer-wise optimizer's state layout is not modelled"),
     ("ddp", "use_megatron_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
     ("ddp", "use_custom_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
 )
@@ -223,10 +220,13 @@ def _te_release_for_fp8_experts(provider):
     return te.version_checks_of_the_modelled_release(transformer_config)
 
 
-def _unhonoured(optimizer, ddp) -> list[Finding]:
+def _unhonoured(optimizer, ddp, dtype: torch.dtype) -> list[Finding]:
+    """The table's settings, then the optimizer's: an optimizer other than Adam/SGD, the CPU offload's limits."""
     sections = {"optimizer": optimizer, "ddp": ddp}
-    return [Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
-            for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
+    grad_16 = not getattr(ddp, "grad_reduce_in_fp32", False) and dtype != torch.float32
+    return ([Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
+             for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
+            + static.optimizer_findings(optimizer) + offload.findings(optimizer, grad_bytes_16=grad_16))
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
@@ -252,7 +252,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
-                    + _unhonoured(optimizer, ddp)) if modelled_only else []
+                    + _unhonoured(optimizer, ddp, _training_dtype(provider))) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
@@ -686,7 +686,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     return MemoryEstimate(stage=stage, components=components, settings=settings, step=step,
                           assumptions=_assumptions(prepared, attention, impl, device, contract, candidates)
                           + te_fp8.assumptions(fp8_acts)
-                          + _moe_assumptions(provider, imbalance, routed),
+                          + _moe_assumptions(provider, imbalance, routed)
+                          + [a for a in [offload.assumption(prepared.optimizer, host=step.offloaded,
+                                                            elements=step.elements)] if a],
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer))
 

@@ -66,6 +66,9 @@ class StepState:
     transients: tuple[Component, ...] = ()
     kept: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    elements: int = 0
+    offloaded: int = 0
+    """The shard's elements, and those whose state the CPU-offload optimizer keeps on the host."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None) -> StepStat
     """The step of Megatron Core's optimizer for one rank's shard (``static.OptimizerShard``) under ``rule``."""
     transients = []
     kept = []
-    fused_adam_masters = rule.precision_aware and _te_holds_masters(optimizer)
+    # the offload's hybrid optimizer makes its main copies at construction (hybrid_optimizer.py L277-279)
+    fused_adam_masters = rule.precision_aware and rule.offload_fraction is None and te_holds_masters(optimizer)
     if not rule.precision_aware and 0 < grad_bytes < 4 and rule.main_bytes:
         transients.append(Component(
             TRANSIENT, FP32_GRAD_COPIES, shard.elements * 4,
@@ -104,10 +108,11 @@ def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None) -> StepStat
             "Engine's FusedAdam.step unscales each such state to fp32 (get_unscaled_state: state.float()) and keeps "
             "the copies of a parameter group for its kernel"))
     notes = _step_notes(optimizer, ddp)
-    return StepState(shard.masters, shard.moments, fused_adam_masters, tuple(transients), tuple(kept), notes)
+    return StepState(shard.masters, shard.moments, fused_adam_masters, tuple(transients), tuple(kept), notes,
+                     shard.elements, shard.offloaded)
 
 
-def _te_holds_masters(optimizer) -> bool:
+def te_holds_masters(optimizer) -> bool:
     """Core's ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` (optimizer_config.py L404-411): FusedAdam keeps
     the master weights (``master_weights=True``) unless FP8 parameters of a non-delayed recipe keep them in Core."""
     if not getattr(optimizer, "use_precision_aware_optimizer", False):
@@ -122,7 +127,7 @@ def _te_holds_masters(optimizer) -> bool:
 def _state_sizes(optimizer, rule, with_masters: bool) -> list[tuple[str, int]]:
     names = ["exp_avg", "exp_avg_sq"] if len(rule.moment_bytes) == 2 else ["momentum"]
     out = list(zip(names, rule.moment_bytes))
-    if with_masters and rule.main_bytes:
+    if with_masters and rule.main_bytes and not rule.remainders:  # remainders are read as they are, not unscaled
         out.append(("master_param", rule.main_bytes))
     return out
 
