@@ -91,6 +91,8 @@ class Prepared:
     reports: ReportSettings
     """What :func:`.phases.predicted_reports` reads of the run (when Bridge prints memory, when CUDA-graph pools
     appear) and the output layer's wgrad deferral limit."""
+    resume: bool = False
+    """The run loads its optimizer state from ``checkpoint.load`` (:func:`_resumes`): the phases start with it."""
 
     @property
     def local_seq(self) -> int:
@@ -230,9 +232,10 @@ def _unhonoured(optimizer, ddp, dtype: torch.dtype) -> list[Finding]:
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
-            modelled_only: bool = True) -> Prepared:
+            modelled_only: bool = True, resume: bool = False) -> Prepared:
     """Copies of the config's parts, checked and finalized as training would; ``modelled_only``: refuse (with
-    :class:`NotModelled`) what this estimate cannot model, which Bridge's formula-based estimate can read."""
+    :class:`NotModelled`) what this estimate cannot model, which Bridge's formula-based estimate can read;
+    ``resume``: the run loads optimizer state from a checkpoint (:func:`_resumes`)."""
     provider, optimizer, ddp = copy.deepcopy(cfg.model), copy.deepcopy(cfg.optimizer), copy.deepcopy(cfg.ddp)
     notes = []
     if cfg.mixed_precision is not None:
@@ -279,8 +282,36 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
                                  group=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     if schedule:
         raise Refused(WHAT, schedule)
+    resume, note = _resumes(getattr(cfg, "checkpoint", None), resume)
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
-                     dp, num_microbatches, notes, reports)
+                     dp, num_microbatches, notes + ([note] if note else []), reports, resume)
+
+
+def _resumes(checkpoint, asked: bool) -> tuple[bool, Optional[str]]:
+    """Whether the run loads optimizer state (``asked``, and the config lets it), and the note saying why.
+
+    Bridge loads it from ``checkpoint.load`` unless ``finetune`` or ``load_optim=False`` (training/checkpointing.py
+    L2787-2792); a ``pretrained_checkpoint`` alone turns ``finetune`` on (L2292-2306). Recipes set ``load`` to their
+    own save directory (recipes/common.py L120), empty on a first launch (setup.py L154-190 looks), so the config
+    alone does not say that a run resumes: the caller does."""
+    load = getattr(checkpoint, "load", None)
+    loads_optimizer = bool(load) and getattr(checkpoint, "load_optim", True) and not getattr(checkpoint, "finetune",
+                                                                                             False)
+    if asked and loads_optimizer:
+        return True, (f"resumed from checkpoint.load={load!r}: the phases start with the load of its optimizer state "
+                      f"({phases.RESUME}), and iteration 1 has the loaded moments")
+    if asked:
+        return False, ("resume asked, but the config loads no optimizer state (checkpoint.load unset, "
+                       "finetune or load_optim=false): estimated as a fresh run")
+    return False, None
+    if getattr(checkpoint, "load", None) and getattr(checkpoint, "load_optim", True) \
+            and not getattr(checkpoint, "finetune", False):
+        return True, (f"checkpoint.load={checkpoint.load!r} taken as holding a checkpoint with optimizer state: the "
+                      f"phases start with its load ({phases.RESUME}), and iteration 1 has the loaded moments")
+    if getattr(checkpoint, "pretrained_checkpoint", None) or getattr(checkpoint, "load", None):
+        return False, ("the checkpoint loads weights only (finetune, pretrained_checkpoint or load_optim=false): read "
+                       "into the model's tensors, no optimizer-state phase")
+    return False, None
 
 
 def _sync_distributed_optimizer(optimizer, ddp) -> list[str]:
@@ -413,7 +444,7 @@ def _attention_from(model) -> str:
 
 def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches: Optional[int] = None,
              attention: Optional[str] = None, transformer_impl: Optional[str] = None,
-             device: str = "cuda", moe_imbalance: float = BALANCED) -> MemoryEstimate:
+             device: str = "cuda", moe_imbalance: float = BALANCED, resume: bool = False) -> MemoryEstimate:
     """Per-rank memory of the most loaded pipeline stage of a Bridge ``ConfigContainer`` at its backward peak.
 
     ``attention``: ``"fused"`` traces a stand-in that keeps what fused (flash/cuDNN) attention keeps,
@@ -425,14 +456,15 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     ``data_parallel_size`` defaults to ``cfg.data_parallel_size`` (set when Bridge validates the
     config), ``num_microbatches`` to global batch / (micro-batch x DP).
     ``moe_imbalance`` (MoE models): the tokens of the traced rank's experts over the balanced share,
-    1.0 (balanced) or more (:mod:`.routing`).
+    1.0 (balanced) or more (:mod:`.routing`). ``resume``: the run loads optimizer state from ``checkpoint.load``
+    (a phase for the load, :func:`.phases.load_transients`).
     Raises :class:`megatron_bridge_ext.findings.Refused` (one line per problem) for configs it cannot model.
     """
     start = time.perf_counter()
     problem = configs.imbalance_problem(moe_imbalance)
     if problem:
         raise Refused(WHAT, [problem])
-    prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+    prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches, resume=resume)
     problem = _imbalance_beyond_tokens(prepared.provider, moe_imbalance)
     if problem:
         raise Refused(WHAT, [problem])
@@ -714,7 +746,8 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
                                             context_parallel=prepared.provider.context_parallel_size,
                                             expert_parallel=ep, expert_tensor_parallel=etp)
     shard = static.optimizer_shard(counts, rule, expert_shards=expert_dp)
-    step = phases.step_state(prepared.optimizer, shard, rule, grad_bytes=grad_bytes, ddp=prepared.ddp)
+    step = phases.step_state(prepared.optimizer, shard, rule, grad_bytes=grad_bytes, ddp=prepared.ddp,
+                             resume=prepared.resume)
     if fp8_weights is None:
         return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp), step
     out = static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp,
