@@ -1,8 +1,11 @@
-"""A run's memory by phase: iteration 1 before the optimizer's moments exist, the first step, the steady state.
+"""A run's memory by phase: a resumed run's optimizer-state load, iteration 1 before the optimizer's moments exist (a
+fresh run), the first step, the steady state.
 
 The steady-state estimate (:mod:`.memory`) holds every component at once. A Megatron run reaches it in steps,
 and the figures users compare come from different ones:
 
+* **resume** (a run that loads optimizer state, :func:`load_transients`): weights, the gradient buffer and every
+  optimizer state, with the load's own transients; iteration 1 then holds the loaded moments;
 * **iteration 1, forward and backward**: weights, the gradient buffer, the fp32 main copies (Megatron Core's
   optimizers make them at construction: ``distrib_optimizer.py`` L445 ``shard_main_param =
   shard_model_param.clone().float()``), activations in flight, no moments: torch's Adam creates ``exp_avg`` and
