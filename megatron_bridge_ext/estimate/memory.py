@@ -1059,8 +1059,9 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
             if contract.shared_copies else "")
          if impl == TE else "Transformer Engine: not used (local spec)"),
         "jit-fused regions (torch.compile) traced eagerly",
-        "optimizer moments: created in the first step() (torch's Adam and TE's FusedAdam alike); iteration 1's "
-        "phase holds the main copies without them (estimate.phases)",
+        "optimizer moments: loaded from the checkpoint before iteration 1 (estimate.phases, resume)" if prepared.resume
+        else "optimizer moments: created in the first step() (torch's Adam and TE's FusedAdam alike); iteration 1's "
+             "phase holds the main copies without them (estimate.phases)",
         "transients: the largest of the listed formulas; not alive together",
         f"not modelled: {NOT_MODELLED}",
     ]

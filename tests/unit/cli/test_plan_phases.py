@@ -36,3 +36,17 @@ def test_fits_iteration_1_and_runs_out_of_memory_in_iteration_2_is_one_line():
                             f"iteration 2 at the steady state ({gib(first + MOMENTS)} of {gib(usable)} usable)")
     assert _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first + MOMENTS)) == []
     assert _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first - 1)) == []
+
+
+def test_fits_iteration_1_and_runs_out_of_memory_loading_the_checkpoint_before_it_is_one_line():
+    """A resumed run whose load holds the states twice (FusedAdam's own loader) beyond iteration 1's peak."""
+    reloaded = Component(TRANSIENT, phases.RELOADED_STATES, 2 * (MASTERS + MOMENTS), "r")
+    step = phases.StepState(MASTERS, MOMENTS, masters_in_step=False, load=(reloaded,))
+    est = _estimate(activations=100)
+    est.step = step
+    first = 4000 + MASTERS + MOMENTS + 100 + 100  # the loaded moments, activations, the layer's backward
+    resume = 4000 + MASTERS + MOMENTS + reloaded.bytes
+    [line] = _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first))
+    assert line.strip() == (f"fits iteration 1 ({gib(first)} in its forward and backward), runs out of memory in "
+                            f"loading the checkpoint's optimizer state before it ({gib(resume)} of {gib(first)} "
+                            "usable)")
