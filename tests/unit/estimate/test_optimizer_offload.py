@@ -157,14 +157,14 @@ def _resumed(optimizer):
                   Component(BUFFERS, "global memory buffer", 10, "b")]
     est = MemoryEstimate(stage=0, components=components, settings=gpt_stage(tp=2, dp=DP, cp=1), assumptions=[],
                          activations_per_microbatch={}, in_flight_microbatches=1.0, step=step)
-    return step, {p.name: p for p in est.phases}
+    return step, {p.name: p for p in est.phases}, est
 
 
 HELD = 2000 + 4000 + 10
 
 
 def test_resuming_with_the_plain_optimizer_adds_no_copy_of_the_states():
-    step, by_name = _resumed(_optimizer())
+    step, by_name, _ = _resumed(_optimizer())
     assert step.load == ()
     assert by_name[phases.RESUME].peak_bytes == HELD + SHARD * (4 + 8)
     states = next(c.bytes for c in by_name[phases.ITERATION_1].components if c.name == phases.OPTIMIZER_STATES)
@@ -172,14 +172,14 @@ def test_resuming_with_the_plain_optimizer_adds_no_copy_of_the_states():
 
 
 def test_resuming_the_precision_aware_optimizer_holds_its_states_twice():
-    step, by_name = _resumed(_optimizer(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+    step, by_name, _ = _resumed(_optimizer(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
                                         exp_avg_sq_dtype=torch.bfloat16))
     assert by_name[phases.RESUME].peak_bytes == HELD + 2 * SHARD * (4 + 2 + 2)
 
 
 def test_resuming_with_the_offload_brings_the_host_states_to_the_gpu():
     share = 0.75
-    step, by_name = _resumed(_offloaded(share))
+    step, by_name, _ = _resumed(_offloaded(share))
     host = math.ceil(SHARD * share)
     states = SHARD * 4 + (SHARD - host) * 8
     dummy_grads, host_on_gpu = SHARD * 4, host * (8 + 4)
@@ -199,3 +199,11 @@ def test_a_recipes_load_directory_alone_does_not_make_a_resumed_run():
     assert _resumes(recipe, True)[0]
     assert not _resumes(types.SimpleNamespace(**{**vars(recipe), "finetune": True}), True)[0]
     assert not _resumes(types.SimpleNamespace(**{**vars(recipe), "load_optim": False}), True)[0]
+
+
+def test_the_first_report_of_a_resumed_run_shows_the_loads_peak_when_it_is_the_largest():
+    """torch's peak is not reset between the load and the first report (predicted_reports)."""
+    _, by_name, est = _resumed(_optimizer(use_precision_aware_optimizer=True))
+    first = phases.predicted_reports(est)[0]
+    assert first.phase == phases.RESUME
+    assert first.max_allocated_bytes == by_name[phases.RESUME].peak_bytes == HELD + 2 * SHARD * (4 + 8)
