@@ -283,6 +283,11 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if schedule:
         raise Refused(WHAT, schedule)
     resume, note = _resumes(getattr(cfg, "checkpoint", None), resume)
+    if resume and modelled_only and not getattr(optimizer, "use_distributed_optimizer", False):
+        raise NotModelled(WHAT, [Finding(
+            "unsupported_model", ERROR, "resume", "the optimizer-state load of the non-distributed optimizer is not "
+            "modelled (its init_state_fn states, optimizer.py L1145-1146, then the checkpoint's)",
+            "estimate without resume, or with use_distributed_optimizer=true")])
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
                      dp, num_microbatches, notes + ([note] if note else []), reports, resume)
 

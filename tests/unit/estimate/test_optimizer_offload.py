@@ -207,3 +207,16 @@ def test_the_first_report_of_a_resumed_run_shows_the_loads_peak_when_it_is_the_l
     first = phases.predicted_reports(est)[0]
     assert first.phase == phases.RESUME
     assert first.max_allocated_bytes == by_name[phases.RESUME].peak_bytes == HELD + 2 * SHARD * (4 + 8)
+
+
+def test_resuming_the_non_distributed_optimizer_is_refused_by_name():
+    from megatron_bridge_ext.estimate import memory
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    cfg = tiny_config(TinyGPTShape(tp=1, sequence_parallel=False))
+    cfg.checkpoint.load = "/nonexistent"
+    cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = False
+    with pytest.raises(memory.NotModelled) as refused:
+        memory.prepare(cfg, data_parallel_size=1, num_microbatches=1, resume=True)
+    assert refused.value.one_line().startswith("resume: ")
+    assert not memory.prepare(cfg, data_parallel_size=1, num_microbatches=1).resume
