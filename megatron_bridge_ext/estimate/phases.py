@@ -127,8 +127,8 @@ def load_transients(optimizer, shard, rule, fused_adam_masters: bool) -> tuple[C
     """What loading a distributed optimizer's state allocates beyond the states themselves (Core 0.19, Bridge 0.6).
 
     Bridge builds the optimizer's sharded state dict for loading (``checkpointing.py`` L2787-2836: unless
-    ``finetune`` or ``load_optim=False``; ``optimizer.sharded_state_dict(..., is_loading=True)``), which first loads the optimizer's own state dict into it
-    (``distrib_optimizer.py`` L1554) so that the states exist: with none yet, ``load_state_dict`` allocates one
+    ``finetune`` or ``load_optim=False``; ``optimizer.sharded_state_dict(..., is_loading=True)``), which first
+    loads the optimizer's own state dict into it (``distrib_optimizer.py`` L1554) so that the states exist: with none yet, ``load_state_dict`` allocates one
     ``torch.empty`` shard per state in its dtype (L974-1014: the moments, and the master copy where FusedAdam holds
     it) and hands them to the inner optimizer (L1046-1048); the checkpoint's tensors are then read into those
     (``_set_main_param_and_optimizer_states``, L1193-1225, ``copy_``). The model and the gradient buffer exist; no
