@@ -139,6 +139,13 @@ def test_te_keeps_a_bf16_parameters_fp32_master_as_its_16_bit_remainder(remainde
     assert (shard.masters, shard.moments) == (SHARD * main, SHARD * 8)
 
 
+def test_no_remainders_where_core_keeps_the_masters():
+    """Bridge's bf16 recipes copy fp8_recipe='tensorwise' into the optimizer: Core then keeps fp32 masters itself
+    (use_precision_aware_optimizer_no_fp8_or_ds_fp8 is False) and passes FusedAdam no master weights."""
+    aware = _optimizer(use_precision_aware_optimizer=True, store_param_remainders=True, fp8_recipe="tensorwise")
+    assert static.optimizer_rule(aware, param_bytes=2, data_parallel=DP, context_parallel=1).main_bytes == 4
+
+
 def test_remainders_are_not_unscaled_in_the_step():
     """FusedAdam reads the int16 remainders as they are (get_unscaled_state returns the state for fp32 masters)."""
     aware = _optimizer(use_precision_aware_optimizer=True, store_param_remainders=True,
