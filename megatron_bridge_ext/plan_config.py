@@ -41,7 +41,8 @@ def build_config(args):
     if problem:
         raise Refused("mbx plan input", [problem])
     options = {k: v for k, v in (("attention", args.attention), ("transformer_impl", args.transformer_impl),
-                                 ("moe_imbalance", args.moe_imbalance)) if v}
+                                 ("moe_imbalance", args.moe_imbalance),
+                                 ("resume", getattr(args, "resume", False))) if v}
     return built, options
 
 

@@ -80,6 +80,9 @@ def add_parser(sub, make_parser) -> None:
                    help="mixture-of-experts models: tokens of the most loaded expert over the balanced share "
                         "(tokens x top-k / experts), 1 or more; the traced rank's experts each get that load "
                         "(default: 1.0, a balanced load)")
+    p.add_argument("--resume", action="store_true",
+                   help="the run resumes from a checkpoint with optimizer state: a phase for its load, and iteration 1 "
+                        "with the loaded moments (default: a fresh run)")
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                    help="default: the config's model.transformer_impl")
     p.add_argument("--gpu", default=None, metavar="NAME",

@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import (configs, features, mamba, phases, pipeline, precision, routing, static, te,
-                                          te_fp8, unmodelled)
+from megatron_bridge_ext.estimate import (configs, features, mamba, offload, phases, pipeline, precision, routing,
+                                          static, te, te_fp8, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
                                                 layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
                                                 stage_layer_kinds)
@@ -91,6 +91,8 @@ class Prepared:
     reports: ReportSettings
     """What :func:`.phases.predicted_reports` reads of the run (when Bridge prints memory, when CUDA-graph pools
     appear) and the output layer's wgrad deferral limit."""
+    resume: bool = False
+    """The run loads its optimizer state from ``checkpoint.load`` (:func:`_resumes`): the phases start with it."""
 
     @property
     def local_seq(self) -> int:
@@ -209,9 +211,6 @@ def _unsupported(model) -> list[Finding]:
 
 
 UNHONOURED = (
-    ("optimizer", "optimizer_cpu_offload", "optimizer states offloaded to the CPU are not modelled (the estimate keeps "
-                                           "them on the GPU)"),
-    ("optimizer", "use_layer_wise_optimizer", "the layer-wise optimizer's state layout is not modelled"),
     ("ddp", "use_megatron_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
     ("ddp", "use_custom_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
 )
@@ -229,31 +228,20 @@ def _te_release_for_fp8_experts(provider):
     return te.version_checks_of_the_modelled_release(transformer_config)
 
 
-def _unhonoured(optimizer, ddp) -> list[Finding]:
+def _unhonoured(optimizer, ddp, dtype: torch.dtype) -> list[Finding]:
+    """The table's settings, then the optimizer's: an optimizer other than Adam/SGD, the CPU offload's limits."""
     sections = {"optimizer": optimizer, "ddp": ddp}
-    return [Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
-            for section, name, what in UNHONOURED if getattr(sections[section], name, False)] + _optimizer(optimizer)
-
-
-def _optimizer(optimizer) -> list[Finding]:
-    """An optimizer other than Adam and SGD, refused by name before the estimate: Megatron Core builds any other name
-    apart from them (``get_megatron_optimizer``, optimizer/__init__.py L1038-1044), as an emerging optimizer whose
-    state is laid out its own way (Muon on the linear weights with its scalar optimizer on the rest, L800-808; a
-    ``dist_`` name sharded layer by layer, L744-755), which the optimizer formula (``static.optimizer_rule``) does
-    not follow."""
-    name = getattr(optimizer, "optimizer", "adam")
-    if name in ("adam", "sgd"):
-        return []
-    return [Finding("unsupported_model", ERROR, "optimizer.optimizer",
-                    f"{name!r} is not modelled by the estimate, which knows Adam and SGD: Megatron Core builds it as an "
-                    "emerging optimizer with its own state layout (optimizer/__init__.py L744-808)",
-                    "estimate with optimizer.optimizer=adam")]
+    grad_16 = not getattr(ddp, "grad_reduce_in_fp32", False) and dtype != torch.float32
+    return ([Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
+             for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
+            + static.optimizer_findings(optimizer) + offload.findings(optimizer, grad_bytes_16=grad_16))
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
-            modelled_only: bool = True) -> Prepared:
+            modelled_only: bool = True, resume: bool = False) -> Prepared:
     """Copies of the config's parts, checked and finalized as training would; ``modelled_only``: refuse (with
-    :class:`NotModelled`) what this estimate cannot model, which Bridge's formula-based estimate can read."""
+    :class:`NotModelled`) what this estimate cannot model, which Bridge's formula-based estimate can read;
+    ``resume``: the run loads optimizer state from a checkpoint (:func:`_resumes`)."""
     provider, optimizer, ddp = copy.deepcopy(cfg.model), copy.deepcopy(cfg.optimizer), copy.deepcopy(cfg.ddp)
     notes = []
     if cfg.mixed_precision is not None:
@@ -273,7 +261,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
-                    + _unhonoured(optimizer, ddp)) if modelled_only else []
+                    + _unhonoured(optimizer, ddp, _training_dtype(provider))) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
@@ -300,8 +288,41 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
                                  group=getattr(provider, "microbatch_group_size_per_vp_stage", None))
     if schedule:
         raise Refused(WHAT, schedule)
+    resume, note = _resumes(getattr(cfg, "checkpoint", None), resume)
+    if resume and modelled_only and not getattr(optimizer, "use_distributed_optimizer", False):
+        raise NotModelled(WHAT, [Finding(
+            "unsupported_model", ERROR, "resume", "the optimizer-state load of the non-distributed optimizer is not "
+            "modelled (its init_state_fn states, optimizer.py L1145-1146, then the checkpoint's)",
+            "estimate without resume, or with use_distributed_optimizer=true")])
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
-                     dp, num_microbatches, notes, reports)
+                     dp, num_microbatches, notes + ([note] if note else []), reports, resume)
+
+
+def _resumes(checkpoint, asked: bool) -> tuple[bool, Optional[str]]:
+    """Whether the run loads optimizer state (``asked``, and the config lets it), and the note saying why.
+
+    Bridge loads it from ``checkpoint.load`` unless ``finetune`` or ``load_optim=False`` (training/checkpointing.py
+    L2787-2792); a ``pretrained_checkpoint`` alone turns ``finetune`` on (L2292-2306). Recipes set ``load`` to their
+    own save directory (recipes/common.py L120), empty on a first launch (setup.py L154-190 looks), so the config
+    alone does not say that a run resumes: the caller does."""
+    load = getattr(checkpoint, "load", None)
+    loads_optimizer = bool(load) and getattr(checkpoint, "load_optim", True) and not getattr(checkpoint, "finetune",
+                                                                                             False)
+    if asked and loads_optimizer:
+        return True, (f"resumed from checkpoint.load={load!r}: the phases start with the load of its optimizer state "
+                      f"({phases.RESUME}), and iteration 1 has the loaded moments")
+    if asked:
+        return False, ("resume asked, but the config loads no optimizer state (checkpoint.load unset, "
+                       "finetune or load_optim=false): estimated as a fresh run")
+    return False, None
+    if getattr(checkpoint, "load", None) and getattr(checkpoint, "load_optim", True) \
+            and not getattr(checkpoint, "finetune", False):
+        return True, (f"checkpoint.load={checkpoint.load!r} taken as holding a checkpoint with optimizer state: the "
+                      f"phases start with its load ({phases.RESUME}), and iteration 1 has the loaded moments")
+    if getattr(checkpoint, "pretrained_checkpoint", None) or getattr(checkpoint, "load", None):
+        return False, ("the checkpoint loads weights only (finetune, pretrained_checkpoint or load_optim=false): read "
+                       "into the model's tensors, no optimizer-state phase")
+    return False, None
 
 
 def _sync_distributed_optimizer(optimizer, ddp) -> list[str]:
@@ -434,7 +455,7 @@ def _attention_from(model) -> str:
 
 def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches: Optional[int] = None,
              attention: Optional[str] = None, transformer_impl: Optional[str] = None,
-             device: str = "cuda", moe_imbalance: float = BALANCED) -> MemoryEstimate:
+             device: str = "cuda", moe_imbalance: float = BALANCED, resume: bool = False) -> MemoryEstimate:
     """Per-rank memory of the most loaded pipeline stage of a Bridge ``ConfigContainer`` at its backward peak.
 
     ``attention``: ``"fused"`` traces a stand-in that keeps what fused (flash/cuDNN) attention keeps,
@@ -446,14 +467,15 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     ``data_parallel_size`` defaults to ``cfg.data_parallel_size`` (set when Bridge validates the
     config), ``num_microbatches`` to global batch / (micro-batch x DP).
     ``moe_imbalance`` (MoE models): the tokens of the traced rank's experts over the balanced share,
-    1.0 (balanced) or more (:mod:`.routing`).
+    1.0 (balanced) or more (:mod:`.routing`). ``resume``: the run loads optimizer state from ``checkpoint.load``
+    (a phase for the load, :func:`.phases.load_transients`).
     Raises :class:`megatron_bridge_ext.findings.Refused` (one line per problem) for configs it cannot model.
     """
     start = time.perf_counter()
     problem = configs.imbalance_problem(moe_imbalance)
     if problem:
         raise Refused(WHAT, [problem])
-    prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches)
+    prepared = prepare(cfg, data_parallel_size=data_parallel_size, num_microbatches=num_microbatches, resume=resume)
     problem = _imbalance_beyond_tokens(prepared.provider, moe_imbalance)
     if problem:
         raise Refused(WHAT, [problem])
@@ -707,7 +729,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     return MemoryEstimate(stage=stage, components=components, settings=settings, step=step,
                           assumptions=_assumptions(prepared, attention, impl, device, contract, candidates)
                           + te_fp8.assumptions(fp8_acts)
-                          + _moe_assumptions(provider, imbalance, routed),
+                          + _moe_assumptions(provider, imbalance, routed)
+                          + [a for a in [offload.assumption(prepared.optimizer, host=step.offloaded,
+                                                            elements=step.elements)] if a],
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer))
 
@@ -733,7 +757,8 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
                                             context_parallel=prepared.provider.context_parallel_size,
                                             expert_parallel=ep, expert_tensor_parallel=etp)
     shard = static.optimizer_shard(counts, rule, expert_shards=expert_dp)
-    step = phases.step_state(prepared.optimizer, shard, rule, grad_bytes=grad_bytes, ddp=prepared.ddp)
+    step = phases.step_state(prepared.optimizer, shard, rule, grad_bytes=grad_bytes, ddp=prepared.ddp,
+                             resume=prepared.resume)
     if fp8_weights is None:
         return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp), step
     out = static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp,
@@ -1045,8 +1070,9 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
             if contract.shared_copies else "")
          if impl == TE else "Transformer Engine: not used (local spec)"),
         "jit-fused regions (torch.compile) traced eagerly",
-        "optimizer moments: created in the first step() (torch's Adam and TE's FusedAdam alike); iteration 1's "
-        "phase holds the main copies without them (estimate.phases)",
+        "optimizer moments: loaded from the checkpoint before iteration 1 (estimate.phases, resume)" if prepared.resume
+        else "optimizer moments: created in the first step() (torch's Adam and TE's FusedAdam alike); iteration 1's "
+             "phase holds the main copies without them (estimate.phases)",
         "transients: the largest of the listed formulas; not alive together",
         f"not modelled: {NOT_MODELLED}",
     ]

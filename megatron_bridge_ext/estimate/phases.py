@@ -1,8 +1,11 @@
-"""A run's memory by phase: iteration 1 before the optimizer's moments exist, the first step, the steady state.
+"""A run's memory by phase: a resumed run's optimizer-state load, iteration 1 before the optimizer's moments exist (a
+fresh run), the first step, the steady state.
 
 The steady-state estimate (:mod:`.memory`) holds every component at once. A Megatron run reaches it in steps,
 and the figures users compare come from different ones:
 
+* **resume** (a run that loads optimizer state, :func:`load_transients`): weights, the gradient buffer and every
+  optimizer state, with the load's own transients; iteration 1 then holds the loaded moments;
 * **iteration 1, forward and backward**: weights, the gradient buffer, the fp32 main copies (Megatron Core's
   optimizers make them at construction: ``distrib_optimizer.py`` L445 ``shard_main_param =
   shard_model_param.clone().float()``), activations in flight, no moments: torch's Adam creates ``exp_avg`` and
@@ -40,6 +43,7 @@ from typing import Optional
 from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
 from megatron_bridge_ext.estimate.settings import Settings
 
+RESUME = "resume: optimizer state loaded"
 ITERATION_1 = "iteration 1 forward/backward"
 FIRST_STEP = "first optimizer step"
 STEADY = "steady state"
@@ -47,6 +51,9 @@ CUDA_GRAPHS = "CUDA-graph capture"
 OPTIMIZER_STATES = "optimizer states"
 FP32_GRAD_COPIES = "fp32 gradient-shard copies (optimizer step)"
 UNSCALED_STATES = "fp32 unscaled optimizer states (FusedAdam step)"
+RELOADED_STATES = "optimizer states re-made by FusedAdam.load_state_dict"
+DUMMY_STEP_GRADS = "random gradients of the hybrid optimizer's dummy step"
+HOST_STATES_ON_GPU = "host optimizer states moved to the GPU while loading"
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,11 @@ class StepState:
     transients: tuple[Component, ...] = ()
     kept: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    elements: int = 0
+    offloaded: int = 0
+    """The shard's elements, and those whose state the CPU-offload optimizer keeps on the host."""
+    load: Optional[tuple[Component, ...]] = None
+    """The transients of loading the optimizer state from a checkpoint (one after another); None: a fresh run."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +95,13 @@ class Phase:
                 "basis": self.basis, "components": [vars(c) for c in self.components]}
 
 
-def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None) -> StepState:
-    """The step of Megatron Core's optimizer for one rank's shard (``static.OptimizerShard``) under ``rule``."""
+def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None, resume: bool = False) -> StepState:
+    """The step of Megatron Core's optimizer for one rank's shard (``static.OptimizerShard``) under ``rule``;
+    ``resume``: the run loads its optimizer state from a checkpoint first (:func:`load_transients`)."""
     transients = []
     kept = []
-    fused_adam_masters = rule.precision_aware and _te_holds_masters(optimizer)
+    # the offload's hybrid optimizer makes its main copies at construction (hybrid_optimizer.py L277-279)
+    fused_adam_masters = rule.precision_aware and rule.offload_fraction is None and te_holds_masters(optimizer)
     if not rule.precision_aware and 0 < grad_bytes < 4 and rule.main_bytes:
         transients.append(Component(
             TRANSIENT, FP32_GRAD_COPIES, shard.elements * 4,
@@ -104,10 +118,54 @@ def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None) -> StepStat
             "Engine's FusedAdam.step unscales each such state to fp32 (get_unscaled_state: state.float()) and keeps "
             "the copies of a parameter group for its kernel"))
     notes = _step_notes(optimizer, ddp)
-    return StepState(shard.masters, shard.moments, fused_adam_masters, tuple(transients), tuple(kept), notes)
+    return StepState(shard.masters, shard.moments, fused_adam_masters, tuple(transients), tuple(kept), notes,
+                     shard.elements, shard.offloaded,
+                     load_transients(optimizer, shard, rule, fused_adam_masters) if resume else None)
 
 
-def _te_holds_masters(optimizer) -> bool:
+def load_transients(optimizer, shard, rule, fused_adam_masters: bool) -> tuple[Component, ...]:
+    """What loading a distributed optimizer's state allocates beyond the states themselves (Core 0.19, Bridge 0.6).
+
+    Bridge builds the optimizer's sharded state dict for loading (``checkpointing.py`` L2787-2836: unless
+    ``finetune`` or ``load_optim=False``; ``optimizer.sharded_state_dict(..., is_loading=True)``), which first
+    loads the optimizer's own state dict into it (``distrib_optimizer.py`` L1554) so that the states exist: with none yet, ``load_state_dict`` allocates one
+    ``torch.empty`` shard per state in its dtype (L974-1014: the moments, and the master copy where FusedAdam holds
+    it) and hands them to the inner optimizer (L1046-1048); the checkpoint's tensors are then read into those
+    (``_set_main_param_and_optimizer_states``, L1193-1225, ``copy_``). The model and the gradient buffer exist; no
+    activations. What comes on top, one after another:
+
+    * torch's Adam adopts the scaffold (its ``load_state_dict`` casts with ``.to``, the same tensor when dtype and
+      device match), and so does TE's FusedAdam under Bridge's ``memory_efficient_fp32_optimizer_state_loading``
+      (``training/optim.py`` L142-241, used by ``setup.py`` L406-408) for fp32 states without the precision-aware
+      optimizer: nothing;
+    * with the precision-aware optimizer Bridge leaves FusedAdam's own loader (optim.py L184-185), which makes every
+      state anew (``FusedAdam.load_state_dict``: ``set_scaled_state`` -> ``_initialize_state``) while the caller still
+      holds the scaffold: the states twice;
+    * with CPU offload the hybrid optimizer first takes a dummy step (``distrib_optimizer.py`` L928-929;
+      ``hybrid_optimizer.py`` L453-463: a ``randn_like`` gradient for each of its parameters), then torch's
+      ``Optimizer.load_state_dict`` casts every state to its parameter's device, the GPU main shard's, so the host
+      part's moments and main copies (``master_param``, L319-320) come to the GPU until the post-load hook moves them
+      back (L417-436, ``_move_new_state_to_right_device`` L357-367).
+    """
+    if rule.offload_fraction is not None:
+        per_grad = 2 if rule.precision_aware else 4  # the 16-bit shard or the fp32 main shard (offload.py)
+        host = shard.offloaded * (sum(rule.moment_bytes) + 4)
+        return (Component(TRANSIENT, DUMMY_STEP_GRADS, shard.elements * per_grad,
+                          f"formula: {shard.elements:,} shard elements x {per_grad} B (hybrid_optimizer.py L453-463, "
+                          "distrib_optimizer.py L928-929)"),
+                Component(TRANSIENT, HOST_STATES_ON_GPU, host,
+                          f"formula: {shard.offloaded:,} host elements x ({' + '.join(map(str, rule.moment_bytes))} "
+                          "moments + 4 fp32 main copy) B: torch's Optimizer.load_state_dict casts them to the GPU "
+                          "parameter's device (hybrid_optimizer.py L319-320, L357-367, L417-436)"))
+    if rule.precision_aware:
+        again = shard.moments + (shard.masters if fused_adam_masters else 0)
+        return (Component(TRANSIENT, RELOADED_STATES, again,
+                          f"formula: the rank's {again:,} B of FusedAdam states made anew while the loading scaffold "
+                          "is held (distrib_optimizer.py L974-1014, L1046-1048; FusedAdam.load_state_dict)"),)
+    return ()
+
+
+def te_holds_masters(optimizer) -> bool:
     """Core's ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` (optimizer_config.py L404-411): FusedAdam keeps
     the master weights (``master_weights=True``) unless FP8 parameters of a non-delayed recipe keep them in Core."""
     if not getattr(optimizer, "use_precision_aware_optimizer", False):
@@ -122,7 +180,7 @@ def _te_holds_masters(optimizer) -> bool:
 def _state_sizes(optimizer, rule, with_masters: bool) -> list[tuple[str, int]]:
     names = ["exp_avg", "exp_avg_sq"] if len(rule.moment_bytes) == 2 else ["momentum"]
     out = list(zip(names, rule.moment_bytes))
-    if with_masters and rule.main_bytes:
+    if with_masters and rule.main_bytes and not rule.remainders:  # remainders are read as they are, not unscaled
         out.append(("master_param", rule.main_bytes))
     return out
 
@@ -145,14 +203,21 @@ def phases(est) -> list[Phase]:
                     basis="static + activations + buffers + largest transient (moments and activations together)")
     if est.step is None:
         return [steady]
-    first = [_without_moments(c, est.step) if c.name == OPTIMIZER_STATES else c for c in est.components]
-    iteration_1 = _phase(ITERATION_1, first, est.step, transients_together=False,
-                         basis="static without the moments (created in the first step) + activations + buffers "
-                               "+ largest transient")
     live = [c for c in est.components if c.kind in (STATIC, BUFFERS) and not _wgrad_deferral(c)]
     step = _phase(FIRST_STEP, live + list(est.step.transients), est.step, transients_together=True,
                   basis="static with the moments + buffers + the step's transients (alive together); activations "
                         "freed" + "".join(f"; {n}" for n in est.step.notes))
+    if est.step.load is not None:
+        resume = _phase(RESUME, live + list(est.step.load), None, transients_together=False,
+                        basis="static with the loaded optimizer states + buffers + the largest of the load's "
+                              "transients; no activations (estimate.phases.load_transients)")
+        iteration_1 = _phase(ITERATION_1, est.components, est.step, transients_together=False,
+                             basis="static with the loaded moments + activations + buffers + largest transient")
+        return [resume, iteration_1, step, steady]
+    first = [_without_moments(c, est.step) if c.name == OPTIMIZER_STATES else c for c in est.components]
+    iteration_1 = _phase(ITERATION_1, first, est.step, transients_together=False,
+                         basis="static without the moments (created in the first step) + activations + buffers "
+                               "+ largest transient")
     return [iteration_1, step, steady]
 
 
@@ -277,8 +342,8 @@ def predicted_reports(estimate_result, iterations: Optional[list[int]] = None) -
 
     ``iterations``: the iterations after which reports were taken (a log's lines say them); default: those the config's
     ``logger.log_interval`` and ``train.train_iters`` make Bridge print (:func:`report_iterations`).
-    A fresh run is assumed (a resumed run has its moments from the checkpoint before iteration 1:
-    Core's ``init_state_fn``, optimizer/__init__.py L588-596).
+    A resumed run (its estimate has the :data:`RESUME` phase) has its moments from the checkpoint before iteration 1,
+    and torch's peak counts the load's.
     """
     s = estimate_result.settings
     per_stage = estimate_result.stage_phase_peaks or \
@@ -289,7 +354,7 @@ def predicted_reports(estimate_result, iterations: Optional[list[int]] = None) -
         iterations = report_iterations(s.reports.log_interval, s.reports.train_iters)
     for iteration in iterations:
         for stage, peaks in sorted(per_stage.items()):
-            reached = [name for name in (ITERATION_1, FIRST_STEP, STEADY) if name in peaks
+            reached = [name for name in (RESUME, ITERATION_1, FIRST_STEP, STEADY) if name in peaks
                        and (iteration >= 2 or name != STEADY)]
             phase = max(reached, key=lambda name: peaks[name][0])
             last = FIRST_STEP if FIRST_STEP in peaks else STEADY  # every report follows a step

@@ -32,7 +32,9 @@ from typing import Optional
 
 import torch
 
+from megatron_bridge_ext.estimate import offload
 from megatron_bridge_ext.estimate.report import STATIC, Component
+from megatron_bridge_ext.findings import ERROR, Finding
 
 EMBEDDING = "embedding"
 LAYERS = "transformer layers"
@@ -123,18 +125,53 @@ class OptimizerRule:
     precision_aware: bool = False
     """``main_bytes`` + ``moment_bytes`` = ``bytes_per_parameter``: the main copy and each moment apart, which the
     phases of a run hold at different times (:mod:`.phases`)."""
+    offload_fraction: Optional[float] = None
+    """``optimizer_offload_fraction`` with the CPU offload on (:mod:`.offload`): that share of the shard's moments
+    (and, with the precision-aware optimizer, of its main copies) lives in host memory."""
+    remainders: bool = False
+    """The precision-aware main copy is TE's 16-bit remainder of the fp32 value (``store_param_remainders``)."""
+
+    @property
+    def masters_offloaded(self) -> bool:
+        """The hybrid optimizer makes the precision-aware main copies itself, on the host for the moved part."""
+        return self.offload_fraction is not None and self.precision_aware
+
+
+KNOWN_OPTIMIZERS = ("adam", "sgd")
+
+
+def optimizer_findings(optimizer_config) -> list[Finding]:
+    """An optimizer other than Adam and SGD, refused in one line: Core 0.19 builds the others, and with them its
+    layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, read on that path only), through
+    ``_get_megatron_emerging_optimizer`` (``optimizer/__init__.py`` L1038-1044, L742-754), whose states are not
+    modelled."""
+    name = getattr(optimizer_config, "optimizer", "adam")
+    if name in KNOWN_OPTIMIZERS:
+        return []
+    return [Finding("unsupported_model", ERROR, "optimizer.optimizer",
+                    f"{name!r} and the layer-wise distributed optimizer of emerging optimizers are not modelled "
+                    "(their state layout differs from Adam's)", "estimate with optimizer.optimizer=adam")]
 
 
 def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, context_parallel: int) -> OptimizerRule:
     """Megatron's optimizer state for one trainable parameter (``OptimizerConfig`` fields)."""
     name = getattr(optimizer_config, "optimizer", "adam")
-    if name not in ("adam", "sgd"):
+    if name not in KNOWN_OPTIMIZERS:
         raise ValueError(f"optimizer.optimizer={name!r}: the estimate knows Adam and SGD; use one of them")
     moments = ["exp_avg", "exp_avg_sq"] if name == "adam" else ["momentum"]
-    if getattr(optimizer_config, "use_precision_aware_optimizer", False):
-        main = dtype_bytes(optimizer_config.main_params_dtype)
+    offloaded = offload.fraction(optimizer_config)
+    remainders = False
+    if offloaded is not None:
+        main = 4 if param_bytes < 4 else 0
+        moment_bytes = [4] * len(moments)
+        source = (f"hybrid CPU-offload optimizer: fp32 main copy + fp32 moments, {offloaded:g} of the moments"
+                  + (" and main copies" if getattr(optimizer_config, "use_precision_aware_optimizer", False) else "")
+                  + " on the host")
+    elif getattr(optimizer_config, "use_precision_aware_optimizer", False):
+        remainders = _stores_remainders(optimizer_config, param_bytes)
+        main = 2 if remainders else dtype_bytes(optimizer_config.main_params_dtype)
         moment_bytes = [dtype_bytes(getattr(optimizer_config, f"{m}_dtype", torch.float32)) for m in moments]
-        source = "precision-aware optimizer dtypes"
+        source = "precision-aware optimizer dtypes" + (", main copy as 16-bit remainders" if remainders else "")
     else:
         main = 4 if param_bytes < 4 else 0  # fp32 parameters are their own main copy
         moment_bytes = [4] * len(moments)
@@ -146,7 +183,21 @@ def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, co
     description = (f"{name}: {terms} = {per} B ({source})"
                    + (f", distributed over DP x CP = {shards}" if distributed else ", not distributed"))
     return OptimizerRule(per, shards, description, distributed, main, tuple(moment_bytes),
-                         bool(getattr(optimizer_config, "use_precision_aware_optimizer", False)))
+                         bool(getattr(optimizer_config, "use_precision_aware_optimizer", False)), offloaded, remainders)
+
+
+def _stores_remainders(optimizer_config, param_bytes: int) -> bool:
+    """TE's FusedAdam keeps an fp32 master of a bf16 parameter as its low 16 bits (int16) when Core passes
+    ``store_param_remainders`` (default True; ``optimizer/__init__.py`` L583-584, Core's checkpoint scaffold allocates
+    ``torch.int16`` for it, ``distrib_optimizer.py`` L1008-1009) and FusedAdam holds the masters
+    (``master_weights``, :func:`.phases.te_holds_masters`) in fp32 (TE ``FusedAdam.__init__``: ``store_param_remainders
+    and master_weights and master_weight_dtype == torch.float32``; ``initialize_state`` for ``param.dtype ==
+    torch.bfloat16``)."""
+    from megatron_bridge_ext.estimate.phases import te_holds_masters
+
+    return (bool(getattr(optimizer_config, "store_param_remainders", True)) and param_bytes == 2
+            and bool(getattr(optimizer_config, "bf16", False)) and te_holds_masters(optimizer_config)
+            and getattr(optimizer_config, "main_params_dtype", torch.float32) == torch.float32)
 
 
 def grad_buffer_bytes(ddp_config, param_bytes: int) -> int:
@@ -180,15 +231,18 @@ def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: Optimiz
     out.append(Component(STATIC, "gradients (main_grad buffer)", trainable * grad_bytes,
                          f"{trainable:,} trainable parameters x {grad_bytes} B; frozen parameters have none"))
     experts = counts.trainable_experts
+    shard = optimizer_shard(counts, rule, expert_shards=expert_shards)
+    nbytes = shard.masters + shard.moments
+    host = "" if rule.offload_fraction is None else \
+        f"; on the GPU: all but the {shard.offloaded:,} of {shard.elements:,} shard elements whose state is on the host"
     if not experts:
-        out.append(Component(STATIC, "optimizer states", -(-trainable * rule.bytes_per_parameter // rule.shards),
-                             f"{trainable:,} trainable parameters x {rule.description}"))
+        out.append(Component(STATIC, "optimizer states", nbytes,
+                             f"{trainable:,} trainable parameters x {rule.description}{host}"))
         return out
     shards = expert_shards if rule.distributed else 1
     dense = trainable - experts
-    nbytes = -(-dense * rule.bytes_per_parameter // rule.shards) + -(-experts * rule.bytes_per_parameter // shards)
     out.append(Component(STATIC, "optimizer states", nbytes,
-                         f"{dense:,} trainable parameters x {rule.description}; {experts:,} trainable expert "
+                         f"{dense:,} trainable parameters x {rule.description}{host}; {experts:,} trainable expert "
                          f"parameters x {rule.bytes_per_parameter} B"
                          + (f", distributed over expert DP = DP x TP x CP / (EP x ETP) = {shards}"
                             if rule.distributed else ", not distributed")))
@@ -206,18 +260,32 @@ class OptimizerShard:
     elements: int
     masters: int
     moments: int
+    offloaded: int = 0
+    """Elements whose moments (and precision-aware main copies) the CPU-offload optimizer keeps on the host."""
 
 
 def optimizer_shard(counts: ParameterCounts, rule: OptimizerRule, *, expert_shards: int = 1) -> OptimizerShard:
-    """The rank's optimizer shard, split into main copies and moments (``expert_shards`` as in
-    :func:`static_components`)."""
+    """The rank's optimizer shard, split into main copies and moments on the GPU (``expert_shards`` as in
+    :func:`static_components`).
+
+    With the CPU offload each shard (dense, experts: Core builds one distributed optimizer, and so one hybrid
+    optimizer, for each) keeps the moments of its GPU part only; its main copies stay whole on the GPU unless the
+    precision-aware optimizer has the hybrid optimizer make them (:mod:`.offload`)."""
     experts = counts.trainable_experts
     dense = counts.trainable_total - experts
     split = ((dense, rule.shards), (experts, expert_shards if rule.distributed else 1))
-    total = sum(-(-n * rule.bytes_per_parameter // shards) for n, shards in split)
-    masters = sum(-(-n * rule.main_bytes // shards) for n, shards in split)
     elements = sum(-(-n // shards) for n, shards in split)
-    return OptimizerShard(elements, masters, total - masters)
+    if rule.offload_fraction is None:
+        total = sum(-(-n * rule.bytes_per_parameter // shards) for n, shards in split)
+        masters = sum(-(-n * rule.main_bytes // shards) for n, shards in split)
+        return OptimizerShard(elements, masters, total - masters)
+    on_host = [offload.host_elements(-(-n // shards), rule.offload_fraction) for n, shards in split]
+    on_gpu = [-(-n // shards) - host for (n, shards), host in zip(split, on_host)]
+    if rule.masters_offloaded:
+        masters = sum(n * rule.main_bytes for n in on_gpu)
+    else:
+        masters = sum(-(-n * rule.main_bytes // shards) for n, shards in split)
+    return OptimizerShard(elements, masters, sum(on_gpu) * sum(rule.moment_bytes), sum(on_host))
 
 
 def expert_data_parallel(*, data_parallel: int, tensor_parallel: int, context_parallel: int, expert_parallel: int,

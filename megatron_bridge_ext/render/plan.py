@@ -146,8 +146,9 @@ def _out_of_memory_later(result) -> list[str]:
     first = by_name.get(phases.ITERATION_1)
     if first is None or first.peak_bytes > usable or est.peak_bytes <= usable:
         return []
-    where = ("iteration 1 at the first optimizer step" if est.peak_phase.name == phases.FIRST_STEP
-             else "iteration 2 at the steady state")
+    where = {phases.FIRST_STEP: "iteration 1 at the first optimizer step",
+             phases.RESUME: "loading the checkpoint's optimizer state before it"}.get(
+        est.peak_phase.name, "iteration 2 at the steady state")
     return [f"  fits iteration 1 ({gib(first.peak_bytes)} in its forward and backward), runs out of memory in {where} "
             f"({gib(est.peak_bytes)} of {gib(usable)} usable)"]
 

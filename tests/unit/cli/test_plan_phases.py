@@ -36,3 +36,36 @@ def test_fits_iteration_1_and_runs_out_of_memory_in_iteration_2_is_one_line():
                             f"iteration 2 at the steady state ({gib(first + MOMENTS)} of {gib(usable)} usable)")
     assert _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first + MOMENTS)) == []
     assert _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first - 1)) == []
+
+
+def test_fits_iteration_1_and_runs_out_of_memory_loading_the_checkpoint_before_it_is_one_line():
+    """A resumed run whose load holds the states twice (FusedAdam's own loader) beyond iteration 1's peak."""
+    reloaded = Component(TRANSIENT, phases.RELOADED_STATES, 2 * (MASTERS + MOMENTS), "r")
+    step = phases.StepState(MASTERS, MOMENTS, masters_in_step=False, load=(reloaded,))
+    est = _estimate(activations=100)
+    est.step = step
+    first = 4000 + MASTERS + MOMENTS + 100 + 100  # the loaded moments, activations, the layer's backward
+    resume = 4000 + MASTERS + MOMENTS + reloaded.bytes
+    [line] = _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first))
+    assert line.strip() == (f"fits iteration 1 ({gib(first)} in its forward and backward), runs out of memory in "
+                            f"loading the checkpoint's optimizer state before it ({gib(resume)} of {gib(first)} "
+                            "usable)")
+
+
+def test_resume_reaches_the_estimate_and_its_phase_leads_the_json(capsys):
+    """``--resume`` on a recipe whose ``checkpoint.load`` is set: the resume phase comes first; without the flag the
+    same config is a fresh run."""
+    import json
+
+    from megatron_bridge_ext import cli
+
+    argv = ["plan", "--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config",
+            "--gpu-memory", "80GiB", "--dp", "2", "model.num_layers=2", "model.hidden_size=64",
+            "model.num_attention_heads=4", "model.ffn_hidden_size=256", "model.vocab_size=256",
+            "model.share_embeddings_and_output_weights=false", "checkpoint.load=/nonexistent", "--json"]
+    names = {}
+    for flags in ([], ["--resume"]):
+        assert cli.main(argv + flags) == 0
+        names[bool(flags)] = [p["name"] for p in json.loads(capsys.readouterr().out)["estimate"]["phases"]]
+    assert names[False][0] == phases.ITERATION_1 and phases.RESUME not in names[False]
+    assert names[True][0] == phases.RESUME

@@ -107,12 +107,25 @@ def test_overlap_param_gather_with_the_optimizer_step_is_read_and_stated():
         in step.basis
 
 
-@pytest.mark.parametrize("override, setting", [("optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_cpu_offload"),
-                                               ("ddp.use_megatron_fsdp=true", "ddp.use_megatron_fsdp"),
-                                               ("optimizer.optimizer=dist_muon", "optimizer.optimizer")])
-def test_a_setting_the_estimate_cannot_honour_is_refused_by_name(override, setting):
-    """Refused as a finding before the estimate (Kimi-K2's recipe trains with ``dist_muon``), not as an error of the
-    optimizer formula."""
+@pytest.mark.parametrize("overrides, setting", [
+    (("ddp.use_megatron_fsdp=true",), "ddp.use_megatron_fsdp"),
+    (("optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=false",
+      "ddp.use_distributed_optimizer=false"), "optimizer.optimizer_cpu_offload"),
+    (("optimizer.optimizer_cpu_offload=true", "optimizer.decoupled_weight_decay=false"),
+     "optimizer.decoupled_weight_decay"),
+    (("optimizer.optimizer=dist_muon",), "optimizer.optimizer")])
+def test_a_setting_the_estimate_cannot_honour_is_refused_by_name(overrides, setting):
     with pytest.raises(Refused) as refused:
-        estimate(_build(override).cfg)
+        estimate(_build(*overrides).cfg)
     assert refused.value.one_line().startswith(f"{setting}: ")
+
+
+def test_optimizer_cpu_offload_keeps_the_main_shard_and_the_gpu_share_of_the_moments():
+    """DP 1: the shard is every trainable parameter; bf16 parameters, so an fp32 main copy of each stays on the GPU,
+    and the moments (2 x 4 B) of the half not moved to the host."""
+    est = estimate(_build("optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true",
+                          "optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5").cfg)
+    trainable = _trainable(est)
+    on_host = -(-trainable // 2)
+    assert est.component("optimizer states").bytes == trainable * 4 + (trainable - on_host) * 8
+    assert any(a.startswith("optimizer CPU offload, optimizer_offload_fraction=0.5") for a in est.assumptions)
