@@ -49,6 +49,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
+from megatron_bridge_ext.levers import calibration
+
 if TYPE_CHECKING:
     from megatron_bridge_ext.estimate.settings import Settings
 
@@ -62,7 +64,12 @@ PARAM_GATHER_BYTES = 2
 H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 SXM column"
 H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM column"
 B200_SHEET = "NVIDIA HGX B200 / DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200), per GPU (system / 8)"
+B300_SHEET = "NVIDIA HGX B300 datasheet (nvidia.com/en-us/data-center/hgx), per GPU (system / 8)"
+GB200_SHEET = "NVIDIA GB200 NVL72 datasheet (nvidia.com/en-us/data-center/gb200-nvl72), per GPU (rack / 72)"
+GB300_SHEET = "NVIDIA GB300 NVL72 datasheet (nvidia.com/en-us/data-center/gb300-nvl72), per GPU (rack / 72)"
 DGX_NETWORK = "DGX H100/H200/B200 datasheets: 8x ConnectX-7 400 Gb/s InfiniBand per node, one per GPU"
+CX8_NETWORK = "ConnectX-8 SuperNIC 800 Gb/s InfiniBand, one per GPU"
+NVL72 = 72
 
 
 @dataclass(frozen=True)
@@ -81,13 +88,15 @@ class Gpu:
     ib: float
     pcie: float
     source: str
+    domain: int = NODE_GPUS
+    """GPUs one NVLink domain joins: a node of 8 (DGX/HGX), 72 for a GB200/GB300 NVL72 rack."""
 
     def peak(self, fp8: bool = False) -> float:
         return self.fp8_flops if fp8 else self.bf16_flops
 
     def link(self, span: int) -> float:
-        """The bandwidth of a group of ``span`` consecutive ranks: NVLink within a node, else InfiniBand."""
-        return self.nvlink if span <= NODE_GPUS else self.ib
+        """The bandwidth of a group of ``span`` consecutive ranks: NVLink within its domain, else InfiniBand."""
+        return self.nvlink if span <= self.domain else self.ib
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +113,18 @@ GPUS: dict[str, Gpu] = {
     # PCIe Gen5 x16 128 GB/s to the host.
     "b200": Gpu("b200", bf16_flops=2.25e15, fp8_flops=4.5e15, hbm=8e12, nvlink=900e9, ib=50e9, pcie=64e9,
                 source=f"{B200_SHEET}; {DGX_NETWORK}"),
+    # HGX B300: FP16/BF16 36 and FP8 72 PFLOPS with sparsity per 8 GPUs (its gain over B200 is FP4); HBM3e
+    # 8 TB/s; NVLink 5 1.8 TB/s; host link taken as B200's PCIe Gen5 x16.
+    "b300": Gpu("b300", bf16_flops=2.25e15, fp8_flops=4.5e15, hbm=8e12, nvlink=900e9, ib=100e9, pcie=64e9,
+                source=f"{B300_SHEET}; {CX8_NETWORK}"),
+    # GB200 NVL72: FP16/BF16 360 and FP8 720 PFLOPS with sparsity per 72 GPUs; HBM3e 576 TB/s (8 per GPU); NVLink 5
+    # 1.8 TB/s across the rack; NVLink-C2C 900 GB/s to the Grace CPU.
+    "gb200": Gpu("gb200", bf16_flops=2.5e15, fp8_flops=5e15, hbm=8e12, nvlink=900e9, ib=50e9, pcie=450e9,
+                 source=f"{GB200_SHEET}; {DGX_NETWORK}", domain=NVL72),
+    # GB300 NVL72: FP16/BF16 360 and FP8 720 PFLOPS with sparsity per 72 GPUs (its gain over GB200 is FP4); HBM3e
+    # 8 TB/s per GPU; NVLink 5 1.8 TB/s across the rack; NVLink-C2C 900 GB/s to the Grace CPU.
+    "gb300": Gpu("gb300", bf16_flops=2.5e15, fp8_flops=5e15, hbm=8e12, nvlink=900e9, ib=100e9, pcie=450e9,
+                 source=f"{GB300_SHEET}; {CX8_NETWORK}", domain=NVL72),
 }
 """The presets, each figure from its vendor's public datasheet (the dense rates are half the sparse ones)."""
 DEFAULT_GPU = "h100"
@@ -143,11 +164,15 @@ class StepTime:
     bubble: float
     dp_exposed: float
     offload_exposed: float
+    cp: float = 0.0
+    """Context parallelism's ring exchange beyond what the attention core hides."""
+    optimizer: float = 0.0
+    """The optimizer step on the rank's shard."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp + self.dispatch + self.pp_p2p + self.bubble + self.dp_exposed
-                + self.offload_exposed)
+                + self.offload_exposed + self.cp + self.optimizer)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -214,15 +239,6 @@ def linear_forward_flops(s: Settings, moe: Optional[dict] = None) -> int:
             + (counts.mamba * mamba_linear_flops(s) if counts.mamba else 0))
 
 
-def core_forward_flops(s: Settings, moe: Optional[dict] = None) -> int:
-    """Forward FLOPs of the stage's attention cores and Mamba scans per microbatch on a rank (3 passes in training:
-    their backward is twice their forward)."""
-    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
-
-    counts = layer_counts(s, moe)
-    return counts.attention * attention_core_flops(s) + (counts.mamba * mamba_scan_flops(s) if counts.mamba else 0)
-
-
 def attention_core_flops(s: Settings) -> int:
     """Forward FLOPs of one layer's attention core per microbatch on a TP rank (full s x s)."""
     from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
@@ -235,21 +251,6 @@ def output_layer_flops(s: Settings) -> int:
     if s.stage != s.pp - 1:
         return 0
     return 2 * s.seq_length * s.micro_batch * s.hidden * s.vocab_size // s.tp
-
-
-def microbatch_flops(s: Settings, moe: Optional[dict] = None) -> int:
-    """Forward + backward (+ recompute) FLOPs of one microbatch on this rank's layers (see the module docstring)."""
-    from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
-
-    frozen = s.peft is not None
-    linear_passes = 2 if frozen else 3  # forward, input gradient, weight gradient unless frozen
-    linears, core = linear_forward_flops(s, moe), core_forward_flops(s, moe)
-    total = linear_passes * linears + 3 * core
-    if s.recompute_granularity == "full":
-        total += linears + core
-    elif s.recompute_granularity == "selective":
-        total += sum(recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe) for m in s.recompute_modules)
-    return (total + linear_passes * output_layer_flops(s)) // s.cp
 
 
 def recompute_hbm_bytes(s: Settings) -> int:
@@ -369,6 +370,117 @@ def p2p_bytes(s: Settings) -> int:
     return per_step(s, pp=s.pp, tp=s.tp, num_microbatches=1, element=element_size(s))
 
 
+CAUSAL_CORE = 0.5
+"""The share of the s x s attention core a causal kernel computes: cuDNN's and flash attention's fused kernels skip
+the blocks above the diagonal (Bridge's flop_utils.py counts the same half: ``core_attn_seq_factor / 2``)."""
+OPTIMIZER_BYTES = 30
+"""HBM bytes Adam moves per parameter of the rank's shard: fp32 master weight, gradient, two moments read (16), the
+weight and moments written (12), the bf16 weight written (2)."""
+
+
+def _gemm_seconds(flops: float, per_gemm: float, device: Gpu, fp8: bool) -> float:
+    """Seconds for ``flops`` FLOPs of GEMMs of ``per_gemm`` FLOPs each (:func:`.calibration.gemm_efficiency`)."""
+    return flops / (device.peak(fp8) * calibration.gemm_efficiency(max(per_gemm, 1.0), fp8)) if flops else 0.0
+
+
+def _layer_linears(s: Settings, moe: Optional[dict]) -> list[tuple[int, int, int]]:
+    """The stage's linears per microbatch on a rank as (layers, forward FLOPs per layer, GEMMs per layer): attention
+    (QKV and projection; multi-latent attention's five), the dense MLP (fc1, fc2), the MoE layer (fc1 and fc2 per
+    local expert), the Mamba projections (in, out)."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+    from megatron_bridge_ext.levers.recompute.cost import moe_layer_flops, recompute_flops_per_layer
+
+    counts = layer_counts(s, moe)
+    kinds = [(counts.attention, attention_linear_flops(s), 2 if s.mla is None else 5),
+             (counts.mlp, recompute_flops_per_layer("mlp", s), 2)]
+    if counts.moe:
+        kinds.append((counts.moe, moe_layer_flops(s, moe), 2 * max(1, moe["experts"] // moe["ep"])))
+    if counts.mamba:
+        kinds.append((counts.mamba, mamba_linear_flops(s), 2))
+    return kinds
+
+
+def linear_seconds_per_flop(s: Settings, device: Gpu, moe: Optional[dict] = None) -> float:
+    """Seconds per FLOP of the stage's linears, each at the efficiency of its GEMM's per-GPU size (the sequence on a
+    rank is its CP share), in FP8 when the config trains in FP8."""
+    fp8, flops, seconds = bool(s.fp8), 0, 0.0
+    for layers, per_layer, gemms in _layer_linears(s, moe):
+        flops += layers * per_layer
+        seconds += _gemm_seconds(layers * per_layer, per_layer / gemms / s.cp, device, fp8)
+    return seconds / flops if flops else 0.0
+
+
+def core_seconds_per_flop(device: Gpu) -> float:
+    """Seconds per FLOP of the attention core and the Mamba scans: fused kernels in BF16 (Bridge's FP8 recipes keep
+    the core in BF16) at a large GEMM's fraction of the BF16 peak."""
+    return 1.0 / (device.bf16_flops * calibration.GEMM_PEAK_FRACTION_BF16)
+
+
+def microbatch_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> tuple[float, float, float]:
+    """(compute, linears, attention core) seconds of one microbatch on this rank: forward, backward and recompute as
+    :func:`microbatch_flops` counts them, the linears at :func:`linear_seconds_per_flop`, the causal core at
+    :func:`core_seconds_per_flop`, the output layer (BF16) at its own GEMM's efficiency, layernorm recompute at HBM
+    bandwidth."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+    from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
+
+    passes = 2 if s.peft is not None else 3
+    r_lin, r_core = linear_seconds_per_flop(s, device, moe), core_seconds_per_flop(device)
+    counts = layer_counts(s, moe)
+    attention_core = counts.attention * attention_core_flops(s) * CAUSAL_CORE
+    scans = counts.mamba * mamba_scan_flops(s) if counts.mamba else 0
+    linears = linear_forward_flops(s, moe) * r_lin
+    core = (attention_core + scans) * r_core
+    total = passes * linears + 3 * core
+    if s.recompute_granularity == "full":
+        total += linears + core
+    elif s.recompute_granularity == "selective":
+        for m in s.recompute_modules:
+            flops = recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe)
+            total += flops * (CAUSAL_CORE * r_core if m == "core_attn" else r_lin)
+    out = output_layer_flops(s)
+    total += passes * _gemm_seconds(out, out / s.cp, device, False)
+    cp = s.cp
+    return total / cp + recompute_hbm_bytes(s) / device.hbm, passes * linears / cp, 3 * core / cp
+
+
+def cp_bytes(s: Settings) -> int:
+    """Bytes a rank sends per microbatch for context parallelism's ring attention: each layer passes its K and V
+    chunk (s/cp tokens, its TP share of the key-value heads) around the ring, cp - 1 hops, forward; the backward
+    passes them again with their gradients (twice the forward)."""
+    if s.cp == 1:
+        return 0
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+
+    kv = 2 * (s.query_groups * s.kv_channels if s.mla is None else s.heads * (s.mla.q_head_dim + s.mla.v_head_dim))
+    per_layer = (s.cp - 1) * (s.seq_length // s.cp) * s.micro_batch * max(kv // s.tp, 1) * element_size(s)
+    return 3 * per_layer * layer_counts(s, None).attention
+
+
+def optimizer_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> float:
+    """Adam's step on the rank's shard (the distributed optimizer divides the dense parameters over DP x CP and the
+    experts' over expert DP): :data:`OPTIMIZER_BYTES` per parameter at HBM bandwidth."""
+    from megatron_bridge_ext.levers.parallelism.cost import (expert_dp_size, expert_parameters_per_rank,
+                                                             stage_layer_kinds)
+
+    shard = s.dp * s.cp if s.distributed_optimizer else 1
+    params = trainable_params(s, moe) / shard
+    if moe and s.peft is None:
+        experts = expert_parameters_per_rank(s, moe, ep=moe["ep"], etp=moe["etp"],
+                                             moe_layers=stage_layer_kinds(s, moe)[1])
+        params += experts / (max(1, expert_dp_size(s, ep=moe["ep"], etp=moe["etp"])) if s.distributed_optimizer else 1)
+    return OPTIMIZER_BYTES * params / device.hbm
+
+
+def tp_exposed(s: Settings, tp_seconds: float, linear_seconds: float) -> float:
+    """The TP collectives' exposed seconds per microbatch: all of them, unless ``tp_comm_overlap`` can run (Bridge
+    turns it on only with TP > 1 and sequence parallelism: comm_overlap.py L442-451, and Bridge's performance recipes
+    turn it on); then only what the linears' time cannot cover."""
+    if not (s.sequence_parallel and s.tp > 1):
+        return tp_seconds
+    return max(0.0, tp_seconds - linear_seconds)
+
+
 def step_time(s: Settings, device: Gpu, *, offload_bytes: int = 0, moe: Optional[dict] = None) -> StepTime:
     """The step time of the config whose estimate settings are ``s`` (``offload_bytes``: to the host and
     back per step under CPU offloading; ``moe``: :func:`.parallelism.cost.moe_shape` of an MoE model), on
@@ -377,16 +489,18 @@ def step_time(s: Settings, device: Gpu, *, offload_bytes: int = 0, moe: Optional
     s = replace(s, stage=s.pp - 1)
     m, pp, vpp, cp = s.num_microbatches, s.pp, s.vpp or 1, s.cp
     tp_span, dp_span = s.tp, s.tp * cp * s.dp
-    compute_mb = microbatch_flops(s, moe) / device.peak(bool(s.fp8)) + recompute_hbm_bytes(s) / device.hbm
-    tp_mb = tp_bytes(s, moe) / device.link(tp_span)
+    compute_mb, linear_mb, core_mb = microbatch_seconds(s, device, moe)
+    tp_mb = tp_exposed(s, tp_bytes(s, moe) / device.link(tp_span), linear_mb)
+    cp_mb = max(0.0, cp_bytes(s) / device.link(tp_span * cp) - core_mb)  # the ring's P2P runs under the core
     dispatch_mb = dispatch_bytes(s, moe) / device.link(moe["ep"] * moe["etp"]) if moe else 0.0  # ETP inner, then EP
-    p2p_mb = p2p_bytes(s) / device.link(dp_span * pp)
+    p2p_mb = 0.0 if vpp > 1 else p2p_bytes(s) / device.link(dp_span * pp)  # overlap_p2p_comm with VPP: L453-457
     compute = m * compute_mb
     offload = offload_bytes / device.pcie
     return StepTime(compute=compute, tp=m * tp_mb, dispatch=m * dispatch_mb, pp_p2p=m * p2p_mb,
-                    bubble=(pp - 1) / vpp * (compute_mb + tp_mb + dispatch_mb),
+                    bubble=(pp - 1) / vpp * (compute_mb + tp_mb + cp_mb + dispatch_mb),
                     dp_exposed=max(0.0, dp_bytes(s, moe) / device.link(dp_span) - compute),
-                    offload_exposed=max(offload - compute, offload / s.layers_on_stage) if offload_bytes else 0.0)
+                    offload_exposed=max(offload - compute, offload / s.layers_on_stage) if offload_bytes else 0.0,
+                    cp=m * cp_mb, optimizer=optimizer_seconds(s, device, moe))
 
 
 def change_pct(before: StepTime, after: StepTime) -> float:
