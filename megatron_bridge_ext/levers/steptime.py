@@ -422,7 +422,7 @@ def microbatch_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> 
     :func:`core_seconds_per_flop`, the output layer (BF16) at its own GEMM's efficiency, layernorm recompute at HBM
     bandwidth."""
     from megatron_bridge_ext.levers.parallelism.cost import layer_counts
-    from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
+    from megatron_bridge_ext.levers.recompute.cost import layers_for
 
     passes = 2 if s.peft is not None else 3
     r_lin, r_core = linear_seconds_per_flop(s, device, moe), core_seconds_per_flop(device)
@@ -435,13 +435,27 @@ def microbatch_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> 
     if s.recompute_granularity == "full":
         total += linears + core
     elif s.recompute_granularity == "selective":
-        for m in s.recompute_modules:
-            flops = recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe)
-            total += flops * (CAUSAL_CORE * r_core if m == "core_attn" else r_lin)
+        total += sum(_recompute_seconds(m, s, device, moe) * layers_for(m, s, moe) for m in s.recompute_modules)
     out = output_layer_flops(s)
     total += passes * _gemm_seconds(out, out / s.cp, device, False)
     cp = s.cp
     return total / cp + recompute_hbm_bytes(s) / device.hbm, passes * linears / cp, 3 * core / cp
+
+
+RECOMPUTE_GEMMS = {"mlp": 2, "shared_experts": 2, "mla_up_proj": 2}
+"""GEMMs per layer of the recomputed modules with linears (an MoE layer's: two per local expert)."""
+
+
+def _recompute_seconds(module: str, s: Settings, device: Gpu, moe: Optional[dict]) -> float:
+    """One layer's recompute of ``module`` per microbatch: the causal core at the core's rate, linears at their own
+    GEMMs' efficiency, elementwise modules none (layernorm's HBM traffic: :func:`recompute_hbm_bytes`)."""
+    from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
+
+    flops = recompute_flops_per_layer(module, s, moe)
+    if module == "core_attn":
+        return flops * CAUSAL_CORE * core_seconds_per_flop(device)
+    gemms = 2 * max(1, moe["experts"] // moe["ep"]) if module == "moe" and moe else RECOMPUTE_GEMMS.get(module, 1)
+    return _gemm_seconds(flops, flops / gemms / s.cp, device, bool(s.fp8))
 
 
 def cp_bytes(s: Settings) -> int:
