@@ -11,11 +11,11 @@ Everything else the step time reads is a datasheet rate or a shape: these three 
 
 from __future__ import annotations
 
-GEMM_PEAK_FRACTION_BF16 = 0.5132
+GEMM_PEAK_FRACTION_BF16 = 0.5134
 """The fraction of the BF16 dense peak a large GEMM (and the attention core) reaches."""
-GEMM_PEAK_FRACTION_FP8 = 0.5083
+GEMM_PEAK_FRACTION_FP8 = 0.5082
 """The fraction of the FP8 dense peak a large FP8 GEMM reaches (scaling and casting kernels included)."""
-GEMM_HALF_FLOPS = 1.252e11
+GEMM_HALF_FLOPS = 1.251e11
 """Per-GPU FLOPs of one GEMM at which it reaches half its large-GEMM fraction: a GEMM of f FLOPs runs at
 ``fraction x f / (f + GEMM_HALF_FLOPS)`` of peak, the wave and launch overheads a small GEMM cannot hide."""
 FIT = ("2026-12-03, tests/data/throughput/bridge_performance_summary.csv, 107 usable rows: RMS log error 0.220, "

@@ -59,9 +59,9 @@ def config(name: str) -> dict:
 
 def settings(c: dict, *, tp: int, pp: int, vpp: Optional[int], cp: int, dp: int, seq: int, mbs: int, gbs: int,
              fp8: bool, recompute: tuple[str, ...] = (), sp: Optional[bool] = None) -> Settings:
-    """The estimate's settings the step time reads, from a Hugging Face config.json and a layout (SP with TP, as
-    Bridge's performance recipes set it, unless ``sp`` says; distributed optimizer; the last stage holds
-    ceil(layers / pp))."""
+    """The estimate's settings the step time reads, from a Hugging Face config.json and a layout (SP and
+    ``tp_comm_overlap`` with TP, as Bridge's performance recipes set them, unless ``sp`` says; distributed optimizer;
+    the last stage holds ceil(layers / pp))."""
     heads = c["num_attention_heads"]
     return Settings(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sequence_parallel=(tp > 1) if sp is None else sp and tp > 1,
                     seq_length=seq, micro_batch=mbs, num_microbatches=gbs // (mbs * dp), dtype="bfloat16",
@@ -74,7 +74,8 @@ def settings(c: dict, *, tp: int, pp: int, vpp: Optional[int], cp: int, dp: int,
                     attention="fused", transformer_impl="transformer_engine", device="cuda",
                     distributed_optimizer=True, peft=None, hybrid=None,
                     reports=ReportSettings(log_interval=1, train_iters=None, cuda_graph_first_iteration=None,
-                                           wgrad_deferral_limit=None), moe=None, mla=None)
+                                           wgrad_deferral_limit=None), moe=None, mla=None,
+                    tp_comm_overlap=tp > 1 and (sp is None or sp))
 
 
 def moe_shape(c: dict, ep: int, etp: int) -> Optional[dict]:

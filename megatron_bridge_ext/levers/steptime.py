@@ -487,10 +487,10 @@ def optimizer_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> f
 
 
 def tp_exposed(s: Settings, tp_seconds: float, linear_seconds: float) -> float:
-    """The TP collectives' exposed seconds per microbatch: all of them, unless ``tp_comm_overlap`` can run (Bridge
-    turns it on only with TP > 1 and sequence parallelism: comm_overlap.py L442-451, and Bridge's performance recipes
-    turn it on); then only what the linears' time cannot cover."""
-    if not (s.sequence_parallel and s.tp > 1):
+    """The TP collectives' exposed seconds per microbatch: all of them, unless the config runs ``tp_comm_overlap``
+    (Bridge keeps it only with TP > 1 and sequence parallelism: comm_overlap.py L442-451; Bridge's performance
+    recipes turn it on); then only what the linears' time cannot cover."""
+    if not (s.tp_comm_overlap and s.sequence_parallel and s.tp > 1):
         return tp_seconds
     return max(0.0, tp_seconds - linear_seconds)
 
