@@ -183,15 +183,19 @@ def main() -> int:
     print(f"constants: {', '.join(f'{k} {getattr(calibration, k):.4g}' for k in FITTED)} ({calibration.FIT})")
     print("| row | published TFLOP/s/GPU | predicted | error |")
     print("| --- | --- | --- | --- |")
-    by_gpu = collections.defaultdict(list)
+    by_gpu, by_model = collections.defaultdict(list), collections.defaultdict(list)
     for r in rows:
         p = predicted_tflops(r)
         err = 100 * (p / r.published_tflops - 1)
         by_gpu[r.gpu].append(abs(err))
+        by_model["MoE" if r.moe else "dense"].append(err)
         print(f"| {r.label} | {r.published_tflops:.0f} | {p:.0f} | {err:+.1f}% |")
     print("\n| GPU | rows | median abs error | worst abs error |\n| --- | --- | --- | --- |")
     for g, errs in sorted(by_gpu.items()) + [("all", [e for v in by_gpu.values() for e in v])]:
         print(f"| {g} | {len(errs)} | {statistics.median(errs):.1f}% | {max(errs):.1f}% |")
+    for kind, errs in sorted(by_model.items()):
+        print(f"{kind}: {len(errs)} rows, median error {statistics.median(errs):+.1f}% (signed), median abs "
+              f"{statistics.median(abs(e) for e in errs):.1f}%")
     print(f"\nskipped {len(skipped)} rows:")
     for reason, n in collections.Counter(reason for _, reason in skipped).most_common():
         print(f"  {n:3d}  {reason}")
