@@ -1,41 +1,43 @@
-"""A roofline step time per rank, so that the plan can say what each option costs in throughput.
+"""A step time per rank, calibrated on NVIDIA's published throughput, so that the plan can say what each option costs.
 
-The model, stated once (every term is a function below; nothing here is fitted to a measurement):
+The model, stated once (every term is a function below). Its only fitted numbers are the three of
+:mod:`.calibration` (fitted on Megatron Bridge's published performance summaries: median error 15.5% of
+TFLOP/s/GPU over 107 rows of five GPU kinds, 6.8% on the 47 dense rows; ``scripts/steptime_published.py``):
 
-* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest),
-  from the shapes in the estimate's settings, at the device's peak dense bf16 (FP8 when the config trains in FP8) rate
-  with **no efficiency factor** (100% of peak: the figures are a lower bound on time, and a
-  percentage change between two configs is what the plan prints). Forward: 2 FLOPs per
-  multiply-add of every linear (QKV, attention output, MLP, the output layer on the last stage)
-  and of the attention core (QK^T and attention x V over the full s x s). Backward: twice the
-  forward for trainable linears (input and weight gradient: the "6 x params x tokens" rule), once
-  for frozen ones (LoRA's base layers and, under PEFT, the output layer: no weight gradient, so 4x
-  not 6x), twice for the attention core. Recomputed modules add their forward
-  (:mod:`.recompute.cost`); layernorm recompute, which has no GEMM, reads and writes [s, b, h]
-  per norm at HBM bandwidth. LoRA's own small GEMMs (rank r against h) and elementwise kernels are
-  left out.
+* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest), from the shapes
+  in the estimate's settings. Forward: 2 FLOPs per multiply-add of every linear (QKV, attention output, MLP, the
+  output layer on the last stage) and of the attention core. Backward: twice the forward for trainable linears
+  (input and weight gradient), once for frozen ones (LoRA's base layers and, under PEFT, the output layer), twice
+  for the attention core. Recomputed modules add their forward (:mod:`.recompute.cost`); layernorm recompute reads
+  and writes [s, b, h] per norm at HBM bandwidth. Each linear runs at the efficiency of its GEMM's per-GPU size
+  (:func:`.calibration.gemm_efficiency`: a fraction of the datasheet's dense peak, BF16 or FP8 when the config
+  trains in FP8, saturating in the GEMM's FLOPs); the output layer in BF16; the attention core (causal: half the
+  s x s, :data:`CAUSAL_CORE`) and Mamba scans in BF16 at a large GEMM's fraction. LoRA's own small GEMMs and
+  elementwise kernels are left out.
 * **tensor parallelism**: the activation all-gathers and reduce-scatters of
   :func:`.parallelism.cost.tp_collective_bytes`, plus the LoRA-A input strategy's collectives
-  (:func:`.lora_input.cost.collective_elements`), each sending (t - 1)/t of its size from a rank,
-  on NVLink when the TP group fits in a node of 8 GPUs, else on InfiniBand; not overlapped with
-  compute (Megatron Core overlaps them only with ``tp_comm_overlap``, off by default).
+  (:func:`.lora_input.cost.collective_elements`), each sending (t - 1)/t of its size from a rank, on NVLink when the
+  TP group fits the NVLink domain (8 GPUs, 72 on an NVL72 rack), else on InfiniBand. With ``tp_comm_overlap`` (as
+  Bridge's comm_overlap.py leaves it: TP > 1 and SP) only what the linears' time cannot cover is exposed
+  (:func:`tp_exposed`), else all of it.
+* **context parallelism**: the ring attention's K and V exchange (:func:`cp_bytes`), under the attention core: only
+  its excess is exposed.
 * **expert dispatch** (MoE): the token dispatch and combine of every MoE layer, forward and backward
-  (:func:`.parallelism.cost.dispatch_bytes_per_layer`, balanced routing), on NVLink when the EP x ETP
-  grid fits a node, else InfiniBand; not overlapped. An MoE layer's compute is its router, its
-  routed experts (T*k token copies through fc1 and fc2) and its shared experts
-  (:func:`.recompute.cost.moe_layer_flops`); its experts' weights go over the expert-DP group.
+  (:func:`.parallelism.cost.dispatch_bytes_per_layer`, balanced routing), on NVLink when the EP x ETP grid fits the
+  domain, else InfiniBand; not overlapped (Bridge turns ``overlap_moe_expert_parallel_comm`` off by default). An MoE
+  layer's compute is its router, its routed experts (T*k token copies through fc1 and fc2, GEMMs per local expert)
+  and its shared experts (:func:`.recompute.cost.moe_layer_flops`).
 * **pipeline**: each microbatch's p2p send of the stage's output and of its input's gradient
-  (:func:`.parallelism.cost.p2p_bytes`), on NVLink when the whole model replica (TP x CP x DP x PP
-  ranks, Megatron's order puts PP outermost) fits in one node, else InfiniBand; and the bubble:
-  the step runs ``m + (pp - 1)/vpp`` microbatch times (1F1B, interleaved with vpp chunks), i.e.
-  the bubble is ``(pp - 1)/(vpp m)`` of the ideal.
-* **data parallelism**: the gradients' reduce-scatter (fp32, Bridge's ``grad_reduce_in_fp32``) and
-  the parameters' all-gather (bf16) with the distributed optimizer, an fp32 all-reduce (twice the
-  bytes) without it, (dp - 1)/dp of the trainable parameters on the rank, on NVLink when the DP
-  group (TP x CP x DP consecutive ranks) fits in a node, else InfiniBand. Bridge's recipes overlap
-  it with the backward (``overlap_grad_reduce``, ``overlap_param_gather``): only what exceeds the
-  step's compute time is counted.
-* **CPU offloading**: the activation bytes to the host and back over PCIe (one direction at a
+  (:func:`.parallelism.cost.p2p_bytes`), exposed without VPP and hidden with it (Bridge's ``overlap_p2p_comm``,
+  comm_overlap.py L453-457); and the bubble: the step runs ``m + (pp - 1)/vpp`` microbatch times (1F1B,
+  interleaved with vpp chunks), i.e. the bubble is ``(pp - 1)/(vpp m)`` of the ideal.
+* **data parallelism**: the gradients' reduce-scatter (fp32, Bridge's ``grad_reduce_in_fp32``) and the parameters'
+  all-gather (bf16) with the distributed optimizer, an fp32 all-reduce (twice the bytes) without it, (dp - 1)/dp of
+  the trainable parameters on the rank (experts' over the expert-DP group), overlapped with the backward
+  (``overlap_grad_reduce``, ``overlap_param_gather``: comm_overlap.py L575-579): only what exceeds the step's
+  compute time is counted.
+* **optimizer**: Adam's step on the rank's shard at HBM bandwidth (:func:`optimizer_seconds`).
+* **CPU offloading**: the activation bytes to the host and back over the host link (one direction at a
   time), overlapped with the compute of the other layers (Core copies on a side stream, layer by
   layer): the step pays what exceeds its compute time, and at least one layer's share (the first
   reload of the backward waits for it).
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from megatron_bridge_ext.estimate.settings import Settings
 
 NODE_GPUS = 8
-"""GPUs per node joined by NVLink (DGX/HGX H100, H200, B200); larger groups cross nodes on InfiniBand."""
+"""GPUs per node joined by NVLink (DGX/HGX H100, H200, B200, B300); larger groups cross nodes on InfiniBand."""
 GRAD_BYTES = 4
 """Gradient bytes per parameter in the DP reduce-scatter: fp32, Bridge's ``grad_reduce_in_fp32``."""
 PARAM_GATHER_BYTES = 2

@@ -696,8 +696,9 @@ def test_the_plan_states_the_device_and_prints_each_options_step_time():
     result = small_plan(gpu_memory=1)
     text = plan_cli.format_plan(result)
     words = " ".join(text.split())  # the line wraps at 120 columns
-    assert "step time (roofline, h100: 989.5 TFLOP/s dense bf16 at 100% of peak" in words
-    assert "the default, --gpu h200|b200 to change" in words
+    assert ("step time (calibrated on published throughput, h100: 989.5 TFLOP/s dense bf16 at a GEMM efficiency by "
+            "size") in words
+    assert "the default, --gpu h200|b200|b300|gb200|gb300 to change" in words
     assert "--gpu h200|b200" not in " ".join(plan_cli.format_plan(result, gpu_defaulted=False).split())
     header, _, *rows = text.split("\n  step  option")[1].split("\nwhy not")[0].splitlines()
     assert "time" in header.split()
