@@ -30,7 +30,8 @@ from megatron_bridge_ext.estimate.settings import (MoeSettings, PeftSettings, Re
 from megatron_bridge_ext.levers import calibration, published, steptime  # noqa: E402
 
 FITTED = ("GEMM_PEAK_FRACTION_BF16", "GEMM_PEAK_FRACTION_FP8", "GEMM_HALF_FLOPS")
-SFT_70B = [("TP4 PP4 VPP5", dict(tp=4, pp=4, vpp=5, dp=2), 704.0), ("TP4 PP8 VPP5", dict(tp=4, pp=8, vpp=5, dp=1), 668.0),
+SFT_70B = [("TP4 PP4 VPP5", dict(tp=4, pp=4, vpp=5, dp=2), 704.0),
+           ("TP4 PP8 VPP5", dict(tp=4, pp=8, vpp=5, dp=1), 668.0),
            ("TP8 PP4 VPP5", dict(tp=8, pp=4, vpp=5, dp=1), 508.7)]
 """Llama 3 70B SFT on 32 H100, FP8, seq 4096, global batch 32 (the performance summary's SFT row), the layouts of
 the Memory Tuning guide with their TFLOP/s/GPU (its -5.1% for PP 8, -27.7% for TP 8)."""

@@ -71,8 +71,8 @@ FAST_REFUSALS = [
                                            "give a multiple of 4, e.g. --global-batch 8"),
     (["--margin", "1.5"], "--margin: 1.5 is not a share"),
     (["--gpu-memory", "80"], "--gpu-memory: 80 has no unit. Fix: write 80GiB or 80GB"),
-    (["--gpu", "a100"], "mbx plan: --gpu: 'a100' is not a GPU preset (h100, h200, b200). Fix: give one of them, e.g. "
-                        "--gpu h100"),
+    (["--gpu", "a100"], "mbx plan: --gpu: 'a100' is not a GPU preset (h100, h200, b200, b300, gb200, gb300). Fix: "
+                        "give one of them, e.g. --gpu h100"),
     (["--gpu", "h200", "--gpu-ib", "-5"], "--gpu-ib: -5.0 is not a positive rate. Fix: give e.g. --gpu-ib 50"),
 ]
 
