@@ -19,7 +19,7 @@ options it offers, their cost (the lever's ``cost`` module) and constraints; thi
 them (:data:`STEPS`) and records each option through :class:`Planner`.
 
 Each option carries its predicted peak, its cost (collective bytes per step, recomputed FLOPs per
-step, the predicted step-time change of a roofline model (:mod:`.levers.steptime`) against the config
+step, the predicted step-time change of a calibrated model (:mod:`.levers.steptime`) against the config
 as is, the published throughput figure where one exists) and its constraints, which come from
 ``MemoryConfig.validate`` (the checks a user gets when applying the flags) and, for a resize, Megatron
 Core's layout rules. An option the estimate cannot predict is recorded with its cost and the estimate's
@@ -93,7 +93,7 @@ class Plan:
     gpu: steptime.Gpu = field(default_factory=steptime.gpu)
     """The device whose peak rates price each option's step time."""
     step_time: Optional[steptime.StepTime] = None
-    """The roofline step time of the config as is (None without our estimate)."""
+    """The predicted step time of the config as is (None without our estimate)."""
     strategies: list[lora_input_advice.StrategyPeak] = field(default_factory=list)
     """Each LoRA-A input strategy on the config as is, re-estimated (empty where none can act)."""
 

@@ -86,8 +86,8 @@ def add_parser(sub, make_parser) -> None:
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                    help="default: the config's model.transformer_impl")
     p.add_argument("--gpu", default=None, metavar="NAME",
-                   help="the device that prices each option's step time with a roofline model: h100, h200 or b200, "
-                        "SXM, peak rates from NVIDIA's datasheets (default: h100, stated in the output)")
+                   help="the device that prices each option's step time: h100, h200, b200, b300, gb200 or gb300, "
+                        "peak rates from NVIDIA's datasheets (default: h100, stated in the output)")
     p.add_argument("--gpu-flops", type=float, metavar="TFLOPS",
                    help="override the dense bf16 peak in TFLOP/s (FP8 scales with it; default: the preset's)")
     p.add_argument("--gpu-hbm", type=float, metavar="TB/S", help="override the HBM bandwidth in TB/s (default: the "

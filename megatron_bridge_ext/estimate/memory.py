@@ -1023,7 +1023,7 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         attention=attention, transformer_impl=impl, device=device,
         distributed_optimizer=bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
         peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe,
-        mla=_mla_settings(p))
+        mla=_mla_settings(p), tp_comm_overlap=bool(getattr(p, "tp_comm_overlap", False)))
 
 
 def _mla_settings(provider) -> Optional[MlaSettings]:

@@ -235,6 +235,9 @@ class Settings:
     """The experts; None for a dense model."""
     mla: Optional[MlaSettings]
     """Multi-latent attention's sizes; None for a model without it."""
+    tp_comm_overlap: bool = False
+    """TP's collectives overlap the linears: ``tp_comm_overlap`` as Bridge's ``CommOverlapConfig.setup`` leaves it (on
+    only with TP > 1 and SP: comm_overlap.py L442-451); a key older JSONs lack, read as off."""
 
     def to_json(self) -> dict[str, Any]:
         """The flat dict of ``mbx plan --json``: the layout and shapes, the PEFT keys, a hybrid model's, the report
@@ -252,7 +255,8 @@ class Settings:
     def from_json(cls, d: dict[str, Any]) -> Settings:
         """The settings :meth:`to_json` gave as ``d`` (e.g. a committed ``--json``); ValueError naming any key it
         does not know."""
-        core = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name not in _PARTS}
+        core = {f.name: d[f.name] for f in dataclasses.fields(cls)
+                if f.name not in _PARTS and (f.name in d or f.default is dataclasses.MISSING)}
         core["recompute_modules"] = tuple(core["recompute_modules"])
         out = cls(**core, peft=PeftSettings.from_json(d) if d["peft"] is not None else None,
                   hybrid=HybridSettings.from_json(d) if "hybrid_layers" in d else None,

@@ -1,41 +1,43 @@
-"""A roofline step time per rank, so that the plan can say what each option costs in throughput.
+"""A step time per rank, calibrated on NVIDIA's published throughput, so that the plan can say what each option costs.
 
-The model, stated once (every term is a function below; nothing here is fitted to a measurement):
+The model, stated once (every term is a function below). Its only fitted numbers are the three of
+:mod:`.calibration` (fitted on Megatron Bridge's published performance summaries: median error 15.5% of
+TFLOP/s/GPU over 107 rows of five GPU kinds, 6.8% on the 47 dense rows; ``scripts/steptime_published.py``):
 
-* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest),
-  from the shapes in the estimate's settings, at the device's peak dense bf16 (FP8 when the config trains in FP8) rate
-  with **no efficiency factor** (100% of peak: the figures are a lower bound on time, and a
-  percentage change between two configs is what the plan prints). Forward: 2 FLOPs per
-  multiply-add of every linear (QKV, attention output, MLP, the output layer on the last stage)
-  and of the attention core (QK^T and attention x V over the full s x s). Backward: twice the
-  forward for trainable linears (input and weight gradient: the "6 x params x tokens" rule), once
-  for frozen ones (LoRA's base layers and, under PEFT, the output layer: no weight gradient, so 4x
-  not 6x), twice for the attention core. Recomputed modules add their forward
-  (:mod:`.recompute.cost`); layernorm recompute, which has no GEMM, reads and writes [s, b, h]
-  per norm at HBM bandwidth. LoRA's own small GEMMs (rank r against h) and elementwise kernels are
-  left out.
+* **compute**: the GEMM FLOPs of one microbatch on a rank of the last pipeline stage (the slowest), from the shapes
+  in the estimate's settings. Forward: 2 FLOPs per multiply-add of every linear (QKV, attention output, MLP, the
+  output layer on the last stage) and of the attention core. Backward: twice the forward for trainable linears
+  (input and weight gradient), once for frozen ones (LoRA's base layers and, under PEFT, the output layer), twice
+  for the attention core. Recomputed modules add their forward (:mod:`.recompute.cost`); layernorm recompute reads
+  and writes [s, b, h] per norm at HBM bandwidth. Each linear runs at the efficiency of its GEMM's per-GPU size
+  (:func:`.calibration.gemm_efficiency`: a fraction of the datasheet's dense peak, BF16 or FP8 when the config
+  trains in FP8, saturating in the GEMM's FLOPs); the output layer in BF16; the attention core (causal: half the
+  s x s, :data:`CAUSAL_CORE`) and Mamba scans in BF16 at a large GEMM's fraction. LoRA's own small GEMMs and
+  elementwise kernels are left out.
 * **tensor parallelism**: the activation all-gathers and reduce-scatters of
   :func:`.parallelism.cost.tp_collective_bytes`, plus the LoRA-A input strategy's collectives
-  (:func:`.lora_input.cost.collective_elements`), each sending (t - 1)/t of its size from a rank,
-  on NVLink when the TP group fits in a node of 8 GPUs, else on InfiniBand; not overlapped with
-  compute (Megatron Core overlaps them only with ``tp_comm_overlap``, off by default).
+  (:func:`.lora_input.cost.collective_elements`), each sending (t - 1)/t of its size from a rank, on NVLink when the
+  TP group fits the NVLink domain (8 GPUs, 72 on an NVL72 rack), else on InfiniBand. With ``tp_comm_overlap`` (as
+  Bridge's comm_overlap.py leaves it: TP > 1 and SP) only what the linears' time cannot cover is exposed
+  (:func:`tp_exposed`), else all of it.
+* **context parallelism**: the ring attention's K and V exchange (:func:`cp_bytes`), under the attention core: only
+  its excess is exposed.
 * **expert dispatch** (MoE): the token dispatch and combine of every MoE layer, forward and backward
-  (:func:`.parallelism.cost.dispatch_bytes_per_layer`, balanced routing), on NVLink when the EP x ETP
-  grid fits a node, else InfiniBand; not overlapped. An MoE layer's compute is its router, its
-  routed experts (T*k token copies through fc1 and fc2) and its shared experts
-  (:func:`.recompute.cost.moe_layer_flops`); its experts' weights go over the expert-DP group.
+  (:func:`.parallelism.cost.dispatch_bytes_per_layer`, balanced routing), on NVLink when the EP x ETP grid fits the
+  domain, else InfiniBand; not overlapped (Bridge turns ``overlap_moe_expert_parallel_comm`` off by default). An MoE
+  layer's compute is its router, its routed experts (T*k token copies through fc1 and fc2, GEMMs per local expert)
+  and its shared experts (:func:`.recompute.cost.moe_layer_flops`).
 * **pipeline**: each microbatch's p2p send of the stage's output and of its input's gradient
-  (:func:`.parallelism.cost.p2p_bytes`), on NVLink when the whole model replica (TP x CP x DP x PP
-  ranks, Megatron's order puts PP outermost) fits in one node, else InfiniBand; and the bubble:
-  the step runs ``m + (pp - 1)/vpp`` microbatch times (1F1B, interleaved with vpp chunks), i.e.
-  the bubble is ``(pp - 1)/(vpp m)`` of the ideal.
-* **data parallelism**: the gradients' reduce-scatter (fp32, Bridge's ``grad_reduce_in_fp32``) and
-  the parameters' all-gather (bf16) with the distributed optimizer, an fp32 all-reduce (twice the
-  bytes) without it, (dp - 1)/dp of the trainable parameters on the rank, on NVLink when the DP
-  group (TP x CP x DP consecutive ranks) fits in a node, else InfiniBand. Bridge's recipes overlap
-  it with the backward (``overlap_grad_reduce``, ``overlap_param_gather``): only what exceeds the
-  step's compute time is counted.
-* **CPU offloading**: the activation bytes to the host and back over PCIe (one direction at a
+  (:func:`.parallelism.cost.p2p_bytes`), exposed without VPP and hidden with it (Bridge's ``overlap_p2p_comm``,
+  comm_overlap.py L453-457); and the bubble: the step runs ``m + (pp - 1)/vpp`` microbatch times (1F1B,
+  interleaved with vpp chunks), i.e. the bubble is ``(pp - 1)/(vpp m)`` of the ideal.
+* **data parallelism**: the gradients' reduce-scatter (fp32, Bridge's ``grad_reduce_in_fp32``) and the parameters'
+  all-gather (bf16) with the distributed optimizer, an fp32 all-reduce (twice the bytes) without it, (dp - 1)/dp of
+  the trainable parameters on the rank (experts' over the expert-DP group), overlapped with the backward
+  (``overlap_grad_reduce``, ``overlap_param_gather``: comm_overlap.py L575-579): only what exceeds the step's
+  compute time is counted.
+* **optimizer**: Adam's step on the rank's shard at HBM bandwidth (:func:`optimizer_seconds`).
+* **CPU offloading**: the activation bytes to the host and back over the host link (one direction at a
   time), overlapped with the compute of the other layers (Core copies on a side stream, layer by
   layer): the step pays what exceeds its compute time, and at least one layer's share (the first
   reload of the backward waits for it).
@@ -49,11 +51,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
+from megatron_bridge_ext.levers import calibration
+
 if TYPE_CHECKING:
     from megatron_bridge_ext.estimate.settings import Settings
 
 NODE_GPUS = 8
-"""GPUs per node joined by NVLink (DGX/HGX H100, H200, B200); larger groups cross nodes on InfiniBand."""
+"""GPUs per node joined by NVLink (DGX/HGX H100, H200, B200, B300); larger groups cross nodes on InfiniBand."""
 GRAD_BYTES = 4
 """Gradient bytes per parameter in the DP reduce-scatter: fp32, Bridge's ``grad_reduce_in_fp32``."""
 PARAM_GATHER_BYTES = 2
@@ -62,7 +66,12 @@ PARAM_GATHER_BYTES = 2
 H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), H100 SXM column"
 H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM column"
 B200_SHEET = "NVIDIA HGX B200 / DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200), per GPU (system / 8)"
+B300_SHEET = "NVIDIA HGX B300 datasheet (nvidia.com/en-us/data-center/hgx), per GPU (system / 8)"
+GB200_SHEET = "NVIDIA GB200 NVL72 datasheet (nvidia.com/en-us/data-center/gb200-nvl72), per GPU (rack / 72)"
+GB300_SHEET = "NVIDIA GB300 NVL72 datasheet (nvidia.com/en-us/data-center/gb300-nvl72), per GPU (rack / 72)"
 DGX_NETWORK = "DGX H100/H200/B200 datasheets: 8x ConnectX-7 400 Gb/s InfiniBand per node, one per GPU"
+CX8_NETWORK = "ConnectX-8 SuperNIC 800 Gb/s InfiniBand, one per GPU"
+NVL72 = 72
 
 
 @dataclass(frozen=True)
@@ -81,13 +90,15 @@ class Gpu:
     ib: float
     pcie: float
     source: str
+    domain: int = NODE_GPUS
+    """GPUs one NVLink domain joins: a node of 8 (DGX/HGX), 72 for a GB200/GB300 NVL72 rack."""
 
     def peak(self, fp8: bool = False) -> float:
         return self.fp8_flops if fp8 else self.bf16_flops
 
     def link(self, span: int) -> float:
-        """The bandwidth of a group of ``span`` consecutive ranks: NVLink within a node, else InfiniBand."""
-        return self.nvlink if span <= NODE_GPUS else self.ib
+        """The bandwidth of a group of ``span`` consecutive ranks: NVLink within its domain, else InfiniBand."""
+        return self.nvlink if span <= self.domain else self.ib
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +115,18 @@ GPUS: dict[str, Gpu] = {
     # PCIe Gen5 x16 128 GB/s to the host.
     "b200": Gpu("b200", bf16_flops=2.25e15, fp8_flops=4.5e15, hbm=8e12, nvlink=900e9, ib=50e9, pcie=64e9,
                 source=f"{B200_SHEET}; {DGX_NETWORK}"),
+    # HGX B300: FP16/BF16 36 and FP8 72 PFLOPS with sparsity per 8 GPUs (its gain over B200 is FP4); HBM3e
+    # 8 TB/s; NVLink 5 1.8 TB/s; host link taken as B200's PCIe Gen5 x16.
+    "b300": Gpu("b300", bf16_flops=2.25e15, fp8_flops=4.5e15, hbm=8e12, nvlink=900e9, ib=100e9, pcie=64e9,
+                source=f"{B300_SHEET}; {CX8_NETWORK}"),
+    # GB200 NVL72: FP16/BF16 360 and FP8 720 PFLOPS with sparsity per 72 GPUs; HBM3e 576 TB/s (8 per GPU); NVLink 5
+    # 1.8 TB/s across the rack; NVLink-C2C 900 GB/s to the Grace CPU.
+    "gb200": Gpu("gb200", bf16_flops=2.5e15, fp8_flops=5e15, hbm=8e12, nvlink=900e9, ib=50e9, pcie=450e9,
+                 source=f"{GB200_SHEET}; {DGX_NETWORK}", domain=NVL72),
+    # GB300 NVL72: FP16/BF16 360 and FP8 720 PFLOPS with sparsity per 72 GPUs (its gain over GB200 is FP4); HBM3e
+    # 8 TB/s per GPU; NVLink 5 1.8 TB/s across the rack; NVLink-C2C 900 GB/s to the Grace CPU.
+    "gb300": Gpu("gb300", bf16_flops=2.5e15, fp8_flops=5e15, hbm=8e12, nvlink=900e9, ib=100e9, pcie=450e9,
+                 source=f"{GB300_SHEET}; {CX8_NETWORK}", domain=NVL72),
 }
 """The presets, each figure from its vendor's public datasheet (the dense rates are half the sparse ones)."""
 DEFAULT_GPU = "h100"
@@ -143,11 +166,15 @@ class StepTime:
     bubble: float
     dp_exposed: float
     offload_exposed: float
+    cp: float = 0.0
+    """Context parallelism's ring exchange beyond what the attention core hides."""
+    optimizer: float = 0.0
+    """The optimizer step on the rank's shard."""
 
     @property
     def total(self) -> float:
         return (self.compute + self.tp + self.dispatch + self.pp_p2p + self.bubble + self.dp_exposed
-                + self.offload_exposed)
+                + self.offload_exposed + self.cp + self.optimizer)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -214,15 +241,6 @@ def linear_forward_flops(s: Settings, moe: Optional[dict] = None) -> int:
             + (counts.mamba * mamba_linear_flops(s) if counts.mamba else 0))
 
 
-def core_forward_flops(s: Settings, moe: Optional[dict] = None) -> int:
-    """Forward FLOPs of the stage's attention cores and Mamba scans per microbatch on a rank (3 passes in training:
-    their backward is twice their forward)."""
-    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
-
-    counts = layer_counts(s, moe)
-    return counts.attention * attention_core_flops(s) + (counts.mamba * mamba_scan_flops(s) if counts.mamba else 0)
-
-
 def attention_core_flops(s: Settings) -> int:
     """Forward FLOPs of one layer's attention core per microbatch on a TP rank (full s x s)."""
     from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
@@ -235,21 +253,6 @@ def output_layer_flops(s: Settings) -> int:
     if s.stage != s.pp - 1:
         return 0
     return 2 * s.seq_length * s.micro_batch * s.hidden * s.vocab_size // s.tp
-
-
-def microbatch_flops(s: Settings, moe: Optional[dict] = None) -> int:
-    """Forward + backward (+ recompute) FLOPs of one microbatch on this rank's layers (see the module docstring)."""
-    from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
-
-    frozen = s.peft is not None
-    linear_passes = 2 if frozen else 3  # forward, input gradient, weight gradient unless frozen
-    linears, core = linear_forward_flops(s, moe), core_forward_flops(s, moe)
-    total = linear_passes * linears + 3 * core
-    if s.recompute_granularity == "full":
-        total += linears + core
-    elif s.recompute_granularity == "selective":
-        total += sum(recompute_flops_per_layer(m, s, moe) * layers_for(m, s, moe) for m in s.recompute_modules)
-    return (total + linear_passes * output_layer_flops(s)) // s.cp
 
 
 def recompute_hbm_bytes(s: Settings) -> int:
@@ -369,6 +372,131 @@ def p2p_bytes(s: Settings) -> int:
     return per_step(s, pp=s.pp, tp=s.tp, num_microbatches=1, element=element_size(s))
 
 
+CAUSAL_CORE = 0.5
+"""The share of the s x s attention core a causal kernel computes: cuDNN's and flash attention's fused kernels skip
+the blocks above the diagonal (Bridge's flop_utils.py counts the same half: ``core_attn_seq_factor / 2``)."""
+OPTIMIZER_BYTES = 30
+"""HBM bytes Adam moves per parameter of the rank's shard: fp32 master weight, gradient, two moments read (16), the
+weight and moments written (12), the bf16 weight written (2)."""
+
+
+def _gemm_seconds(flops: float, per_gemm: float, device: Gpu, fp8: bool) -> float:
+    """Seconds for ``flops`` FLOPs of GEMMs of ``per_gemm`` FLOPs each (:func:`.calibration.gemm_efficiency`)."""
+    return flops / (device.peak(fp8) * calibration.gemm_efficiency(max(per_gemm, 1.0), fp8)) if flops else 0.0
+
+
+def _layer_linears(s: Settings, moe: Optional[dict]) -> list[tuple[int, int, int]]:
+    """The stage's linears per microbatch on a rank as (layers, forward FLOPs per layer, GEMMs per layer): attention
+    (QKV and projection; multi-latent attention's five), the dense MLP (fc1, fc2), the MoE layer (fc1 and fc2 per
+    local expert), the Mamba projections (in, out)."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+    from megatron_bridge_ext.levers.recompute.cost import moe_layer_flops, recompute_flops_per_layer
+
+    counts = layer_counts(s, moe)
+    kinds = [(counts.attention, attention_linear_flops(s), 2 if s.mla is None else 5),
+             (counts.mlp, recompute_flops_per_layer("mlp", s), 2)]
+    if counts.moe:
+        kinds.append((counts.moe, moe_layer_flops(s, moe), 2 * max(1, moe["experts"] // moe["ep"])))
+    if counts.mamba:
+        kinds.append((counts.mamba, mamba_linear_flops(s), 2))
+    return kinds
+
+
+def linear_seconds_per_flop(s: Settings, device: Gpu, moe: Optional[dict] = None) -> float:
+    """Seconds per FLOP of the stage's linears, each at the efficiency of its GEMM's per-GPU size (the sequence on a
+    rank is its CP share), in FP8 when the config trains in FP8."""
+    fp8, flops, seconds = bool(s.fp8), 0, 0.0
+    for layers, per_layer, gemms in _layer_linears(s, moe):
+        flops += layers * per_layer
+        seconds += _gemm_seconds(layers * per_layer, per_layer / gemms / s.cp, device, fp8)
+    return seconds / flops if flops else 0.0
+
+
+def core_seconds_per_flop(device: Gpu) -> float:
+    """Seconds per FLOP of the attention core and the Mamba scans: fused kernels in BF16 (Bridge's FP8 recipes keep
+    the core in BF16) at a large GEMM's fraction of the BF16 peak."""
+    return 1.0 / (device.bf16_flops * calibration.GEMM_PEAK_FRACTION_BF16)
+
+
+def microbatch_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> tuple[float, float, float]:
+    """(compute, linears, attention core) seconds of one microbatch on this rank: forward, backward and recompute as
+    :func:`microbatch_flops` counts them, the linears at :func:`linear_seconds_per_flop`, the causal core at
+    :func:`core_seconds_per_flop`, the output layer (BF16) at its own GEMM's efficiency, layernorm recompute at HBM
+    bandwidth."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+    from megatron_bridge_ext.levers.recompute.cost import layers_for
+
+    passes = 2 if s.peft is not None else 3
+    r_lin, r_core = linear_seconds_per_flop(s, device, moe), core_seconds_per_flop(device)
+    counts = layer_counts(s, moe)
+    attention_core = counts.attention * attention_core_flops(s) * CAUSAL_CORE
+    scans = counts.mamba * mamba_scan_flops(s) if counts.mamba else 0
+    linears = linear_forward_flops(s, moe) * r_lin
+    core = (attention_core + scans) * r_core
+    total = passes * linears + 3 * core
+    if s.recompute_granularity == "full":
+        total += linears + core
+    elif s.recompute_granularity == "selective":
+        total += sum(_recompute_seconds(m, s, device, moe) * layers_for(m, s, moe) for m in s.recompute_modules)
+    out = output_layer_flops(s)
+    total += passes * _gemm_seconds(out, out / s.cp, device, False)
+    cp = s.cp
+    return total / cp + recompute_hbm_bytes(s) / device.hbm, passes * linears / cp, 3 * core / cp
+
+
+RECOMPUTE_GEMMS = {"mlp": 2, "shared_experts": 2, "mla_up_proj": 2}
+"""GEMMs per layer of the recomputed modules with linears (an MoE layer's: two per local expert)."""
+
+
+def _recompute_seconds(module: str, s: Settings, device: Gpu, moe: Optional[dict]) -> float:
+    """One layer's recompute of ``module`` per microbatch: the causal core at the core's rate, linears at their own
+    GEMMs' efficiency, elementwise modules none (layernorm's HBM traffic: :func:`recompute_hbm_bytes`)."""
+    from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
+
+    flops = recompute_flops_per_layer(module, s, moe)
+    if module == "core_attn":
+        return flops * CAUSAL_CORE * core_seconds_per_flop(device)
+    gemms = 2 * max(1, moe["experts"] // moe["ep"]) if module == "moe" and moe else RECOMPUTE_GEMMS.get(module, 1)
+    return _gemm_seconds(flops, flops / gemms / s.cp, device, bool(s.fp8))
+
+
+def cp_bytes(s: Settings) -> int:
+    """Bytes a rank sends per microbatch for context parallelism's ring attention: each layer passes its K and V
+    chunk (s/cp tokens, its TP share of the key-value heads) around the ring, cp - 1 hops, forward; the backward
+    passes them again with their gradients (twice the forward)."""
+    if s.cp == 1:
+        return 0
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+
+    kv = 2 * (s.query_groups * s.kv_channels if s.mla is None else s.heads * (s.mla.q_head_dim + s.mla.v_head_dim))
+    per_layer = (s.cp - 1) * (s.seq_length // s.cp) * s.micro_batch * max(kv // s.tp, 1) * element_size(s)
+    return 3 * per_layer * layer_counts(s, None).attention
+
+
+def optimizer_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> float:
+    """Adam's step on the rank's shard (the distributed optimizer divides the dense parameters over DP x CP and the
+    experts' over expert DP): :data:`OPTIMIZER_BYTES` per parameter at HBM bandwidth."""
+    from megatron_bridge_ext.levers.parallelism.cost import (expert_dp_size, expert_parameters_per_rank,
+                                                             stage_layer_kinds)
+
+    shard = s.dp * s.cp if s.distributed_optimizer else 1
+    params = trainable_params(s, moe) / shard
+    if moe and s.peft is None:
+        experts = expert_parameters_per_rank(s, moe, ep=moe["ep"], etp=moe["etp"],
+                                             moe_layers=stage_layer_kinds(s, moe)[1])
+        params += experts / (max(1, expert_dp_size(s, ep=moe["ep"], etp=moe["etp"])) if s.distributed_optimizer else 1)
+    return OPTIMIZER_BYTES * params / device.hbm
+
+
+def tp_exposed(s: Settings, tp_seconds: float, linear_seconds: float) -> float:
+    """The TP collectives' exposed seconds per microbatch: all of them, unless the config runs ``tp_comm_overlap``
+    (Bridge keeps it only with TP > 1 and sequence parallelism: comm_overlap.py L442-451; Bridge's performance
+    recipes turn it on); then only what the linears' time cannot cover."""
+    if not (s.tp_comm_overlap and s.sequence_parallel and s.tp > 1):
+        return tp_seconds
+    return max(0.0, tp_seconds - linear_seconds)
+
+
 def step_time(s: Settings, device: Gpu, *, offload_bytes: int = 0, moe: Optional[dict] = None) -> StepTime:
     """The step time of the config whose estimate settings are ``s`` (``offload_bytes``: to the host and
     back per step under CPU offloading; ``moe``: :func:`.parallelism.cost.moe_shape` of an MoE model), on
@@ -377,16 +505,18 @@ def step_time(s: Settings, device: Gpu, *, offload_bytes: int = 0, moe: Optional
     s = replace(s, stage=s.pp - 1)
     m, pp, vpp, cp = s.num_microbatches, s.pp, s.vpp or 1, s.cp
     tp_span, dp_span = s.tp, s.tp * cp * s.dp
-    compute_mb = microbatch_flops(s, moe) / device.peak(bool(s.fp8)) + recompute_hbm_bytes(s) / device.hbm
-    tp_mb = tp_bytes(s, moe) / device.link(tp_span)
+    compute_mb, linear_mb, core_mb = microbatch_seconds(s, device, moe)
+    tp_mb = tp_exposed(s, tp_bytes(s, moe) / device.link(tp_span), linear_mb)
+    cp_mb = max(0.0, cp_bytes(s) / device.link(tp_span * cp) - core_mb)  # the ring's P2P runs under the core
     dispatch_mb = dispatch_bytes(s, moe) / device.link(moe["ep"] * moe["etp"]) if moe else 0.0  # ETP inner, then EP
-    p2p_mb = p2p_bytes(s) / device.link(dp_span * pp)
+    p2p_mb = 0.0 if vpp > 1 else p2p_bytes(s) / device.link(dp_span * pp)  # overlap_p2p_comm with VPP: L453-457
     compute = m * compute_mb
     offload = offload_bytes / device.pcie
     return StepTime(compute=compute, tp=m * tp_mb, dispatch=m * dispatch_mb, pp_p2p=m * p2p_mb,
-                    bubble=(pp - 1) / vpp * (compute_mb + tp_mb + dispatch_mb),
+                    bubble=(pp - 1) / vpp * (compute_mb + tp_mb + cp_mb + dispatch_mb),
                     dp_exposed=max(0.0, dp_bytes(s, moe) / device.link(dp_span) - compute),
-                    offload_exposed=max(offload - compute, offload / s.layers_on_stage) if offload_bytes else 0.0)
+                    offload_exposed=max(offload - compute, offload / s.layers_on_stage) if offload_bytes else 0.0,
+                    cp=m * cp_mb, optimizer=optimizer_seconds(s, device, moe))
 
 
 def change_pct(before: StepTime, after: StepTime) -> float:

@@ -211,9 +211,10 @@ def _device_lines(result) -> list[str]:
 def _step_time_lines(result, gpu_defaulted: bool) -> list[str]:
     """The device that prices the options' step time, and the config's own step time by term."""
     g, t = result.gpu, result.step_time
-    default = "; the default, --gpu h200|b200 to change" if gpu_defaulted else ""
+    default = "; the default, --gpu h200|b200|b300|gb200|gb300 to change" if gpu_defaulted else ""
     terms = ", ".join(f"{name.replace('_', ' ')} {seconds:.3f}" for name, seconds in vars(t).items())
-    return [_wrap(f"step time (roofline, {g.name}: {g.bf16_flops / 1e12:,.1f} TFLOP/s dense bf16 at 100% of peak, "
+    return [_wrap(f"step time (calibrated on published throughput, {g.name}: {g.bf16_flops / 1e12:,.1f} TFLOP/s "
+                  f"dense bf16 at a GEMM efficiency by size, "
                   f"HBM {g.hbm / 1e12:g} TB/s, NVLink {g.nvlink / 1e9:g} GB/s and InfiniBand {g.ib / 1e9:g} GB/s per "
                   f"GPU and direction, PCIe {g.pcie / 1e9:g} GB/s; {g.source}{default}): "
                   f"{t.total:.3f} s per step as is ({terms}); "

@@ -371,8 +371,11 @@ def test_sequence_parallelism_a_config_sets_at_tp_1_is_turned_off_as_bridge_turn
 
 def test_each_option_is_priced_in_step_time_against_the_config_as_is():
     """Expandable segments change no time; adding mlp to layernorm recompute adds its forward GEMMs at the H100's
-    dense bf16 peak (the default device): SwiGLU fc1 h -> 2 ffn/t and fc2 ffn/t -> h, 2 FLOPs per multiply-add,
-    on the 4 layers of the one microbatch (global batch = micro-batch x DP), against the config's own step time."""
+    dense bf16 peak (the default device) times the calibration's efficiency of their size: SwiGLU fc1 h -> 2 ffn/t
+    and fc2 ffn/t -> h, 2 FLOPs per multiply-add, on the 4 layers of the one microbatch (global batch = micro-batch
+    x DP), against the config's own step time."""
+    from megatron_bridge_ext.levers import calibration
+
     result = _plan(_cfg(dp=2), 1)
     assert result.gpu.name == "h100" and result.step_time.total > 0
     by_label = {o.label: o for o in result.options if o.applicable}
@@ -381,7 +384,9 @@ def test_each_option_is_priced_in_step_time_against_the_config_as_is():
     mlp_flops = 2 * seq * micro_batch * hidden * (ffn // tp) * 3 * layers
     added = (by_label["recompute_modules=['layernorm', 'mlp']"].cost.step_time_pct
              - by_label["recompute_modules=['layernorm']"].cost.step_time_pct)
-    assert added == pytest.approx(100 * mlp_flops / (1979e12 / 2) / result.step_time.total, rel=1e-9)
+    per_gemm = mlp_flops / layers / 2
+    efficiency = calibration.GEMM_PEAK_FRACTION_BF16 * per_gemm / (per_gemm + calibration.GEMM_HALF_FLOPS)
+    assert added == pytest.approx(100 * mlp_flops / (1979e12 / 2 * efficiency) / result.step_time.total, rel=1e-9)
     assert all(o.cost.step_time_pct is None for o in result.options if not o.applicable)
 
 

@@ -71,8 +71,8 @@ FAST_REFUSALS = [
                                            "give a multiple of 4, e.g. --global-batch 8"),
     (["--margin", "1.5"], "--margin: 1.5 is not a share"),
     (["--gpu-memory", "80"], "--gpu-memory: 80 has no unit. Fix: write 80GiB or 80GB"),
-    (["--gpu", "a100"], "mbx plan: --gpu: 'a100' is not a GPU preset (h100, h200, b200). Fix: give one of them, e.g. "
-                        "--gpu h100"),
+    (["--gpu", "a100"], "mbx plan: --gpu: 'a100' is not a GPU preset (h100, h200, b200, b300, gb200, gb300). Fix: "
+                        "give one of them, e.g. --gpu h100"),
     (["--gpu", "h200", "--gpu-ib", "-5"], "--gpu-ib: -5.0 is not a positive rate. Fix: give e.g. --gpu-ib 50"),
 ]
 
@@ -696,8 +696,9 @@ def test_the_plan_states_the_device_and_prints_each_options_step_time():
     result = small_plan(gpu_memory=1)
     text = plan_cli.format_plan(result)
     words = " ".join(text.split())  # the line wraps at 120 columns
-    assert "step time (roofline, h100: 989.5 TFLOP/s dense bf16 at 100% of peak" in words
-    assert "the default, --gpu h200|b200 to change" in words
+    assert ("step time (calibrated on published throughput, h100: 989.5 TFLOP/s dense bf16 at a GEMM efficiency by "
+            "size") in words
+    assert "the default, --gpu h200|b200|b300|gb200|gb300 to change" in words
     assert "--gpu h200|b200" not in " ".join(plan_cli.format_plan(result, gpu_defaulted=False).split())
     header, _, *rows = text.split("\n  step  option")[1].split("\nwhy not")[0].splitlines()
     assert "time" in header.split()

@@ -1,4 +1,5 @@
-"""The roofline step time: every expected figure derived here by hand from the shapes and the datasheet rates."""
+"""The step time: every expected figure derived here by hand from the shapes, the datasheet rates and the calibration's
+efficiency formula (a GEMM of f FLOPs at fraction x f / (f + half) of its precision's peak)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from megatron_bridge_ext.estimate.mamba import MambaShapes
 from megatron_bridge_ext.estimate.settings import HybridSettings, Settings
-from megatron_bridge_ext.levers import steptime
+from megatron_bridge_ext.levers import calibration, steptime
 from tests.support import settings as support
 
 pytestmark = [pytest.mark.unit]
@@ -39,6 +40,30 @@ def forward_flops(tp: int) -> tuple[int, int, int]:
 
 H100 = steptime.gpu("h100")
 PEAK, NVLINK = H100_BF16_SPARSE / 2, H100_NVLINK_BOTH / 2
+ATTENTION, MLP = 2 * T * (H * 3 * H + H * H), 2 * T * (H * FFN + FFN * H)
+"""One layer's attention linears (QKV, projection) and MLP (fc1, fc2) forward FLOPs per microbatch, before TP."""
+
+
+def gemm_seconds(flops: float, gemms: int = 1, fp8: bool = False) -> float:
+    """``flops`` in ``gemms`` equal GEMMs at the calibration's efficiency of their size on the H100 peak."""
+    f = flops / gemms
+    fraction = calibration.GEMM_PEAK_FRACTION_FP8 if fp8 else calibration.GEMM_PEAK_FRACTION_BF16
+    return flops / ((PEAK * 2 if fp8 else PEAK) * fraction * f / (f + calibration.GEMM_HALF_FLOPS))
+
+
+def core_seconds(flops: float) -> float:
+    """The causal attention core: half the s x s FLOPs at the large-GEMM fraction of the BF16 peak."""
+    return flops / 2 / (PEAK * calibration.GEMM_PEAK_FRACTION_BF16)
+
+
+def layer_seconds(tp: int, passes: int = 3, fp8: bool = False) -> float:
+    """One GPT layer's linears (``passes`` x forward) and core (3 x forward) per microbatch on a TP rank."""
+    linears = passes * (gemm_seconds(ATTENTION // tp, 2, fp8) + gemm_seconds(MLP // tp, 2, fp8))
+    return linears + 3 * core_seconds(2 * 2 * T * T * H // tp)
+
+
+def output_seconds(tp: int, passes: int = 3) -> float:
+    return passes * gemm_seconds(2 * T * H * V // tp)
 
 
 def test_presets_are_the_datasheets_dense_rates_per_direction():
@@ -71,13 +96,24 @@ def test_a_group_beyond_a_node_of_8_uses_infiniband():
 def test_full_fine_tuning_step_time_by_hand():
     """6x forward FLOPs for trainable linears (3 passes x 2 FLOPs), 3 passes of the attention core, TP's
     2 all-gathers + 2 reduce-scatters of [s, b, h] forward and backward sending (t-1)/t each, on NVLink."""
-    linears, core, output = forward_flops(2)
-    flops = L * (3 * linears + 3 * core) + 3 * output
     tp_sent = 8 * T * H * 2 * L // 2  # 8 collectives x [s, b, h] bf16 x (2-1)/2, per layer
-    t = steptime.step_time(settings(), H100)
-    assert t.compute == pytest.approx(M * flops / PEAK, rel=1e-12)
-    assert t.tp == pytest.approx(M * tp_sent / NVLINK, rel=1e-12)
-    assert (t.dispatch, t.pp_p2p, t.bubble, t.dp_exposed, t.offload_exposed) == (0, 0, 0, 0, 0)
+    t = steptime.step_time(settings(sequence_parallel=False), H100)
+    assert t.compute == pytest.approx(M * (L * layer_seconds(2) + output_seconds(2)), rel=1e-12)
+    assert t.tp == pytest.approx(M * tp_sent / NVLINK, rel=1e-12)  # no SP: no tp_comm_overlap
+    assert (t.dispatch, t.pp_p2p, t.bubble, t.dp_exposed, t.offload_exposed, t.cp) == (0, 0, 0, 0, 0, 0)
+
+
+def test_tp_comm_overlap_under_sp_hides_the_collectives_up_to_the_linears_time():
+    """Bridge's tp_comm_overlap (kept only with SP) runs the collectives under the linears: exposed only beyond their
+    time; without it, or without SP, all of them."""
+    linears = 3 * L * (gemm_seconds(ATTENTION // 2, 2) + gemm_seconds(MLP // 2, 2))
+    slow = steptime.gpu("h100", nvlink=1e9)
+    tp_sent = 8 * T * H * 2 * L // 2
+    overlapped = settings(tp_comm_overlap=True)
+    assert steptime.step_time(overlapped, H100).tp == pytest.approx(M * max(0.0, tp_sent / NVLINK - linears), abs=1e-15)
+    assert steptime.step_time(overlapped, slow).tp == pytest.approx(M * (tp_sent / 1e9 - linears), rel=1e-12)
+    for plain in (settings(), settings(tp_comm_overlap=True, sequence_parallel=False)):
+        assert steptime.step_time(plain, slow).tp == pytest.approx(M * tp_sent / 1e9, rel=1e-12)
 
 
 def test_lora_frozen_linears_take_4x_not_6x_and_the_adapters_input_collectives_count():
@@ -86,33 +122,31 @@ def test_lora_frozen_linears_take_4x_not_6x_and_the_adapters_input_collectives_c
     gathers x (s*b*h) and the rank-r output (s*b*r) forward, reduce-scatters x's grad (s*b*h) backward, except the first linear_qkv."""
     r = 16
     s = settings(peft=support.lora(r, ["linear_qkv", "linear_fc1"], strategy="off"))
-    linears, core, output = forward_flops(2)
-    flops = L * (2 * linears + 3 * core) + 2 * output
     adapters = 2 * L
     lora_elements = adapters * (2 * T * H + T * r) - T * H  # the first layer's linear_qkv: no input gradient
     tp_sent = 8 * T * H * 2 * L // 2 + lora_elements * 2 // 2
     t = steptime.step_time(s, H100)
-    assert t.compute == pytest.approx(M * flops / PEAK, rel=1e-12)
-    assert t.tp == pytest.approx(M * tp_sent / NVLINK, rel=1e-12)
+    assert t.compute == pytest.approx(M * (L * layer_seconds(2, passes=2) + output_seconds(2, passes=2)), rel=1e-12)
+    assert steptime.tp_bytes(s) == tp_sent
 
 
 def test_regather_adds_one_gather_of_x_per_adapter_and_shard_local_drops_both():
     r = 16
-    t = {k: steptime.step_time(settings(peft=support.lora(r, ["linear_qkv", "linear_fc1"], strategy=k)), H100) for k in
+    t = {k: steptime.tp_bytes(settings(peft=support.lora(r, ["linear_qkv", "linear_fc1"], strategy=k))) for k in
          ("off", "regather", "shard_local")}
     adapters, x = 2 * L, T * H * 2 // 2  # bytes one [s, b, h] collective sends from a rank at TP 2
-    assert t["regather"].tp - t["off"].tp == pytest.approx(M * adapters * x / NVLINK, rel=1e-9)
+    assert t["regather"] - t["off"] == adapters * x
     # shard_local: s*b*r + 3*r*h per adapter (2*r*h on the first linear_qkv) in place of s*b*r + 2*s*b*h
     saved = adapters * 2 * T * H - T * H - (adapters * 3 - 1) * r * H
-    assert t["off"].tp - t["shard_local"].tp == pytest.approx(M * saved * 2 // 2 / NVLINK, rel=1e-9)
+    assert t["off"] - t["shard_local"] == saved * 2 // 2
 
 
-def test_mlp_recompute_costs_its_forward_flops_at_peak():
+def test_mlp_recompute_costs_its_forward_at_the_mlps_gemm_efficiency():
     before, after = steptime.step_time(settings(), H100), steptime.step_time(
         settings(recompute_granularity="selective", recompute_modules=("mlp",)), H100)
-    mlp = 2 * T * (H * FFN + FFN * H) // 2
-    assert after.total - before.total == pytest.approx(M * L * mlp / PEAK, rel=1e-9)
-    assert steptime.change_pct(before, after) == pytest.approx(100 * M * L * mlp / PEAK / before.total, rel=1e-9)
+    mlp = gemm_seconds(MLP // 2, 2)
+    assert after.total - before.total == pytest.approx(M * L * mlp, rel=1e-9)
+    assert steptime.change_pct(before, after) == pytest.approx(100 * M * L * mlp / before.total, rel=1e-9)
 
 
 def test_layernorm_recompute_reads_and_writes_two_norms_at_hbm_bandwidth():
@@ -131,29 +165,29 @@ def test_the_bubble_is_pp_minus_1_over_vpp_m_of_the_ideal(pp, vpp):
 def test_tp_x2_at_fixed_gpus_keeps_compute_and_pays_tp_traffic_and_dp():
     """TP 2 -> 4, DP 2 -> 1: half the FLOPs per microbatch, twice the microbatches; TP sends 3/4 instead of 1/2
     of [s, b, h] per collective, on twice the microbatches; DP's traffic (overlapped) goes away."""
-    before = steptime.step_time(settings(dp=2), H100)
-    after = steptime.step_time(settings(tp=4, dp=1, num_microbatches=2 * M), H100)
-    assert after.compute == pytest.approx(before.compute, rel=1e-12)
+    before = steptime.step_time(settings(dp=2, sequence_parallel=False), H100)
+    after = steptime.step_time(settings(tp=4, dp=1, num_microbatches=2 * M, sequence_parallel=False), H100)
+    assert before.compute == pytest.approx(M * (L * layer_seconds(2) + output_seconds(2)), rel=1e-12)
+    assert after.compute == pytest.approx(2 * M * (L * layer_seconds(4) + output_seconds(4)), rel=1e-12)
+    assert after.compute > before.compute  # the same FLOPs in GEMMs of half the size: less efficient
     layer_tp = 8 * T * H * 2 * L
     assert before.tp == pytest.approx(M * layer_tp / 2 / NVLINK, rel=1e-12)
     assert after.tp == pytest.approx(2 * M * layer_tp * 3 / 4 / NVLINK, rel=1e-12)
     params = (L * (H * 3 * H + H * H + 2 * H * FFN) + 2 * V * H) // 2  # both ends on the one stage, over TP 2
     dp_time = (4 + 2) * params / 2 / NVLINK  # fp32 grads reduce-scattered, bf16 params gathered, (2-1)/2 sent
     assert before.dp_exposed == max(0.0, dp_time - before.compute) and after.dp_exposed == 0
-    assert steptime.change_pct(before, after) == pytest.approx(
-        100 * (after.tp - before.tp - before.dp_exposed) / before.total, rel=1e-9)
+    assert after.optimizer == pytest.approx(before.optimizer, rel=1e-12)  # a quarter of the parameters either way
 
 
 def test_pp_x2_at_fixed_gpus_pays_the_bubble_and_p2p():
     """PP 1 -> 2, DP 2 -> 1 (the 2 layers split, the output layer stays on the last stage): each microbatch's
     p2p sends [s/t, b, h] forward and back; the bubble is one microbatch's time in 2M."""
-    before = steptime.step_time(settings(dp=2), H100)
-    after = steptime.step_time(settings(pp=2, dp=1, layers_on_stage=1, num_microbatches=2 * M), H100)
-    linears, core, output = forward_flops(2)
-    compute_mb = (3 * linears + 3 * core + 3 * output) / PEAK
+    after = steptime.step_time(settings(pp=2, dp=1, layers_on_stage=1, num_microbatches=2 * M,
+                                       sequence_parallel=False), H100)
+    compute_mb = layer_seconds(2) + output_seconds(2)
     tp_mb = 8 * T * H * 2 * 1 / 2 / NVLINK
     assert after.compute == pytest.approx(2 * M * compute_mb, rel=1e-12)
-    assert after.pp_p2p == pytest.approx(2 * M * 2 * (T // 2) * H * 2 / NVLINK, rel=1e-12)  # 4 ranks: one node
+    assert after.pp_p2p == pytest.approx(2 * M * 2 * T * H * 2 / NVLINK, rel=1e-12)  # 4 ranks: one node; no SP
     assert after.bubble == pytest.approx(compute_mb + tp_mb, rel=1e-12)
 
 
@@ -171,9 +205,9 @@ def test_offloading_pays_what_the_compute_does_not_hide_and_at_least_one_layer()
         large / H100.pcie - base.compute)
 
 
-def test_fp8_uses_the_fp8_peak():
-    t8, t16 = steptime.step_time(settings(fp8="hybrid"), H100), steptime.step_time(settings(), H100)
-    assert t8.compute == pytest.approx(t16.compute * H100_BF16_SPARSE / H100_FP8_SPARSE, rel=1e-12)
+def test_fp8_runs_the_linears_at_the_fp8_peak_and_keeps_the_core_and_output_layer_in_bf16():
+    t8 = steptime.step_time(settings(fp8="hybrid"), H100)
+    assert t8.compute == pytest.approx(M * (L * layer_seconds(2, fp8=True) + output_seconds(2)), rel=1e-12)
 
 
 def moe_shape(ep: int) -> dict:
@@ -190,18 +224,19 @@ def test_moe_layers_price_the_router_the_routed_experts_and_the_dispatch():
     overlapped with compute)."""
     s = settings(dp=2, moe=support.experts(L, experts=8, topk=2, ffn=512, ep=2))
     tokens, k = T // 2, 2
-    _, core, output = forward_flops(2)
+    _, core, _ = forward_flops(2)
     attention = 2 * T * (H * 3 * H + H * H) // 2
     experts = 2 * tokens * H * 8 + 2 * tokens * k * H * 512 * 2
     before, after = steptime.step_time(s, H100, moe=moe_shape(2)), steptime.step_time(s, H100, moe=moe_shape(4))
-    assert before.compute == pytest.approx(M * (L * (3 * (attention + experts) + 3 * core) + 3 * output) / PEAK,
-                                           rel=1e-12)
+    layer = 3 * (gemm_seconds(attention, 2) + gemm_seconds(experts, 2 * 8 // 2)) + 3 * core_seconds(core)
+    assert before.compute == pytest.approx(M * (L * layer + output_seconds(2)), rel=1e-12)
     tp = 4 * T * H * 2 * L // 2
     dispatch = 4 * tokens * k * H * 2 * L
     assert before.tp == pytest.approx(M * tp / NVLINK, rel=1e-12) and after.tp == before.tp
     assert before.dispatch == pytest.approx(M * dispatch / 2 / NVLINK, rel=1e-12)
     assert after.dispatch == pytest.approx(M * dispatch * 3 / 4 / NVLINK, rel=1e-12)
-    assert (before.dp_exposed, after.dp_exposed) == (0, 0) and after.compute == before.compute
+    assert (before.dp_exposed, after.dp_exposed) == (0, 0)
+    assert after.compute < before.compute  # 2 local experts at EP 4, twice the tokens each: larger GEMMs
 
 
 HYBRID = {"Mamba": 2, "attention": 1, "MLP": 1}
@@ -225,10 +260,12 @@ def test_a_hybrid_stage_counts_each_layer_by_its_kind():
     scan = T * (2 * 128 * 32 * groups + 2 * 128 * 64 * heads + 4 * 32 * 64 * heads)
     attention, mlp = 2 * T * (H * 3 * H + H * H) // tp, 2 * T * (H * FFN + FFN * H) // tp
     core, output = 2 * 2 * T * T * H // tp, 2 * T * H * V // tp
-    flops = 3 * (2 * mamba_linears + attention + mlp) + 3 * (core + 2 * scan) + 3 * output
+    seconds = (3 * (2 * gemm_seconds(mamba_linears, 2) + gemm_seconds(attention, 2) + gemm_seconds(mlp, 2))
+               + 3 * core_seconds(core) + 3 * 2 * scan / (PEAK * calibration.GEMM_PEAK_FRACTION_BF16)
+               + 3 * gemm_seconds(output))
     tp_sent = 4 * T * H * 2 * 4 // 2  # 4 collectives x [s, b, h] bf16 x 4 layers x (2-1)/2
-    t = steptime.step_time(hybrid_settings(), H100)
-    assert t.compute == pytest.approx(M * flops / PEAK, rel=1e-12)
+    t = steptime.step_time(hybrid_settings(sequence_parallel=False), H100)
+    assert t.compute == pytest.approx(M * seconds, rel=1e-12)
     assert t.tp == pytest.approx(M * tp_sent / NVLINK, rel=1e-12)
 
 
@@ -283,3 +320,51 @@ def test_latent_attention_trains_its_down_projections_whole_on_every_rank():
     whole = H * (Q_LORA + KV_LORA + ROPE) * L
     trainable = (split + 2 * V * H) // 2 + whole
     assert steptime.dp_bytes(latent_settings(dp=2)) == (4 + 2) * trainable // 2
+
+
+GB200_BF16_SPARSE_RACK, GB200_FP8_SPARSE_RACK = 360e15, 720e15  # GB200/GB300 NVL72 datasheets, 72 GPUs
+B300_BF16_SPARSE_NODE, B300_FP8_SPARSE_NODE = 36e15, 72e15  # HGX B300 datasheet, 8 GPUs
+
+
+def test_blackwell_presets_are_their_datasheets_dense_rates_and_nvl72_spans_the_rack():
+    gb200, gb300, b300 = steptime.gpu("gb200"), steptime.gpu("gb300"), steptime.gpu("b300")
+    for g in (gb200, gb300):
+        assert (g.bf16_flops, g.fp8_flops) == (GB200_BF16_SPARSE_RACK / 72 / 2, GB200_FP8_SPARSE_RACK / 72 / 2)
+        assert (g.link(72), g.link(73)) == (g.nvlink, g.ib)
+    assert (b300.bf16_flops, b300.fp8_flops) == (B300_BF16_SPARSE_NODE / 8 / 2, B300_FP8_SPARSE_NODE / 8 / 2)
+    assert (b300.link(8), b300.link(16)) == (b300.nvlink, b300.ib)
+
+
+def test_dp_traffic_is_hidden_by_the_compute_and_only_its_excess_is_exposed():
+    """overlap_grad_reduce and overlap_param_gather (Bridge turns them on with DP > 1): on a slow enough link the
+    step pays the DP time beyond the compute, on NVLink nothing."""
+    params = (L * (H * 3 * H + H * H + 2 * H * FFN) + 2 * V * H) // 2
+    slow = steptime.gpu("h100", nvlink=1e8)
+    fast_t, slow_t = steptime.step_time(settings(dp=2), H100), steptime.step_time(settings(dp=2), slow)
+    dp_time = (4 + 2) * params / 2 / 1e8
+    assert fast_t.dp_exposed == 0 and (4 + 2) * params / 2 / NVLINK < fast_t.compute
+    assert slow_t.dp_exposed == pytest.approx(dp_time - slow_t.compute, rel=1e-12) and slow_t.dp_exposed > 0
+
+
+def test_pipeline_p2p_is_hidden_with_virtual_stages():
+    """overlap_p2p_comm: Bridge turns it on only with VPP > 1 (comm_overlap.py L453-457)."""
+    assert steptime.step_time(settings(pp=2, vpp=2, layers_on_stage=1), H100).pp_p2p == 0
+    assert steptime.step_time(settings(pp=2, layers_on_stage=1), H100).pp_p2p > 0
+
+
+def test_cp_ring_exchange_runs_under_the_attention_core():
+    """CP 2: each layer sends its K and V chunk (s/2 tokens, kv heads over TP) one hop forward, three times in all
+    with the backward; hidden while the core's time covers it, else its excess on every microbatch."""
+    kv = 2 * 8 * 128 // 2  # K and V of 8 heads x 128 over TP 2
+    sent = 3 * (T // 2) * kv * 2 * L
+    assert steptime.cp_bytes(settings(cp=2)) == sent
+    core = 3 * L * core_seconds(2 * 2 * T * T * H // 2) / 2  # the rank's half of the sequence
+    slow = steptime.gpu("h100", nvlink=1e7)
+    assert steptime.step_time(settings(cp=2), steptime.gpu("h100", nvlink=1e15)).cp == 0
+    assert steptime.step_time(settings(cp=2), slow).cp == pytest.approx(M * (sent / 1e7 - core), rel=1e-12)
+
+
+def test_the_optimizer_step_moves_its_shards_bytes_at_hbm_bandwidth():
+    """Adam on the rank's shard of the trainable parameters (DP 2, distributed optimizer): 30 bytes per parameter."""
+    params = (L * (H * 3 * H + H * H + 2 * H * FFN) + 2 * V * H) // 2 / 2
+    assert steptime.step_time(settings(dp=2), H100).optimizer == pytest.approx(30 * params / H100_HBM, rel=1e-12)
