@@ -497,7 +497,7 @@ def candidate_stages(provider) -> list[int]:
     if is_hybrid(provider):
         return list(range(pp))
     kinds = layer_kinds(provider)
-    if not _uniform_dense(provider, ignore=("fp8",)):
+    if not _uniform_dense(provider):
         kinds = list(range(provider.num_layers))
     fp8 = precision.fp8_of(provider)
     if fp8 is not None:
@@ -566,18 +566,19 @@ def _index_shared_prefix(provider, stage: int, layers: list) -> ReducedStage:
     return ReducedStage(layers[:count], sources, numbers[:count])
 
 
-LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading", "fine_grained_activation_offloading",
-                       "fp8")
-"""Fields under which a dense model's layers differ by their number (Megatron Core's ``TransformerConfig``: a
-sliding window or RoPE skipped every few layers, layers offloaded to the CPU, FP8 with the first and last layers
-in bf16 and the FP8 weights counted per global layer): such a stage is traced whole."""
+LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading", "fine_grained_activation_offloading")
+"""Fields under which a dense model's layers differ by their number in what they save (Megatron Core's
+``TransformerConfig``: a sliding window or RoPE skipped every few layers, layers offloaded to the CPU): such a stage
+is traced whole. FP8 with the first and last layers in bf16 is not one of them: the traced layers save the same, and
+which layers run in FP8 (their weights, TE's contract) is read by each real layer's global number after the trace
+(:func:`global_layer_numbers`), as for an MoE stage."""
 
 
-def _uniform_dense(provider, ignore: tuple = ()) -> bool:
+def _uniform_dense(provider) -> bool:
     """A dense model whose layers are one spec built alike, so its later layers save what its second saves (traced
     with :data:`TRACED_LAYERS` layers, as an MoE stage is, instead of every layer: the plan traces a config once
-    per option). ``ignore``: fields of :data:`LAYER_NUMBER_FIELDS` left out."""
-    return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS if name not in ignore)
+    per option)."""
+    return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS)
 
 
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,
