@@ -11,6 +11,8 @@ def changes(given, c) -> str:
     """What candidate ``c`` changes against the config as given, in a few words."""
     names = {"tp": "TP", "pp": "PP", "vpp": "VPP", "cp": "CP", "ep": "EP", "etp": "ETP", "dp": "DP", "sp": "SP",
              "micro_batch": "mb", "recompute": "recompute", "distributed_optimizer": "distopt"}
+    if given.ep == c.ep == 1:  # no expert parallelism on either side: the expert TP follows TP
+        names.pop("etp")
     out = [f"{label} {_v(getattr(given, k))}->{_v(getattr(c, k))}" for k, label in names.items()
            if getattr(given, k) != getattr(c, k)]
     return ", ".join(out) or "as given"
@@ -59,6 +61,9 @@ def as_text(result) -> str:
              f"usable {gib(result.usable)} ({gib(result.usable_expandable)} with expandable segments)",
              "walk: " + ", ".join(f"{k} {v}" for k, v in result.counts.items())
              + "; seconds " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items())]
+    if result.refused:
+        first = next(iter(result.refused.items()))
+        lines.append(f"not estimable: {len(result.refused)} candidates, e.g. {first[0].describe()}: {first[1][:160]}")
     if d["given"]:
         g = d["given"]
         lines.append(f"as given: {g['candidate']}: peak {gib(g['peak_bytes'])} ({g['peak_phase']}), "

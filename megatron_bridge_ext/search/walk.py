@@ -112,6 +112,10 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
             out.refused[c] = refused.one_line()
             done[c] = None
             return None
+        except Exception as error:  # upstream code under a layout no test ran: one candidate lost, not the search
+            out.refused[c] = f"the estimate failed: {type(error).__name__}: {error}"
+            done[c] = None
+            return None
         phase = max(est.phases, key=lambda p: p.peak_bytes)
         s = est.settings
         st = steptime.step_time(s, gpu, moe=moe_of(c))
@@ -147,7 +151,7 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
             e = run(c)
             if e is not None and e.fits and answer_at is None:
                 answer_at = time.perf_counter()
-        out.counts.update(estimated=len(done), pruned_not_fitting=pruned, pruned_dominated=dominated,
+        out.counts.update(estimated=len(done), not_estimable=len(out.refused), pruned_not_fitting=pruned, pruned_dominated=dominated,
                           traces=trace_cache.misses, trace_reuses=trace_cache.hits)
     t3 = time.perf_counter()
     out.seconds = {"enumerate": t1 - t0, "step_times": t2 - t1, "estimates": t3 - t2}
