@@ -62,7 +62,7 @@ class Search:
     @property
     def answer(self) -> Optional[Evaluated]:
         fitting = [e for e in self.evaluated if e.fits]
-        return min(fitting, key=lambda e: e.step_time_s) if fitting else None
+        return min(fitting, key=lambda e: (e.step_time_s, e.peak_bytes)) if fitting else None
 
     @property
     def front(self) -> list[Evaluated]:
