@@ -8,7 +8,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, expert_sizes, layout_findings
+from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, expert_sizes, layout_findings, uneven_split
 from megatron_bridge_ext.levers.recompute.advice import INSIDE_MOE
 
 FULL = "full"
@@ -46,14 +46,22 @@ class Candidate:
                 and covers(self.recompute, other.recompute) and self.sp >= other.sp
                 and self.distributed_optimizer >= other.distributed_optimizer)
 
-    def overrides(self) -> list[str]:
-        """Bridge override strings that set this candidate on the given config."""
+    def overrides(self, layers: int) -> list[str]:
+        """Bridge override strings that set this candidate on the given config of ``layers`` layers."""
         out = [f"model.tensor_model_parallel_size={self.tp}", f"model.pipeline_model_parallel_size={self.pp}",
                f"model.virtual_pipeline_model_parallel_size={'null' if self.vpp is None else self.vpp}",
+               "model.microbatch_group_size_per_vp_stage=null",
                f"model.context_parallel_size={self.cp}", f"model.sequence_parallel={str(self.sp).lower()}",
                f"train.micro_batch_size={self.micro_batch}",
                f"optimizer.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
                f"ddp.use_distributed_optimizer={str(self.distributed_optimizer).lower()}"]
+        first_last = uneven_split(layers, self.pp)
+        split = ["model.num_layers_in_first_pipeline_stage={}".format(first_last[0] if first_last else "null"),
+                 "model.num_layers_in_last_pipeline_stage={}".format(first_last[1] if first_last else "null")]
+        return out + split + self._experts_and_recompute()
+
+    def _experts_and_recompute(self) -> list[str]:
+        out = []
         if self.ep > 1 or self.etp != self.tp:
             out += [f"model.expert_model_parallel_size={self.ep}", f"model.expert_tensor_parallel_size={self.etp}"]
         if self.recompute == FULL:
@@ -86,6 +94,9 @@ def apply(cfg, c: Candidate):
     m = out.model
     m.tensor_model_parallel_size, m.pipeline_model_parallel_size = c.tp, c.pp
     m.virtual_pipeline_model_parallel_size, m.context_parallel_size, m.sequence_parallel = c.vpp, c.cp, c.sp
+    m.microbatch_group_size_per_vp_stage = None  # Core's default, PP (model_parallel_config.py L567-568)
+    m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage = \
+        uneven_split(m.num_layers, c.pp) or (None, None)
     if getattr(m, "num_moe_experts", None):
         m.expert_model_parallel_size, m.expert_tensor_parallel_size = c.ep, c.etp
     out.train.micro_batch_size = c.micro_batch
@@ -163,7 +174,7 @@ def settings_for(base, c: Candidate, shape: dict, global_batch: int):
         moe = replace(moe, ep=c.ep, etp=c.etp, local_experts=moe.experts // c.ep, layers_on_stage=moe_layers // c.pp)
     return replace(base, tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.sp and c.tp > 1,
                    micro_batch=c.micro_batch, num_microbatches=global_batch // (c.micro_batch * c.dp),
-                   layers_on_stage=layers // c.pp, stage=c.pp - 1,
+                   layers_on_stage=-(-layers // c.pp), stage=c.pp - 1,
                    recompute_granularity=FULL if c.recompute == FULL else ("selective" if c.recompute else None),
                    recompute_modules=() if c.recompute == FULL else tuple(c.recompute),
                    distributed_optimizer=c.distributed_optimizer, moe=moe)

@@ -28,7 +28,7 @@ def _v(value) -> str:
 
 def row(result, e) -> dict:
     tokens = result.global_batch * result.seq / e.step_time_s / result.world
-    return {"candidate": e.candidate.describe(), "overrides": e.candidate.overrides()
+    return {"candidate": e.candidate.describe(), "overrides": e.candidate.overrides(result.layers)
             + (["env_vars.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"] if e.expandable else []),
             "memory_config": memory_config_line(e), "peak_bytes": e.peak_bytes, "peak_phase": e.peak_phase,
             "fits": e.fits, "step_time_s": e.step_time_s, "tokens_per_s_per_gpu": tokens,

@@ -58,6 +58,7 @@ class Search:
     refused: dict = field(default_factory=dict)
     counts: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
+    layers: int = 0
 
     @property
     def answer(self) -> Optional[Evaluated]:
@@ -87,7 +88,7 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     given = cands.given(cfg, base.dp)
     seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe))
     out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
-                 counts={"enumerated": seen, "legal": len(legal)})
+                 counts={"enumerated": seen, "legal": len(legal)}, layers=shape["layers"])
     t1 = time.perf_counter()
 
     def moe_of(c):

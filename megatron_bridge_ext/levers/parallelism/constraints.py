@@ -168,10 +168,11 @@ def layout_findings(shape: dict, *, world: int, global_batch: int, tp: int, pp: 
     for name, count in (("heads", shape["heads"]), ("query groups", shape["query_groups"])):
         if count % tp:
             bad("model.tensor_model_parallel_size", f"TP={tp} does not divide the {count} {name}", "choose a divisor")
-    if shape["layers"] % pp:
-        bad("model.pipeline_model_parallel_size", f"PP={pp} does not divide the {shape['layers']} layers",
-            "choose a divisor")
-    elif vpp is not None and (shape["layers"] // pp) % vpp:
+    uneven = uneven_split(shape["layers"], pp)
+    if shape["layers"] % pp and (uneven is None or vpp is not None):
+        bad("model.pipeline_model_parallel_size", f"PP={pp} does not divide the {shape['layers']} layers"
+            + ("" if uneven is None else " (an uneven split is tried without interleaving)"), "choose a divisor")
+    elif uneven is None and vpp is not None and (shape["layers"] // pp) % vpp:
         bad("model.virtual_pipeline_model_parallel_size",
             f"VPP={vpp} does not divide the {shape['layers'] // pp} layers of a stage", "choose a divisor")
     if cp > 1 and shape["seq"] % (2 * cp):
@@ -195,3 +196,15 @@ def layout_findings(shape: dict, *, world: int, global_batch: int, tp: int, pp: 
 LAYOUT_NAMES = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_tensor_parallel_size",
                 "dp": "data parallel size"}
 """The settings :func:`layout_findings` names in the expert rules."""
+
+
+def uneven_split(layers: int, pp: int) -> Optional[tuple[int, int]]:
+    """Layers of the first and the last stage when ``pp`` does not divide ``layers``: the middle stages hold
+    ceil(layers / pp) each and the first and last share the rest (Core requires the middle layers to divide over
+    the middle stages, ``transformer_config.py`` L2043-2047); None when ``pp`` divides them or no split exists."""
+    if layers % pp == 0 or pp < 3:
+        return None
+    per = -(-layers // pp)
+    rest = layers - (pp - 2) * per
+    first = rest // 2
+    return (first, rest - first) if 1 <= first and rest - first <= per else None

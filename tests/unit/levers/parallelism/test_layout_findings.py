@@ -22,8 +22,8 @@ def test_legal_layout_passes():
     (dict(dp=2), "--gpus"),
     # transformer_config.py L1339: num_query_groups % TP (8 groups, TP 16 over 2 nodes)
     (dict(tp=16, dp=1), "model.tensor_model_parallel_size"),
-    # transformer_block.py L150-152: 80 layers over PP 3
-    (dict(pp=3, world=48), "model.pipeline_model_parallel_size"),
+    # transformer_block.py L150-152: 81 layers over PP 2 (no uneven split with two stages)
+    (dict(layers=81), "model.pipeline_model_parallel_size"),
     # transformer_block.py L169-172: 40 layers a stage over VPP 3
     (dict(vpp=3), "model.virtual_pipeline_model_parallel_size"),
     # Bridge training/config.py L1436: seq % (2 x CP)
@@ -36,7 +36,8 @@ def test_legal_layout_passes():
     (dict(pp=4, vpp=2, dp=2, micro_batch=8), "train.global_batch_size"),
 ])
 def test_rule_refuses(change, setting):
-    shape = dict(DENSE, seq=4100) if change.get("cp") else DENSE
+    shape = dict(DENSE, seq=4100) if change.get("cp") else dict(DENSE)
+    shape["layers"] = change.pop("layers", shape["layers"])
     found = settings(layout_findings(shape, **{**LEGAL, **change}))
     assert (setting or "model.context_parallel_size") in found
 
@@ -48,3 +49,16 @@ def test_expert_rules():
     assert "model.expert_model_parallel_size" in settings(layout_findings(dict(MOE, experts=12), **legal))
     # model_parallel_config.py L560-565: EP and TP without SP
     assert "model.sequence_parallel" in settings(layout_findings(MOE, **dict(legal, sp=False)))
+
+
+def test_an_uneven_split_keeps_the_middle_stages_whole():
+    """transformer_config.py L2043-2047: the middle layers divide over the middle stages."""
+    from megatron_bridge_ext.levers.parallelism.constraints import uneven_split
+
+    first, last = uneven_split(126, 8)
+    assert (126 - first - last) % 6 == 0 and first + last + 6 * ((126 - first - last) // 6) == 126
+    assert uneven_split(80, 8) is None and uneven_split(7, 2) is None
+    legal = dict(LEGAL, world=1024, tp=8, pp=8, dp=16, global_batch=1024)
+    assert layout_findings(dict(DENSE, layers=126), **legal) == []
+    assert "model.pipeline_model_parallel_size" in settings(layout_findings(dict(DENSE, layers=126),
+                                                                            **dict(legal, vpp=2)))
