@@ -99,7 +99,8 @@ def add_parser(sub, make_parser) -> None:
                         "the front of peak memory against step time (default: walk the levers from the given layout)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
     p.add_argument("--plot", metavar="FILE",
-                   help="draw a stacked bar per option to FILE (default: no plot; needs matplotlib: "
+                   help="draw a stacked bar per option to FILE; with --search, every estimated candidate's peak against its "
+                        "step time, the front and the answer (default: no plot; needs matplotlib: "
                         f"{PLOT_EXTRA})")
     p.add_argument("--verbose", action="store_true",
                    help="also show the upstream warnings known to be harmless here (default: filtered; "
