@@ -96,9 +96,14 @@ def add_parser(sub, make_parser) -> None:
                    help="override the NVLink bandwidth per GPU and direction in GB/s (default: the preset's)")
     p.add_argument("--gpu-ib", type=float, metavar="GB/S",
                    help="override the InfiniBand bandwidth per GPU and direction in GB/s (default: the preset's)")
+    p.add_argument("--search", action="store_true",
+                   help="search every legal layout of the workload on --gpus N (TP, PP, VPP, CP, EP, ETP, DP, SP, "
+                        "micro-batch, recompute, distributed optimizer, expandable segments): the fastest that fits and "
+                        "the front of peak memory against step time (default: walk the levers from the given layout)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: text)")
     p.add_argument("--plot", metavar="FILE",
-                   help="draw a stacked bar per option to FILE (default: no plot; needs matplotlib: "
+                   help="draw a stacked bar per option to FILE; with --search, every estimated candidate's peak against its "
+                        "step time, the front and the answer (default: no plot; needs matplotlib: "
                         f"{PLOT_EXTRA})")
     p.add_argument("--verbose", action="store_true",
                    help="also show the upstream warnings known to be harmless here (default: filtered; "
@@ -132,12 +137,14 @@ def command(args) -> int:
     try:
         # upstream prints while models are built; stdout is the plan's
         with plan_imports(), contextlib.redirect_stdout(sys.stderr), plan_failures.unexpected(args.debug):
-            result = _plan(args)
+            result = _search(args) if args.search else _plan(args)
     except Refused as refused:
         return _fail(refused.one_line())
     except plan_failures.Unexpected as failure:
         print(f"mbx plan: {failure}", file=sys.stderr)
         return plan_failures.UNEXPECTED_STATUS
+    if args.search:
+        return _search_report(result, args)
     text = _report(result, args)
     print(text, flush=True)  # before the plot: a failure there must not lose the plan
     if args.plot:
@@ -238,3 +245,37 @@ def _plan(args):
     result.notes = built.notes + [n for n in [plan_inputs.seq_note(built.cfg.model.seq_length, args.hf_config)] if n]
     return result
 
+
+
+def _search(args):
+    """``--search``: the config as given estimated, then every legal candidate of its workload
+    (:mod:`megatron_bridge_ext.search.walk`)."""
+    from megatron_bridge_ext import planner
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.search import walk
+
+    built, options = build_config(args)
+    cfg = built.cfg
+    base = estimate(cfg, **options)
+    m = cfg.model
+    world = args.gpus or base.settings.dp * m.tensor_model_parallel_size * m.pipeline_model_parallel_size * (
+        m.context_parallel_size or 1)
+    expandable = args.expandable_segments == "on"
+    margin = args.margin if args.margin is not None else planner.MARGIN
+    usable = int(args.gpu_memory * (1 - (planner.EXPANDABLE_MARGIN if expandable else margin)))
+    return walk.search(cfg, base, world=world, usable=usable,
+                       usable_expandable=int(args.gpu_memory * (1 - planner.EXPANDABLE_MARGIN)),
+                       expandable_on=expandable, gpu=args.device, estimate_options=options)
+
+
+def _search_report(result, args) -> int:
+    from megatron_bridge_ext.search import report
+
+    print(report.as_json(result) if args.json else report.as_text(result), flush=True)
+    if args.plot:
+        try:
+            report.plot(result, args.plot)
+        except (OSError, ValueError) as error:
+            return _fail(f"--plot: {args.plot} was not written ({error})")
+        print(f"mbx plan: plot written to {args.plot}", file=sys.stderr)
+    return 0 if result.answer else 1

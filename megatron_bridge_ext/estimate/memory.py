@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_bridge_ext.estimate import (configs, features, mamba, offload, phases, pipeline, precision, routing,
-                                          static, te, te_fp8, unmodelled)
+                                          static, te, te_fp8, trace_cache, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
                                                 layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
                                                 stage_layer_kinds)
@@ -540,7 +540,7 @@ def candidate_stages(provider) -> list[int]:
     if is_hybrid(provider):
         return list(range(pp))
     kinds = layer_kinds(provider)
-    if not _uniform_dense(provider, ignore=("fp8",)):
+    if not _uniform_dense(provider):
         kinds = list(range(provider.num_layers))
     fp8 = precision.fp8_of(provider)
     if fp8 is not None:
@@ -609,74 +609,47 @@ def _index_shared_prefix(provider, stage: int, layers: list) -> ReducedStage:
     return ReducedStage(layers[:count], sources, numbers[:count])
 
 
-LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading", "fine_grained_activation_offloading",
-                       "fp8")
-"""Fields under which a dense model's layers differ by their number (Megatron Core's ``TransformerConfig``: a
-sliding window or RoPE skipped every few layers, layers offloaded to the CPU, FP8 with the first and last layers
-in bf16 and the FP8 weights counted per global layer): such a stage is traced whole."""
+LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading", "fine_grained_activation_offloading")
+"""Fields under which a dense model's layers differ by their number in what they save (Megatron Core's
+``TransformerConfig``: a sliding window or RoPE skipped every few layers, layers offloaded to the CPU): such a stage
+is traced whole. FP8 with the first and last layers in bf16 is not one of them: the traced layers save the same, and
+which layers run in FP8 (their weights, TE's contract) is read by each real layer's global number after the trace
+(:func:`global_layer_numbers`), as for an MoE stage."""
 
 
-def _uniform_dense(provider, ignore: tuple = ()) -> bool:
+def _uniform_dense(provider) -> bool:
     """A dense model whose layers are one spec built alike, so its later layers save what its second saves (traced
     with :data:`TRACED_LAYERS` layers, as an MoE stage is, instead of every layer: the plan traces a config once
-    per option). ``ignore``: fields of :data:`LAYER_NUMBER_FIELDS` left out."""
-    return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS if name not in ignore)
+    per option)."""
+    return not any(getattr(provider, name, None) for name in LAYER_NUMBER_FIELDS)
 
 
 def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str, device: str,
                     imbalance: float = BALANCED, candidates: tuple = ()) -> MemoryEstimate:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from megatron_bridge_ext.estimate.fake import fake_parallel_world, ranks_per_stage
+    from megatron_bridge_ext.estimate.fake import ranks_per_stage
 
     provider = prepared.provider
-    tp, pp, cp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size, provider.context_parallel_size
+    tp, cp = provider.tensor_model_parallel_size, provider.context_parallel_size
     ep, etp = expert_sizes(provider)
     sp = bool(provider.sequence_parallel) and tp > 1
     rank = stage * ranks_per_stage(tp=tp, cp=cp, ep=ep, etp=etp)  # TP, CP and EP rank 0 of the stage
     load = routing.RoutedLoad(imbalance, capacity_factor=getattr(provider, "moe_expert_capacity_factor", None),
                               pad_to_capacity=bool(getattr(provider, "moe_pad_expert_input_to_capacity", False)))
     hybrid = is_hybrid(provider)
-    with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
-            (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
-            (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
-            (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
-            (features.hybridep.hybridep_kernels(load, provider) if features.hybridep.used(provider)
-             else contextlib.nullcontext()), features.token_dropping.padded_counts_on_host(provider), \
-            (features.dsa.indexer_loss_tracker() if features.dsa.used(provider) else contextlib.nullcontext()), \
-            (features.dsa.cp_lengths_by_shape() if features.dsa.used(provider) and cp > 1 else contextlib.nullcontext()):
-        # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
-        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-        stage_provider = copy.deepcopy(provider)
-        reduced = traced_layers(provider, stage)
-        if reduced:
-            set_layer_kinds(stage_provider, reduced.pattern)
-        elif not hybrid and not pipeline.is_plain(provider):
-            _one_chunk_per_stage(stage_provider, provider)
-        with (features.mtp.final_norm_on_stage(pipeline.final_norm_chunk(provider, stage) is not None)
-              if features.mtp.used(provider) and not hybrid else contextlib.nullcontext()), \
-                (features.dsa.real_layer_numbers(reduced.numbers if reduced else pipeline.stage_layers(provider, stage))
-                 if features.dsa.index_shared(provider) and not hybrid else contextlib.nullcontext()):
-            model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
-                                     dtype=prepared.dtype, transformer_impl=impl,
-                                     mtp_moe=moe_layer_pattern(provider)[-1] == 1)
-        counts = static.count_parameters(model, reduced.sources if reduced else None)
-        fp8 = precision.fp8_of(provider)  # the whole model's layers: a reduced stage's copy has fewer
-        traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
-                                  hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
-                                  sequence_parallel_tp=tp if sp else 1)
-        layers = len(model.decoder.layers)
-        moe_layers = sum(layer_of(name) is not None for name in moe_layers_of(model))  # not MTP's
-        if reduced:
-            traced = traced.extended(reduced.sources)
-            layers = len(reduced.sources)
-            moe_layers = sum(is_moe_kind(reduced.pattern[source]) for source in reduced.sources)
-        routed = max(load.routed_tokens, default=0)
-        vocab_local = _output_weight(model).shape[0] if model.post_process else 0
-        recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
-            if provider.recompute_granularity == "full" else 0
+    reduced = traced_layers(provider, stage)
+    key = trace_cache.key(provider, prepared, stage, reduced, attention=attention, impl=impl, device=device,
+                          imbalance=imbalance)
+    model, traced, routed, vocab_local, recomputed_layer = trace_cache.get_or_trace(
+        key, lambda: _trace_stage(prepared, stage, reduced, rank=rank, load=load, attention=attention, impl=impl,
+                                  device=device))
+    layers = len(model.decoder.layers)
+    moe_layers = sum(layer_of(name) is not None for name in moe_layers_of(model))  # not MTP's
+    if reduced:
+        traced = traced.extended(reduced.sources)
+        layers = len(reduced.sources)
+        moe_layers = sum(is_moe_kind(reduced.pattern[source]) for source in reduced.sources)
+    counts = static.count_parameters(model, reduced.sources if reduced else None)
+    fp8 = precision.fp8_of(provider)  # the whole model's layers: a reduced stage's copy has fewer
     in_flight = _in_flight(provider, prepared, stage, layers)
     element = static.dtype_bytes(prepared.dtype)
     global_layers = global_layer_numbers(provider, stage, model)
@@ -734,6 +707,54 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                                             elements=step.elements)] if a],
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer))
+
+
+def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage], *, rank: int, load, attention: str,
+                 impl: str, device: str) -> tuple:
+    """Build and trace ``stage`` of the prepared config in its fake world: the model, what one microbatch saves (of
+    the traced layers, before a reduced stage is extended), the tokens routed to the traced experts, the output
+    layer's local vocabulary and a full-recompute layer's bytes (:mod:`.trace_cache` keeps them for reuse)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from megatron_bridge_ext.estimate.fake import fake_parallel_world
+
+    provider = prepared.provider
+    tp, pp, cp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size, provider.context_parallel_size
+    ep, etp = expert_sizes(provider)
+    sp = bool(provider.sequence_parallel) and tp > 1
+    hybrid = is_hybrid(provider)
+    with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
+            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
+            (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
+            (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
+            (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
+            (features.hybridep.hybridep_kernels(load, provider) if features.hybridep.used(provider)
+             else contextlib.nullcontext()), features.token_dropping.padded_counts_on_host(provider), \
+            (features.dsa.indexer_loss_tracker() if features.dsa.used(provider) else contextlib.nullcontext()), \
+            (features.dsa.cp_lengths_by_shape() if features.dsa.used(provider) and cp > 1 else contextlib.nullcontext()):
+        # A ShapeEnv lets the vocabulary-parallel embedding and loss mask rows by boolean indexing.
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        stage_provider = copy.deepcopy(provider)
+        if reduced:
+            set_layer_kinds(stage_provider, reduced.pattern)
+        elif not hybrid and not pipeline.is_plain(provider):
+            _one_chunk_per_stage(stage_provider, provider)
+        with (features.mtp.final_norm_on_stage(pipeline.final_norm_chunk(provider, stage) is not None)
+              if features.mtp.used(provider) and not hybrid else contextlib.nullcontext()), \
+                (features.dsa.real_layer_numbers(reduced.numbers if reduced else pipeline.stage_layers(provider, stage))
+                 if features.dsa.index_shared(provider) and not hybrid else contextlib.nullcontext()):
+            model = build_rank_model(stage_provider, prepared.peft, attention=attention, mode=mode, device=device,
+                                     dtype=prepared.dtype, transformer_impl=impl,
+                                     mtp_moe=moe_layer_pattern(provider)[-1] == 1)
+        traced = trace_microbatch(model, mode, seq=prepared.local_seq, micro_batch=prepared.micro_batch,
+                                  hidden=provider.hidden_size, dtype=prepared.dtype, device=device,
+                                  sequence_parallel_tp=tp if sp else 1)
+        routed = max(load.routed_tokens, default=0)
+        vocab_local = _output_weight(model).shape[0] if model.post_process else 0
+        recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
+            if provider.recompute_granularity == "full" else 0
+    return model, traced, routed, vocab_local, recomputed_layer
 
 
 def _output_weight(model) -> torch.Tensor:

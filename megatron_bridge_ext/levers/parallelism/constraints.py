@@ -142,3 +142,69 @@ def _as_setting(name: str, value) -> str:
 
 def _bad_input(setting: str, message: str, fix: str) -> Finding:
     return Finding("bad_input", ERROR, setting, message, fix)
+
+
+def layout_findings(shape: dict, *, world: int, global_batch: int, tp: int, pp: int, vpp: Optional[int], cp: int,
+                    ep: int, etp: int, dp: int, sp: bool, micro_batch: int) -> list[Finding]:
+    """What Megatron Core and Bridge refuse of one parallel layout of a model of ``shape`` (``heads``,
+    ``query_groups``, ``layers``, ``seq``, ``experts``, ``bias``) on ``world`` GPUs, one finding per broken rule:
+
+    * TP x PP x CP x DP = world: ``parallel_state.initialize_model_parallel`` L822 (``world_size % model_size``);
+    * TP divides the heads and the query groups: ``transformer_config.py`` L1323 and L1339;
+    * PP divides the layers: ``transformer_block.py`` L150-152; VPP divides a stage's layers (each chunk holds
+      layers / (PP x VPP)): ``transformer_block.py`` L169-172; the interleaved schedule's rules: :func:`schedule_findings`;
+    * CP: Bridge's ``training/config.py`` L1436, the sequence a multiple of 2 x CP;
+    * SP needs TP > 1: ``model_parallel_config.py`` L502-504; MoE with EP > 1 and TP > 1 needs SP (L560-565);
+    * the expert layout: :func:`expert_layout_problem`;
+    * micro-batch x DP divides the global batch: ``num_microbatches_calculator.py`` L381-387.
+    """
+    out = []
+
+    def bad(setting, message, fix):
+        out.append(_bad_input(setting, message, fix))
+
+    if tp * pp * cp * dp != world:
+        bad("--gpus", f"TP x PP x CP x DP = {tp * pp * cp * dp}, not the {world} GPUs", "choose sizes whose product is N")
+    for name, count in (("heads", shape["heads"]), ("query groups", shape["query_groups"])):
+        if count % tp:
+            bad("model.tensor_model_parallel_size", f"TP={tp} does not divide the {count} {name}", "choose a divisor")
+    uneven = uneven_split(shape["layers"], pp)
+    if shape["layers"] % pp and (uneven is None or vpp is not None):
+        bad("model.pipeline_model_parallel_size", f"PP={pp} does not divide the {shape['layers']} layers"
+            + ("" if uneven is None else " (an uneven split is tried without interleaving)"), "choose a divisor")
+    elif uneven is None and vpp is not None and (shape["layers"] // pp) % vpp:
+        bad("model.virtual_pipeline_model_parallel_size",
+            f"VPP={vpp} does not divide the {shape['layers'] // pp} layers of a stage", "choose a divisor")
+    if cp > 1 and shape["seq"] % (2 * cp):
+        bad("model.context_parallel_size", f"CP={cp} needs a sequence that is a multiple of {2 * cp}",
+            "choose a smaller CP")
+    if sp and tp == 1:
+        bad("model.sequence_parallel", "needs TP > 1", "set model.sequence_parallel=false")
+    if shape.get("experts") and ep > 1 and tp > 1 and not sp:
+        bad("model.sequence_parallel", "expert and tensor parallelism need sequence parallelism", "set it true")
+    problem = expert_layout_problem(ep=ep, etp=etp, tp=tp, cp=cp, dp=dp, experts=shape.get("experts"),
+                                    bias=bool(shape.get("bias")), names=LAYOUT_NAMES)
+    out += [problem] if problem else []
+    if global_batch % (micro_batch * dp):
+        bad("train.micro_batch_size", f"micro-batch {micro_batch} x DP {dp} does not divide the global batch "
+            f"{global_batch}", "choose a micro-batch dividing global batch / DP")
+    elif pp > 1:
+        out += schedule_findings(pp=pp, vpp=vpp, num_microbatches=global_batch // (micro_batch * dp), group=None)
+    return out
+
+
+LAYOUT_NAMES = {"ep": "model.expert_model_parallel_size", "etp": "model.expert_tensor_parallel_size",
+                "dp": "data parallel size"}
+"""The settings :func:`layout_findings` names in the expert rules."""
+
+
+def uneven_split(layers: int, pp: int) -> Optional[tuple[int, int]]:
+    """Layers of the first and the last stage when ``pp`` does not divide ``layers``: the middle stages hold
+    ceil(layers / pp) each and the first and last share the rest (Core requires the middle layers to divide over
+    the middle stages, ``transformer_config.py`` L2043-2047); None when ``pp`` divides them or no split exists."""
+    if layers % pp == 0 or pp < 3:
+        return None
+    per = -(-layers // pp)
+    rest = layers - (pp - 2) * per
+    first = rest // 2
+    return (first, rest - first) if 1 <= first and rest - first <= per else None

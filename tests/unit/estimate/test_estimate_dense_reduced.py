@@ -13,6 +13,11 @@ from tests.support.estimate import assert_reduced_equals_whole
 pytestmark = [pytest.mark.unit]
 
 
+FP8_FIRST_LAST_BF16 = {"pipeline_model_parallel_size": 2, "fp8": "hybrid", "fp8_recipe": "tensorwise",
+                       "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1}
+"""FP8 current scaling with the first and last layers in bf16: stage 0 starts on a bf16 layer, stage 1 ends on one."""
+
+
 def _dense(layers: int, **fields):
     from megatron_bridge_ext.peft import LoRA
     from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
@@ -27,18 +32,21 @@ def _dense(layers: int, **fields):
 
 
 @pytest.mark.parametrize("fields", [{}, {"pipeline_model_parallel_size": 2},
-                                    {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}],
-                         ids=["one-stage", "pp2", "selective-recompute"])
+                                    {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+                                    FP8_FIRST_LAST_BF16],
+                         ids=["one-stage", "pp2", "selective-recompute", "fp8-first-last-bf16-pp2"])
 def test_the_reduced_trace_of_a_dense_stage_equals_the_whole_trace(monkeypatch, fields):
     cfg = _dense(6, **fields)
     stages = cfg.model.pipeline_model_parallel_size
     for stage in range(stages):
         reduced = memory.traced_layers(cfg.model, stage)
         assert reduced.pattern == [0, 0] and reduced.sources == [0] + [1] * (6 // stages - 1)
+    if fields is FP8_FIRST_LAST_BF16:  # the FP8 layers are modelled, not ignored
+        assert any("FP8" in c.name for c in memory.estimate(cfg).components)
     assert_reduced_equals_whole(cfg, monkeypatch)
 
 
-@pytest.mark.parametrize("field, value", [("fp8", "e4m3"), ("window_attn_skip_freq", 2), ("no_rope_freq", 4),
+@pytest.mark.parametrize("field, value", [("window_attn_skip_freq", 2), ("no_rope_freq", 4),
                                           ("cpu_offloading", True), ("fine_grained_activation_offloading", True)])
 def test_a_dense_model_whose_layers_differ_by_number_is_traced_whole(field, value):
     provider = SimpleNamespace(**{name: None for name in memory.LAYER_NUMBER_FIELDS})

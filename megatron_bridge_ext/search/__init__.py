@@ -1,0 +1,2 @@
+"""``mbx plan --search``: every legal layout of a fixed workload on N GPUs, its peak by phase and its step time; the
+fastest that fits and the front of peak memory against step time (:mod:`.candidates`, :mod:`.walk`, :mod:`.front`)."""

@@ -1,0 +1,180 @@
+"""The candidates of a search: one parallel layout, micro-batch, recompute and optimizer choice each, legal by the
+rules of :func:`megatron_bridge_ext.levers.parallelism.constraints.layout_findings`, with the overrides that make it."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, expert_sizes, layout_findings, uneven_split
+from megatron_bridge_ext.levers.recompute.advice import INSIDE_MOE
+
+FULL = "full"
+"""Full recompute: Core's ``uniform`` method, every layer (``recompute_num_layers=1``)."""
+MAX_VPP = 4
+"""Largest interleaving tried: beyond it the bubble is a few percent of the step and the in-flight activations grow."""
+MAX_CP = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    sp: bool
+    micro_batch: int
+    recompute: Union[tuple, str]
+    """``()`` none, a tuple of selective modules, or :data:`FULL`."""
+    distributed_optimizer: bool
+
+    @property
+    def layout(self) -> tuple:
+        """What the memory order below compares within: the grid and the pipeline schedule."""
+        return self.tp, self.pp, self.vpp, self.cp, self.ep, self.etp, self.dp
+
+    def below(self, other: "Candidate") -> bool:
+        """Whether this candidate holds at most ``other``'s memory on every term: the same layout, a micro-batch no
+        larger, recompute covering ``other``'s (a superset of selective modules), SP and the distributed optimizer
+        on wherever ``other`` has them."""
+        return (self.layout == other.layout and self.micro_batch <= other.micro_batch
+                and covers(self.recompute, other.recompute) and self.sp >= other.sp
+                and self.distributed_optimizer >= other.distributed_optimizer)
+
+    def overrides(self, layers: int) -> list[str]:
+        """Bridge override strings that set this candidate on the given config of ``layers`` layers."""
+        out = [f"model.tensor_model_parallel_size={self.tp}", f"model.pipeline_model_parallel_size={self.pp}",
+               f"model.virtual_pipeline_model_parallel_size={'null' if self.vpp is None else self.vpp}",
+               "model.microbatch_group_size_per_vp_stage=null",
+               f"model.context_parallel_size={self.cp}", f"model.sequence_parallel={str(self.sp).lower()}",
+               f"train.micro_batch_size={self.micro_batch}",
+               f"optimizer.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
+               f"ddp.use_distributed_optimizer={str(self.distributed_optimizer).lower()}"]
+        first_last = uneven_split(layers, self.pp)
+        split = ["model.num_layers_in_first_pipeline_stage={}".format(first_last[0] if first_last else "null"),
+                 "model.num_layers_in_last_pipeline_stage={}".format(first_last[1] if first_last else "null")]
+        return out + split + self._experts_and_recompute()
+
+    def _experts_and_recompute(self) -> list[str]:
+        out = []
+        if self.ep > 1 or self.etp != self.tp:
+            out += [f"model.expert_model_parallel_size={self.ep}", f"model.expert_tensor_parallel_size={self.etp}"]
+        if self.recompute == FULL:
+            out += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+        elif self.recompute:
+            out += ["model.recompute_granularity=selective", f"model.recompute_modules=[{','.join(self.recompute)}]"]
+        else:
+            out += ["model.recompute_granularity=null"]
+        return out
+
+    def describe(self) -> str:
+        rc = "full recompute" if self.recompute == FULL else (f"recompute {'+'.join(self.recompute)}"
+                                                              if self.recompute else "no recompute")
+        experts = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 else ""
+        vpp = f" VPP{self.vpp}" if self.vpp else ""
+        return (f"TP{self.tp}{' SP' if self.sp else ''} PP{self.pp}{vpp} CP{self.cp}{experts} DP{self.dp} "
+                f"mb{self.micro_batch} {rc}{'' if self.distributed_optimizer else ' no-distopt'}")
+
+
+def covers(a, b) -> bool:
+    """Recompute ``a`` repeats at least what ``b`` does (full covers only full: its checkpoints differ)."""
+    if a == FULL or b == FULL:
+        return a == b
+    return set(a) >= set(b)
+
+
+def apply(cfg, c: Candidate):
+    """A copy of ``cfg`` set to candidate ``c`` (its data-parallel size on ``cfg.data_parallel_size``)."""
+    out = copy.deepcopy(cfg)
+    m = out.model
+    m.tensor_model_parallel_size, m.pipeline_model_parallel_size = c.tp, c.pp
+    m.virtual_pipeline_model_parallel_size, m.context_parallel_size, m.sequence_parallel = c.vpp, c.cp, c.sp
+    m.microbatch_group_size_per_vp_stage = None  # Core's default, PP (model_parallel_config.py L567-568)
+    m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage = \
+        uneven_split(m.num_layers, c.pp) or (None, None)
+    if getattr(m, "num_moe_experts", None):
+        m.expert_model_parallel_size, m.expert_tensor_parallel_size = c.ep, c.etp
+    out.train.micro_batch_size = c.micro_batch
+    out.optimizer.use_distributed_optimizer = out.ddp.use_distributed_optimizer = c.distributed_optimizer
+    if c.recompute == FULL:
+        m.recompute_granularity, m.recompute_method, m.recompute_num_layers, m.recompute_modules = \
+            "full", "uniform", 1, None
+    else:
+        m.recompute_granularity = "selective" if c.recompute else None
+        m.recompute_method = m.recompute_num_layers = None
+        m.recompute_modules = list(c.recompute) if c.recompute else None
+    out.data_parallel_size = c.dp
+    return out
+
+
+def given(cfg, dp: int) -> Candidate:
+    """The candidate the config as given is."""
+    m = cfg.model
+    ep, etp = expert_sizes(m)
+    rc = FULL if m.recompute_granularity == "full" else (
+        tuple(m.recompute_modules or ("core_attn",)) if m.recompute_granularity == "selective" else ())
+    return Candidate(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                     m.virtual_pipeline_model_parallel_size, m.context_parallel_size or 1, ep, etp, dp,
+                     bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1, cfg.train.micro_batch_size, rc,
+                     bool(cfg.optimizer.use_distributed_optimizer))
+
+
+def shape_of(model) -> dict:
+    return {"heads": model.num_attention_heads, "query_groups": model.num_query_groups or model.num_attention_heads,
+            "layers": model.num_layers, "seq": model.seq_length, "experts": getattr(model, "num_moe_experts", None),
+            "bias": bool(getattr(model, "add_bias_linear", False))}
+
+
+def recompute_sets(modules: list[str]) -> list:
+    """No recompute, every set of the selective ``modules`` worth measuring (none inside ``moe`` beside it), full."""
+    sets = [()]
+    for n in range(1, len(modules) + 1):
+        sets += [s for s in itertools.combinations(modules, n) if not ("moe" in s and set(s) & set(INSIDE_MOE))]
+    return sets + [FULL]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[str]) -> tuple[int, list[Candidate]]:
+    """How many combinations were looked at, and the legal ones (:func:`layout_findings` finds nothing)."""
+    seen, legal = 0, []
+    rcs = recompute_sets(modules)
+    experts = shape.get("experts")
+    for tp, pp, cp in itertools.product(divisors(world), repeat=3):
+        if world % (tp * pp * cp) or tp > MAX_TP or cp > MAX_CP:
+            continue
+        dp = world // (tp * pp * cp)
+        vpps = [None] + ([v for v in range(2, MAX_VPP + 1)] if pp > 1 else [])
+        eps = [e for e in divisors(experts) if e <= tp * cp * dp] if experts else [1]
+        for vpp, ep, etp, sp in itertools.product(vpps, eps, sorted({1, tp}) if experts else [tp], (False, True)):
+            for mb in divisors(global_batch // dp) if global_batch % dp == 0 else [1]:
+                seen += len(rcs) * 2
+                if layout_findings(shape, world=world, global_batch=global_batch, tp=tp, pp=pp, vpp=vpp, cp=cp,
+                                   ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
+                    continue
+                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do)
+                          for rc in rcs for do in (True, False)]
+    return seen, legal
+
+
+def settings_for(base, c: Candidate, shape: dict, global_batch: int):
+    """The estimate settings ``base`` (of the given config) moved to candidate ``c``: what the step-time model reads
+    (the layout, the micro-batch, recompute, the optimizer), to rank candidates before any is estimated."""
+    layers = shape["layers"]
+    moe = base.moe
+    if moe is not None:
+        moe_layers = round(moe.layers_on_stage * base.pp)
+        moe = replace(moe, ep=c.ep, etp=c.etp, local_experts=moe.experts // c.ep, layers_on_stage=moe_layers // c.pp)
+    return replace(base, tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.sp and c.tp > 1,
+                   micro_batch=c.micro_batch, num_microbatches=global_batch // (c.micro_batch * c.dp),
+                   layers_on_stage=-(-layers // c.pp), stage=c.pp - 1,
+                   recompute_granularity=FULL if c.recompute == FULL else ("selective" if c.recompute else None),
+                   recompute_modules=() if c.recompute == FULL else tuple(c.recompute),
+                   distributed_optimizer=c.distributed_optimizer, moe=moe)
