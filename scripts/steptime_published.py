@@ -25,7 +25,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_bridge_ext import evidence  # noqa: E402
-from megatron_bridge_ext.estimate.settings import (MoeSettings, PeftSettings, ReportSettings,  # noqa: E402
+from megatron_bridge_ext.estimate.settings import (MoeSettings, PeftSettings,  # noqa: E402
                                                    Settings)
 from megatron_bridge_ext.levers import calibration, published, steptime  # noqa: E402
 
@@ -57,19 +57,12 @@ def settings(path: str, *, tp: int, pp: int, vpp, dp: int, seq: int, global_batc
     else:
         with open(path) as f:
             c = json.load(f)
-    heads = c["num_attention_heads"]
     lora = PeftSettings("megatron.bridge.peft.lora.LoRA", "lora", 32, LORA_TARGETS, strategy) if peft else None
-    return Settings(tp=tp, pp=pp, vpp=vpp, cp=1, dp=dp, sequence_parallel=sp and tp > 1, seq_length=seq,
-                    micro_batch=1, num_microbatches=global_batch // dp, dtype="bfloat16", fp8=None, stage=pp - 1,
-                    layers_on_stage=c["num_hidden_layers"] // pp, hidden=c["hidden_size"], ffn=c["intermediate_size"],
-                    heads=heads, query_groups=c.get("num_key_value_heads") or heads,
-                    kv_channels=c.get("head_dim") or c["hidden_size"] // heads, num_layers=c["num_hidden_layers"],
-                    gated_linear_unit=True, vocab_size=c["vocab_size"],
-                    recompute_granularity="selective" if recompute else None, recompute_modules=tuple(recompute),
-                    attention="fused", transformer_impl="transformer_engine", device="cuda",
-                    distributed_optimizer=True, peft=lora, hybrid=None,
-                    reports=ReportSettings(log_interval=1, train_iters=None, cuda_graph_first_iteration=None,
-                                           wgrad_deferral_limit=None), moe=None, mla=None)
+    shapes = published.settings(c, tp=tp, pp=pp, vpp=vpp, cp=1, dp=dp, seq=seq, mbs=1, gbs=global_batch, fp8=False,
+                                recompute=recompute, sp=sp)
+    # The lever comparisons below price TP's collectives unoverlapped, on an even pipeline split.
+    return dataclasses.replace(shapes, peft=lora, tp_comm_overlap=False,
+                               layers_on_stage=c["num_hidden_layers"] // pp)
 
 
 def mixtral(ep: int, tp: int) -> tuple[Settings, dict]:

@@ -3,7 +3,10 @@ config line): every field explicit in one place, a test replacing the ones its f
 
 from __future__ import annotations
 
+import types
 from dataclasses import replace
+
+import torch
 
 from megatron_bridge_ext.estimate.settings import MlaSettings, MoeSettings, PeftSettings, ReportSettings, Settings
 
@@ -48,3 +51,13 @@ def latent(q_lora_rank=1536, kv_lora_rank: int = 512, qk_head_dim: int = 128, qk
     directly)."""
     return MlaSettings(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_head_dim=qk_head_dim,
                        qk_pos_emb_head_dim=qk_pos_emb_head_dim, v_head_dim=v_head_dim)
+
+
+def optimizer_config(**fields) -> types.SimpleNamespace:
+    """An ``OptimizerConfig``'s fields the estimate reads, at Core's defaults for Adam with the distributed optimizer
+    and fp32 states, bf16 parameters; ``fields`` change any of them."""
+    base = dict(optimizer="adam", use_precision_aware_optimizer=False, use_distributed_optimizer=True,
+                main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                fp8_recipe=None, bf16=True, store_param_remainders=False, decoupled_weight_decay=True,
+                optimizer_cpu_offload=False, optimizer_offload_fraction=0.0)
+    return types.SimpleNamespace(**{**base, **fields})

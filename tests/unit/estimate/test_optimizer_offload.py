@@ -12,7 +12,7 @@ import torch
 
 from megatron_bridge_ext.estimate import offload, phases, static
 from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, Component, MemoryEstimate
-from tests.support.settings import gpt_stage
+from tests.support.settings import gpt_stage, optimizer_config
 
 pytestmark = [pytest.mark.unit]
 
@@ -20,16 +20,9 @@ TRAINABLE, DP = 1000, 4
 SHARD = TRAINABLE // DP
 
 
-def _optimizer(**fields):
-    base = dict(optimizer="adam", use_precision_aware_optimizer=False, use_distributed_optimizer=True,
-                main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
-                fp8_recipe=None, bf16=True, store_param_remainders=False, decoupled_weight_decay=True,
-                optimizer_cpu_offload=False, optimizer_offload_fraction=0.0)
-    return types.SimpleNamespace(**{**base, **fields})
-
 
 def _offloaded(share, **fields):
-    return _optimizer(optimizer_cpu_offload=True, optimizer_offload_fraction=share, **fields)
+    return optimizer_config(optimizer_cpu_offload=True, optimizer_offload_fraction=share, **fields)
 
 
 def _shard(optimizer, *, trainable=TRAINABLE, param_bytes=2):
@@ -113,7 +106,7 @@ def test_cores_hybrid_optimizer_makes_fp32_copies_on_the_gpu_for_the_kept_16_bit
 
 
 def test_what_core_refuses_and_what_is_not_modelled_with_the_offload_are_named():
-    assert offload.findings(_optimizer(), grad_bytes_16=True) == []
+    assert offload.findings(optimizer_config(), grad_bytes_16=True) == []
     assert offload.findings(_offloaded(0.5), grad_bytes_16=True) == []
     settings = {f.setting for f in offload.findings(_offloaded(0.5, decoupled_weight_decay=False), grad_bytes_16=False)}
     assert settings == {"optimizer.decoupled_weight_decay"}
@@ -127,13 +120,13 @@ def test_what_core_refuses_and_what_is_not_modelled_with_the_offload_are_named()
 
 
 def test_an_emerging_optimizer_is_refused_by_name():
-    assert static.optimizer_findings(_optimizer()) == []
-    assert [f.setting for f in static.optimizer_findings(_optimizer(optimizer="muon"))] == ["optimizer.optimizer"]
+    assert static.optimizer_findings(optimizer_config()) == []
+    assert [f.setting for f in static.optimizer_findings(optimizer_config(optimizer="muon"))] == ["optimizer.optimizer"]
 
 
 @pytest.mark.parametrize("remainders, bf16, main", [(True, True, 2), (False, True, 4), (True, False, 4)])
 def test_te_keeps_a_bf16_parameters_fp32_master_as_its_16_bit_remainder(remainders, bf16, main):
-    aware = _optimizer(use_precision_aware_optimizer=True, store_param_remainders=remainders, bf16=bf16)
+    aware = optimizer_config(use_precision_aware_optimizer=True, store_param_remainders=remainders, bf16=bf16)
     rule, shard = _shard(aware)
     assert rule.main_bytes == main
     assert (shard.masters, shard.moments) == (SHARD * main, SHARD * 8)
@@ -142,13 +135,13 @@ def test_te_keeps_a_bf16_parameters_fp32_master_as_its_16_bit_remainder(remainde
 def test_no_remainders_where_core_keeps_the_masters():
     """Bridge's bf16 recipes copy fp8_recipe='tensorwise' into the optimizer: Core then keeps fp32 masters itself
     (use_precision_aware_optimizer_no_fp8_or_ds_fp8 is False) and passes FusedAdam no master weights."""
-    aware = _optimizer(use_precision_aware_optimizer=True, store_param_remainders=True, fp8_recipe="tensorwise")
+    aware = optimizer_config(use_precision_aware_optimizer=True, store_param_remainders=True, fp8_recipe="tensorwise")
     assert static.optimizer_rule(aware, param_bytes=2, data_parallel=DP, context_parallel=1).main_bytes == 4
 
 
 def test_remainders_are_not_unscaled_in_the_step():
     """FusedAdam reads the int16 remainders as they are (get_unscaled_state returns the state for fp32 masters)."""
-    aware = _optimizer(use_precision_aware_optimizer=True, store_param_remainders=True,
+    aware = optimizer_config(use_precision_aware_optimizer=True, store_param_remainders=True,
                        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     rule, shard = _shard(aware)
     step = phases.step_state(aware, shard, rule, grad_bytes=4)
@@ -171,7 +164,7 @@ HELD = 2000 + 4000 + 10
 
 
 def test_resuming_with_the_plain_optimizer_adds_no_copy_of_the_states():
-    step, by_name, _ = _resumed(_optimizer())
+    step, by_name, _ = _resumed(optimizer_config())
     assert step.load == ()
     assert by_name[phases.RESUME].peak_bytes == HELD + SHARD * (4 + 8)
     states = next(c.bytes for c in by_name[phases.ITERATION_1].components if c.name == phases.OPTIMIZER_STATES)
@@ -179,7 +172,7 @@ def test_resuming_with_the_plain_optimizer_adds_no_copy_of_the_states():
 
 
 def test_resuming_the_precision_aware_optimizer_holds_its_states_twice():
-    step, by_name, _ = _resumed(_optimizer(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+    step, by_name, _ = _resumed(optimizer_config(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
                                         exp_avg_sq_dtype=torch.bfloat16))
     assert by_name[phases.RESUME].peak_bytes == HELD + 2 * SHARD * (4 + 2 + 2)
 
@@ -194,8 +187,8 @@ def test_resuming_with_the_offload_brings_the_host_states_to_the_gpu():
 
 
 def test_a_fresh_run_has_no_resume_phase():
-    rule, shard = _shard(_optimizer())
-    assert phases.step_state(_optimizer(), shard, rule, grad_bytes=4).load is None
+    rule, shard = _shard(optimizer_config())
+    assert phases.step_state(optimizer_config(), shard, rule, grad_bytes=4).load is None
 
 
 def test_a_recipes_load_directory_alone_does_not_make_a_resumed_run():
@@ -210,7 +203,7 @@ def test_a_recipes_load_directory_alone_does_not_make_a_resumed_run():
 
 def test_the_first_report_of_a_resumed_run_shows_the_loads_peak_when_it_is_the_largest():
     """torch's peak is not reset between the load and the first report (predicted_reports)."""
-    _, by_name, est = _resumed(_optimizer(use_precision_aware_optimizer=True))
+    _, by_name, est = _resumed(optimizer_config(use_precision_aware_optimizer=True))
     first = phases.predicted_reports(est)[0]
     assert first.phase == phases.RESUME
     assert first.max_allocated_bytes == by_name[phases.RESUME].peak_bytes == HELD + 2 * SHARD * (4 + 8)

@@ -10,19 +10,13 @@ import torch
 
 from megatron_bridge_ext.estimate import phases, static
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, TRANSIENT, Component, MemoryEstimate
-from tests.support.settings import gpt_stage
+from tests.support.settings import gpt_stage, optimizer_config
 
 pytestmark = [pytest.mark.unit]
 
 TRAINABLE, DP = 1000, 4
 SHARD = TRAINABLE // DP
 
-
-def _optimizer(**fields):
-    base = dict(optimizer="adam", use_precision_aware_optimizer=False, use_distributed_optimizer=True,
-                main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
-                fp8_recipe=None)
-    return types.SimpleNamespace(**{**base, **fields})
 
 
 def _step(optimizer, *, param_bytes=2, grad_bytes=2):
@@ -34,28 +28,28 @@ def _step(optimizer, *, param_bytes=2, grad_bytes=2):
 
 
 def test_the_shard_splits_the_optimizer_states_line_into_main_copies_and_moments():
-    rule, step = _step(_optimizer())
+    rule, step = _step(optimizer_config())
     assert (step.masters, step.moments) == (SHARD * 4, SHARD * 8)
     assert step.masters + step.moments == -(-TRAINABLE * rule.bytes_per_parameter // DP)
 
 
 def test_a_bf16_gradient_buffer_is_copied_to_fp32_in_the_step_and_a_fp32_one_is_not():
     """Core's ``shard_main_param.grad = shard_model_grad.float()``: a copy for bf16, the same tensor for fp32."""
-    _, bf16 = _step(_optimizer(), grad_bytes=2)
+    _, bf16 = _step(optimizer_config(), grad_bytes=2)
     assert [(c.name, c.bytes) for c in bf16.transients] == [(phases.FP32_GRAD_COPIES, SHARD * 4)]
     assert bf16.kept == (phases.FP32_GRAD_COPIES,)
-    _, fp32 = _step(_optimizer(), grad_bytes=4)
+    _, fp32 = _step(optimizer_config(), grad_bytes=4)
     assert fp32.transients == ()
 
 
 def test_the_precision_aware_optimizer_creates_its_masters_in_the_step_and_unscales_16_bit_states():
-    aware = _optimizer(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+    aware = optimizer_config(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
                        exp_avg_sq_dtype=torch.bfloat16)
     _, step = _step(aware)
     assert step.masters_in_step
     # bf16 moments: two fp32 unscaled copies of the shard; the fp32 master needs none; no .float() grad copy
     assert [(c.name, c.bytes) for c in step.transients] == [(phases.UNSCALED_STATES, SHARD * 4 * 2)]
-    _, fp32_states = _step(_optimizer(use_precision_aware_optimizer=True))
+    _, fp32_states = _step(optimizer_config(use_precision_aware_optimizer=True))
     assert fp32_states.transients == ()
 
 
@@ -72,7 +66,7 @@ def _estimate(step, *, activations=2000, transient=100):
 
 
 def test_each_phase_holds_its_own_components():
-    _, step = _step(_optimizer())
+    _, step = _step(optimizer_config())
     est = _estimate(step)
     by_name = {p.name: p for p in est.phases}
     held = 2000 + 2000 + 10
@@ -87,7 +81,7 @@ def test_each_phase_holds_its_own_components():
 def test_iteration_1_holds_no_optimizer_state_when_the_precision_aware_optimizer_makes_its_masters_in_the_step():
     """FusedAdam creates the master weights with the moments in its first step (``initialize_state``): iteration 1
     holds none of the optimizer-states line; the first step and the steady state hold all of it."""
-    aware = _optimizer(use_precision_aware_optimizer=True)
+    aware = optimizer_config(use_precision_aware_optimizer=True)
     _, step = _step(aware)
     assert step.masters_in_step and (step.masters, step.moments) == (SHARD * 4, SHARD * 8)
     by_name = {p.name: p for p in _estimate(step).phases}
@@ -96,13 +90,13 @@ def test_iteration_1_holds_no_optimizer_state_when_the_precision_aware_optimizer
     held = 2000 + 2000 + 10  # weights, gradients, buffer
     assert by_name[phases.ITERATION_1].peak_bytes == held + 2000 + 100  # activations + the largest transient
     # Core's own optimizer (not precision-aware) makes its fp32 main copies at construction: iteration 1 holds them
-    _, plain = _step(_optimizer())
+    _, plain = _step(optimizer_config())
     first = {p.name: p for p in _estimate(plain).phases}[phases.ITERATION_1]
     assert next(c.bytes for c in first.components if c.name == phases.OPTIMIZER_STATES) == SHARD * 4
 
 
 def test_the_verdict_takes_the_largest_phase_and_names_it():
-    _, step = _step(_optimizer())
+    _, step = _step(optimizer_config())
     small_activations = _estimate(step, activations=0, transient=0)
     assert small_activations.peak_phase.name == phases.FIRST_STEP
     assert small_activations.peak_bytes > small_activations.steady_peak_bytes
@@ -118,7 +112,7 @@ def test_reports_after_iterations_one_and_two_with_log_interval_one():
 
 
 def test_predicted_reports_compare_iteration_one_with_its_own_phases():
-    _, step = _step(_optimizer())
+    _, step = _step(optimizer_config())
     est = _estimate(step)
     by_name = {p.name: p for p in est.phases}
     first, second = phases.predicted_reports(est)
