@@ -568,7 +568,7 @@ def _apply_logged(caplog, build):
     of its own, so the reasons logged before it are forgotten (each is logged once per run)."""
     from megatron_bridge_ext.levers.lora_input import sp_input
 
-    sp_input._LOGGED_REASONS.clear()
+    sp_input.new_run()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=PEFT_LOGGER):
         model, peft = build()

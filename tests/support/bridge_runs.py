@@ -85,9 +85,11 @@ def bridge_applies_env_vars() -> bool:
 def execute(planned: Planned, session: Session) -> Outcome:
     """Make one planned run; an exception is recorded in the outcome, not raised."""
     from megatron_bridge_ext.config import MemoryConfig
+    from megatron_bridge_ext.levers.lora_input import sp_input
 
     outcome = Outcome()
     session.next_run()
+    sp_input.new_run()  # each planned run stands for a launch of its own: its reasons are logged anew
     try:
         cfg = planned.config()
         cfg.dist.distributed_timeout_minutes = timeout_minutes()

@@ -45,6 +45,12 @@ _LOGGED_REASONS: set[str] = set()
 variant of ``mbx demo``, say) meet it; ``report()`` still lists every adapter's."""
 
 
+def new_run() -> None:
+    """Forget the reasons logged so far, so that the next run in this process logs each again: for a process that
+    runs several trainings one after another, each of which a user reads as a run of its own."""
+    _LOGGED_REASONS.clear()
+
+
 class SequenceParallelLoRAIn(ColumnParallelLinear):
     """LoRA-A that consumes the local sequence shard [s/t, b, h] and returns the full [s, b, r] input of LoRA-B.
 

@@ -36,3 +36,16 @@ def test_a_reason_is_logged_once_however_many_pefts_meet_it(ours, monkeypatch, c
             _transform_one_ineligible(ours(sequence_parallel_input_strategy=strategy), monkeypatch)
     fallbacks = [r.getMessage() for r in caplog.records if ") not used: " in r.getMessage()]
     assert len(fallbacks) == 1 and REASON in fallbacks[0], fallbacks
+
+
+def test_a_new_run_logs_the_reason_again(ours, monkeypatch, caplog):
+    """A process that runs one training after another (``new_run`` between them) logs a reason once in each."""
+    from megatron_bridge_ext.levers.lora_input import sp_input
+
+    monkeypatch.setattr(sp_input, "_LOGGED_REASONS", set())
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            sp_input.new_run()
+            _transform_one_ineligible(ours(sequence_parallel_input_strategy="shard_local"), monkeypatch)
+    fallbacks = [r.getMessage() for r in caplog.records if ") not used: " in r.getMessage()]
+    assert len(fallbacks) == 2 and all(REASON in f for f in fallbacks), fallbacks
