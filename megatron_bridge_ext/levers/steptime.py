@@ -418,6 +418,26 @@ def core_seconds_per_flop(device: Gpu) -> float:
     return 1.0 / (device.bf16_flops * calibration.GEMM_PEAK_FRACTION_BF16)
 
 
+def microbatch_flops(s: Settings, moe: Optional[dict] = None) -> float:
+    """FLOPs one microbatch runs on this rank, as :func:`microbatch_seconds` times them: forward, backward (no weight
+    gradient for frozen linears under PEFT), recompute; the causal core at its computed half (``CAUSAL_CORE``)."""
+    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
+    from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
+
+    passes = 2 if s.peft is not None else 3
+    counts = layer_counts(s, moe)
+    core = counts.attention * attention_core_flops(s) * CAUSAL_CORE + (
+        counts.mamba * mamba_scan_flops(s) if counts.mamba else 0)
+    linears = linear_forward_flops(s, moe)
+    total = passes * linears + 3 * core
+    if s.recompute_granularity == "full":
+        total += linears + core
+    elif s.recompute_granularity == "selective":
+        total += sum(recompute_flops_per_layer(m, s, moe) * (CAUSAL_CORE if m == "core_attn" else 1)
+                     * layers_for(m, s, moe) for m in s.recompute_modules)
+    return (total + passes * output_layer_flops(s)) / s.cp
+
+
 def microbatch_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> tuple[float, float, float]:
     """(compute, linears, attention core) seconds of one microbatch on this rank: forward, backward and recompute as
     :func:`microbatch_flops` counts them, the linears at :func:`linear_seconds_per_flop`, the causal core at

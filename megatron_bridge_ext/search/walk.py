@@ -67,6 +67,8 @@ class Search:
 
     @property
     def front(self) -> list[Evaluated]:
+        """The Pareto front of the estimated candidates: exact where they fit; beyond the usable memory the walk
+        prunes what cannot fit without estimating it, so there it is the front of what was estimated."""
         return pareto(self.evaluated)
 
     def given_evaluated(self) -> Optional[Evaluated]:
