@@ -35,3 +35,23 @@ def test_answer_is_fastest_fitting():
     s.evaluated = [P(70, 1.0, False), P(40, 2.0), P(30, 3.0), P(60, 1.5, False)]
     assert s.answer is s.evaluated[1]
     assert not any(p.fits and p.step_time_s < s.answer.step_time_s for p in s.front)
+
+
+def test_a_search_on_one_gpu_loses_no_candidate_to_an_error():
+    """Every candidate the walk estimates on a tiny model yields its figures: none is recorded as failed, and the
+    answer (nothing is too big for a terabyte) is one of them, with its FLOPs counted."""
+    import math
+
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.levers import steptime
+    from megatron_bridge_ext.search import walk
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=4, hidden=64, ffn=256, heads=4, kv_heads=2, seq=256, micro_batch=1, vocab=128, tp=1,
+                         sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, None)
+    cfg.data_parallel_size, cfg.train.global_batch_size = 1, 2
+    result = walk.search(cfg, estimate(cfg), world=1, usable=1 << 40, usable_expandable=1 << 40, expandable_on=True,
+                         gpu=steptime.gpu(), estimate_options={}, budget_s=math.inf)
+    assert result.refused == {}
+    assert result.counts["estimated"] >= 2 and result.answer in result.evaluated and result.answer.flops > 0
