@@ -418,62 +418,72 @@ def core_seconds_per_flop(device: Gpu) -> float:
     return 1.0 / (device.bf16_flops * calibration.GEMM_PEAK_FRACTION_BF16)
 
 
-def microbatch_flops(s: Settings, moe: Optional[dict] = None) -> float:
-    """FLOPs one microbatch runs on this rank, as :func:`microbatch_seconds` times them: forward, backward (no weight
-    gradient for frozen linears under PEFT), recompute; the causal core at its computed half (``CAUSAL_CORE``)."""
+@dataclass(frozen=True)
+class MicrobatchWork:
+    """The forward FLOPs one microbatch runs on this rank, by what times them (before the CP split): the linears,
+    the attention cores (at their computed causal half, :data:`CAUSAL_CORE`) and Mamba scans, each selective
+    recompute module (its FLOPs per layer, its layers), the output layer; ``passes`` of the linears and the output layer (3, or 2 for
+    frozen linears under PEFT: no weight gradient)."""
+
+    passes: int
+    linears: int
+    core: float
+    recomputed: tuple[tuple[str, int, int], ...]
+    output: int
+    full_recompute: bool
+
+
+def microbatch_work(s: Settings, moe: Optional[dict] = None) -> MicrobatchWork:
+    """What one microbatch runs on this rank (:class:`MicrobatchWork`), for its FLOPs and for its seconds."""
     from megatron_bridge_ext.levers.parallelism.cost import layer_counts
     from megatron_bridge_ext.levers.recompute.cost import layers_for, recompute_flops_per_layer
 
-    passes = 2 if s.peft is not None else 3
     counts = layer_counts(s, moe)
     core = counts.attention * attention_core_flops(s) * CAUSAL_CORE + (
         counts.mamba * mamba_scan_flops(s) if counts.mamba else 0)
-    linears = linear_forward_flops(s, moe)
-    total = passes * linears + 3 * core
-    if s.recompute_granularity == "full":
-        total += linears + core
-    elif s.recompute_granularity == "selective":
-        total += sum(recompute_flops_per_layer(m, s, moe) * (CAUSAL_CORE if m == "core_attn" else 1)
-                     * layers_for(m, s, moe) for m in s.recompute_modules)
-    return (total + passes * output_layer_flops(s)) / s.cp
+    selective = s.recompute_modules if s.recompute_granularity == "selective" else ()
+    return MicrobatchWork(passes=2 if s.peft is not None else 3, linears=linear_forward_flops(s, moe), core=core,
+                          recomputed=tuple((m, recompute_flops_per_layer(m, s, moe), layers_for(m, s, moe))
+                                           for m in selective),
+                          output=output_layer_flops(s), full_recompute=s.recompute_granularity == "full")
+
+
+def microbatch_flops(s: Settings, moe: Optional[dict] = None) -> float:
+    """FLOPs one microbatch runs on this rank, as :func:`microbatch_seconds` times them: forward, backward,
+    recompute (:class:`MicrobatchWork`)."""
+    w = microbatch_work(s, moe)
+    total = w.passes * w.linears + 3 * w.core + w.passes * w.output
+    if w.full_recompute:
+        total += w.linears + w.core
+    total += sum(flops * layers * (CAUSAL_CORE if m == "core_attn" else 1) for m, flops, layers in w.recomputed)
+    return total / s.cp
 
 
 def microbatch_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> tuple[float, float, float]:
-    """(compute, linears, attention core) seconds of one microbatch on this rank: forward, backward and recompute as
-    :func:`microbatch_flops` counts them, the linears at :func:`linear_seconds_per_flop`, the causal core at
-    :func:`core_seconds_per_flop`, the output layer (BF16) at its own GEMM's efficiency, layernorm recompute at HBM
-    bandwidth."""
-    from megatron_bridge_ext.levers.parallelism.cost import layer_counts
-    from megatron_bridge_ext.levers.recompute.cost import layers_for
-
-    passes = 2 if s.peft is not None else 3
-    r_lin, r_core = linear_seconds_per_flop(s, device, moe), core_seconds_per_flop(device)
-    counts = layer_counts(s, moe)
-    attention_core = counts.attention * attention_core_flops(s) * CAUSAL_CORE
-    scans = counts.mamba * mamba_scan_flops(s) if counts.mamba else 0
-    linears = linear_forward_flops(s, moe) * r_lin
-    core = (attention_core + scans) * r_core
-    total = passes * linears + 3 * core
-    if s.recompute_granularity == "full":
+    """(compute, linears, attention core) seconds of one microbatch on this rank: the work of
+    :func:`microbatch_work`, the linears at :func:`linear_seconds_per_flop`, the causal core at
+    :func:`core_seconds_per_flop`, each recompute module at its own rate, the output layer (BF16) at its own GEMM's
+    efficiency, layernorm recompute at HBM bandwidth."""
+    w = microbatch_work(s, moe)
+    linears = w.linears * linear_seconds_per_flop(s, device, moe)
+    core = w.core * core_seconds_per_flop(device)
+    total = w.passes * linears + 3 * core
+    if w.full_recompute:
         total += linears + core
-    elif s.recompute_granularity == "selective":
-        total += sum(_recompute_seconds(m, s, device, moe) * layers_for(m, s, moe) for m in s.recompute_modules)
-    out = output_layer_flops(s)
-    total += passes * _gemm_seconds(out, out / s.cp, device, False)
+    total += sum(_recompute_seconds(m, flops, s, device, moe) * layers for m, flops, layers in w.recomputed)
+    total += w.passes * _gemm_seconds(w.output, w.output / s.cp, device, False)
     cp = s.cp
-    return total / cp + recompute_hbm_bytes(s) / device.hbm, passes * linears / cp, 3 * core / cp
+    return total / cp + recompute_hbm_bytes(s) / device.hbm, w.passes * linears / cp, 3 * core / cp
 
 
 RECOMPUTE_GEMMS = {"mlp": 2, "shared_experts": 2, "mla_up_proj": 2}
 """GEMMs per layer of the recomputed modules with linears (an MoE layer's: two per local expert)."""
 
 
-def _recompute_seconds(module: str, s: Settings, device: Gpu, moe: Optional[dict]) -> float:
-    """One layer's recompute of ``module`` per microbatch: the causal core at the core's rate, linears at their own
-    GEMMs' efficiency, elementwise modules none (layernorm's HBM traffic: :func:`recompute_hbm_bytes`)."""
-    from megatron_bridge_ext.levers.recompute.cost import recompute_flops_per_layer
-
-    flops = recompute_flops_per_layer(module, s, moe)
+def _recompute_seconds(module: str, flops: int, s: Settings, device: Gpu, moe: Optional[dict]) -> float:
+    """One layer's recompute of ``module`` (``flops``: its forward FLOPs per layer) per microbatch: the causal core at
+    the core's rate, linears at their own GEMMs' efficiency, elementwise modules none (layernorm's HBM traffic:
+    :func:`recompute_hbm_bytes`)."""
     if module == "core_attn":
         return flops * CAUSAL_CORE * core_seconds_per_flop(device)
     gemms = 2 * max(1, moe["experts"] // moe["ep"]) if module == "moe" and moe else RECOMPUTE_GEMMS.get(module, 1)
