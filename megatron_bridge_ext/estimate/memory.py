@@ -315,14 +315,6 @@ def _resumes(checkpoint, asked: bool) -> tuple[bool, Optional[str]]:
         return False, ("resume asked, but the config loads no optimizer state (checkpoint.load unset, "
                        "finetune or load_optim=false): estimated as a fresh run")
     return False, None
-    if getattr(checkpoint, "load", None) and getattr(checkpoint, "load_optim", True) \
-            and not getattr(checkpoint, "finetune", False):
-        return True, (f"checkpoint.load={checkpoint.load!r} taken as holding a checkpoint with optimizer state: the "
-                      f"phases start with its load ({phases.RESUME}), and iteration 1 has the loaded moments")
-    if getattr(checkpoint, "pretrained_checkpoint", None) or getattr(checkpoint, "load", None):
-        return False, ("the checkpoint loads weights only (finetune, pretrained_checkpoint or load_optim=false): read "
-                       "into the model's tensors, no optimizer-state phase")
-    return False, None
 
 
 def _sync_distributed_optimizer(optimizer, ddp) -> list[str]:
