@@ -65,11 +65,14 @@ class Candidate:
         if self.ep > 1 or self.etp != self.tp:
             out += [f"model.expert_model_parallel_size={self.ep}", f"model.expert_tensor_parallel_size={self.etp}"]
         if self.recompute == FULL:
-            out += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+            out += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1",
+                    "model.recompute_modules=null"]
         elif self.recompute:
-            out += ["model.recompute_granularity=selective", f"model.recompute_modules=[{','.join(self.recompute)}]"]
+            out += ["model.recompute_granularity=selective", f"model.recompute_modules=[{','.join(self.recompute)}]",
+                    "model.recompute_method=null", "model.recompute_num_layers=null"]
         else:
-            out += ["model.recompute_granularity=null"]
+            out += ["model.recompute_granularity=null", "model.recompute_method=null",
+                    "model.recompute_num_layers=null", "model.recompute_modules=null"]
         return out
 
     def describe(self) -> str:

@@ -55,3 +55,31 @@ def test_a_search_on_one_gpu_loses_no_candidate_to_an_error():
                          gpu=steptime.gpu(), estimate_options={}, budget_s=math.inf)
     assert result.refused == {}
     assert result.counts["estimated"] >= 2 and result.answer in result.evaluated and result.answer.flops > 0
+
+
+def test_a_candidates_overrides_set_what_apply_sets():
+    """The overrides the search prints, given to Bridge's parser on the config as given (full recompute here), set
+    the model, train and optimizer fields that ``candidates.apply`` sets: the user's command is the candidate."""
+    import copy
+
+    from megatron_bridge_ext.estimate.configs import _with_overrides
+    from megatron_bridge_ext.search import candidates as cands
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=4, hidden=64, ffn=256, heads=4, kv_heads=2, seq=256, micro_batch=1, vocab=128, tp=1,
+                         sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, None)
+    cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "block", 2
+    fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+              "context_parallel_size", "sequence_parallel", "recompute_granularity", "recompute_method",
+              "recompute_num_layers", "recompute_modules", "num_layers_in_first_pipeline_stage",
+              "num_layers_in_last_pipeline_stage")
+    for recompute in ((), ("mlp",), cands.FULL):
+        c = cands.Candidate(tp=2, pp=2, vpp=None, cp=1, ep=1, etp=1, dp=1, sp=True, micro_batch=2,
+                            recompute=recompute, distributed_optimizer=True)
+        applied = cands.apply(cfg, c)
+        overridden = _with_overrides(copy.deepcopy(cfg), c.overrides(cfg.model.num_layers))  # Bridge's edits in place
+        for name in fields:
+            assert getattr(overridden.model, name) == getattr(applied.model, name), (recompute, name)
+        assert overridden.train.micro_batch_size == applied.train.micro_batch_size
+        assert overridden.optimizer.use_distributed_optimizer == applied.optimizer.use_distributed_optimizer
