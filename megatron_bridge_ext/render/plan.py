@@ -12,6 +12,7 @@ import json
 import textwrap
 from typing import TYPE_CHECKING
 
+from megatron_bridge_ext.levers import steptime
 from megatron_bridge_ext.sizes import gib, sold_as_note
 
 if TYPE_CHECKING:
@@ -211,7 +212,8 @@ def _device_lines(result) -> list[str]:
 def _step_time_lines(result, gpu_defaulted: bool) -> list[str]:
     """The device that prices the options' step time, and the config's own step time by term."""
     g, t = result.gpu, result.step_time
-    default = "; the default, --gpu h200|b200|b300|gb200|gb300 to change" if gpu_defaulted else ""
+    others = "|".join(name for name in steptime.GPUS if name != g.name)
+    default = f"; the default, --gpu {others} to change" if gpu_defaulted else ""
     terms = ", ".join(f"{name.replace('_', ' ')} {seconds:.3f}" for name, seconds in vars(t).items())
     return [_wrap(f"step time (calibrated on published throughput, {g.name}: {g.bf16_flops / 1e12:,.1f} TFLOP/s "
                   f"dense bf16 at a GEMM efficiency by size, "
