@@ -52,10 +52,10 @@ def host_elements(elements: int, share: float) -> int:
 
 def findings(optimizer, *, grad_bytes_16: bool) -> list[Finding]:
     """What Core refuses or the estimate does not model with the offload on (one line each)."""
-    if fraction(optimizer) is None:
+    share = fraction(optimizer)
+    if share is None:
         return []
     out = []
-    share = fraction(optimizer)
     if not 0.0 <= share <= 1.0:
         out.append(Finding("optimizer_config", ERROR, "optimizer.optimizer_offload_fraction",
                            f"{share:g} is not a fraction: the hybrid optimizer moves that share of the elements",
