@@ -206,6 +206,7 @@ def check_args(args) -> str | None:
                or plan_inputs.recipe_module_problem(args.recipe) or plan_inputs.plot_problem(args.plot)
                or plan_inputs.number_problem(args) or _matplotlib_problem(args.plot)
                or plan_inputs.lora_dim_problem(args) or plan_inputs.gpu_problem(args)
+               or plan_inputs.search_problem(args)
                or global_batch_problem(args.global_batch, args.micro_batch or (1 if args.hf_config else None),
                                        args.dp or (1 if args.hf_config else None), setting="--global-batch"))
     if problem is None and args.hf_config:
@@ -257,9 +258,7 @@ def _search(args):
     built, options = build_config(args)
     cfg = built.cfg
     base = estimate(cfg, **options)
-    m = cfg.model
-    world = args.gpus or base.settings.dp * m.tensor_model_parallel_size * m.pipeline_model_parallel_size * (
-        m.context_parallel_size or 1)
+    world = args.gpus  # required with --search (plan_inputs.search_problem)
     expandable = args.expandable_segments == "on"
     margin = args.margin if args.margin is not None else planner.MARGIN
     usable = int(args.gpu_memory * (1 - (planner.EXPANDABLE_MARGIN if expandable else margin)))

@@ -122,6 +122,15 @@ def number_problem(args):
     return None
 
 
+def search_problem(args):
+    """``--search`` without ``--gpus``: the search spreads the workload over a world size the user states, never one
+    taken from the config's layout in silence."""
+    if getattr(args, "search", False) and not args.gpus:
+        return _bad("--gpus", "--search looks for the best layout on a number of GPUs, and none was given",
+                    "give --gpus N, the GPUs the run will have (e.g. --gpus 16)")
+    return None
+
+
 def gpu_problem(args):
     """An unknown --gpu or a device override that is not a positive number; else sets ``args.device``."""
     from megatron_bridge_ext.levers import steptime

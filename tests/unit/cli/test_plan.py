@@ -74,6 +74,8 @@ FAST_REFUSALS = [
     (["--gpu", "a100"], "mbx plan: --gpu: 'a100' is not a GPU preset (h100, h200, b200, b300, gb200, gb300). Fix: "
                         "give one of them, e.g. --gpu h100"),
     (["--gpu", "h200", "--gpu-ib", "-5"], "--gpu-ib: -5.0 is not a positive rate. Fix: give e.g. --gpu-ib 50"),
+    (["--search"], "--gpus: --search looks for the best layout on a number of GPUs, and none was given. Fix: give "
+                   "--gpus N, the GPUs the run will have (e.g. --gpus 16)"),
 ]
 
 
