@@ -9,16 +9,36 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-# `pip wheel` of the checkout builds in its build/ folder: under pytest-xdist these tests run in one process.
-pytestmark = pytest.mark.xdist_group("in_tree_build")
+
+
+def _sources(into: Path) -> Path:
+    """The checkout's files as a fresh clone has them (tracked, plus new files git does not ignore), copied to
+    ``into``: the wheel is built from them, not from the working tree, whose build/ and egg-info folders are shared
+    with every other build and whose package folder may hold files a clone lacks (caches, scratch modules)."""
+    import shutil
+
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, into / name)
+    return into
+
+
+def _wheel(tmp_path: Path) -> tuple[Path, Path]:
+    """The wheel built (no dependencies, no isolation) from a copy of the sources, and that copy."""
+    source = _sources(tmp_path / "src")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, text=True)
+    (wheel,) = (tmp_path / "dist").glob("megatron_bridge_ext-*.whl")
+    return wheel, source
 
 
 def test_wheel_ships_every_package_module_and_no_tests(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-                    str(ROOT)], check=True, capture_output=True, text=True)
-    (wheel,) = tmp_path.glob("megatron_bridge_ext-*.whl")
+    wheel, source = _wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    expected = {str(p.relative_to(ROOT)) for p in (ROOT / "megatron_bridge_ext").rglob("*.py")}
+    expected = {str(p.relative_to(source)) for p in (source / "megatron_bridge_ext").rglob("*.py")}
     assert {"megatron_bridge_ext/patches/registry.py", "megatron_bridge_ext/testing/cpu_emulation.py",
             "megatron_bridge_ext/testing/bridge/recipe.py", "megatron_bridge_ext/demo/train.py"} <= expected
     assert expected <= set(names), sorted(expected - set(names))
@@ -39,9 +59,7 @@ def test_commands_run_from_the_installed_wheel_alone(tmp_path):
     import os
     import shutil
 
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, text=True)
-    (wheel,) = (tmp_path / "dist").glob("megatron_bridge_ext-*.whl")
+    wheel, _ = _wheel(tmp_path)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     work = tmp_path / "work"
