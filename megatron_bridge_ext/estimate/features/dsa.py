@@ -24,9 +24,10 @@ What it changes while tracing:
 * ``dsa_indexer_rotate_activation``: the Hadamard rotation is ``fast_hadamard_transform``'s CUDA kernel (dsa.py
   L253-269), which does not run here: refused (:func:`findings`); GLM-5.2's provider turns it off.
 
-``dsv4_hybrid`` (DeepSeek-V4) is refused: the installed Megatron Core builds no such variant. Bridge 0.6.2 pins
-its main Megatron-LM (``3rdparty/Megatron-LM`` at cd4afff, ``.main.commit``) without it and builds DeepSeek-V4 on
-the dev branch it pins beside it (``.dev.commit`` 43e45e1, "bump mcore dev commit for DSv4 support"), whose Core
+``dsv4_hybrid`` (DeepSeek-V4) is refused: the installed Megatron Core builds no such variant. Bridge's release
+branch (``r0.6.0`` at 6124fbe, version 0.6.1, whose DeepSeek-V4 model, step and recipe files are 0.6.2's byte for
+byte) pins its main Megatron-LM (``3rdparty/Megatron-LM`` at cd4afff, ``.main.commit``) without it and builds
+DeepSeek-V4 on the dev branch it pins beside it (``.dev.commit`` 43e45e1, "bump mcore dev commit for DSv4 support"), whose Core
 adds what the provider (``deepseek_v4_bridge.py`` L390-526) sets: the ``dsv4_hybrid`` spec
 (``experimental_attention_variant_module_specs.py`` L147-201: ``DSv4HybridSelfAttention`` with
 ``CompressedSparseAttention``, its ``Compressor`` and ``CSAIndexer``, ``csa.py``), mHC hyper-connections over
