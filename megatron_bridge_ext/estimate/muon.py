@@ -21,8 +21,10 @@ Core builds Muon through ``_get_megatron_emerging_optimizer`` (``optimizer/__ini
 The estimate divides the layer-wise state evenly over those ranks: ping-pong over sorted sizes leaves a rank at
 most about one parameter above the mean. After the step the layer-wise optimizer all-gathers the updated
 parameters (``allgather_params``, L736-787): one buffer per rank's share, the whole of the rank's dense trainable
-parameters in their dtype, then the same for the experts (:func:`gather_transient`). Newton-Schulz's temporaries
-are made one parameter at a time (a few fp32 copies of the largest matrix) and are not counted.
+parameters in their dtype, then the same for the experts (:func:`gather_transient`). Not counted: the step's
+temporaries, made one parameter at a time: the Nesterov momentum, the normalised and iterated matrix and the scaled
+result, fp32 copies of one matrix (Emerging-Optimizers v0.4.0 ``orthogonalized_optimizer.py`` L186-194,
+``muon_utils.py`` L216-271), of the whole TP-gathered matrix with ``muon_tp_mode='duplicated'`` (L329-335).
 """
 
 from __future__ import annotations
