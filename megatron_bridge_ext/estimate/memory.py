@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import (configs, features, mamba, offload, phases, pipeline, precision, routing,
-                                          static, te, te_fp8, trace_cache, unmodelled)
+from megatron_bridge_ext.estimate import (configs, features, mamba, muon, offload, phases, pipeline, precision,
+                                          routing, static, te, te_fp8, trace_cache, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
                                                 layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
                                                 stage_layer_kinds)
@@ -772,6 +773,11 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
     shard = static.optimizer_shard(counts, rule, expert_shards=expert_dp)
     step = phases.step_state(prepared.optimizer, shard, rule, grad_bytes=grad_bytes, ddp=prepared.ddp,
                              resume=prepared.resume)
+    gather = muon.gather_transient(prepared.optimizer, counts.trainable_total - counts.trainable_experts,
+                                   counts.trainable_experts, param_bytes=counts.element_size,
+                                   dense_shards=rule.shards, expert_shards=expert_dp)
+    if gather:
+        step = dataclasses.replace(step, transients=step.transients + (gather,))
     if fp8_weights is None:
         return static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp), step
     out = static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp,

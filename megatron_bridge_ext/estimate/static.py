@@ -11,7 +11,8 @@ are exact. What each parameter costs follows Megatron Core's rules:
 * optimizer: for trainable parameters only, Adam's two moments plus, for 16-bit parameters, the
   fp32 main copy (4 + 4 + 4 bytes; a precision-aware optimizer uses its configured dtypes),
   divided over DP x CP ranks by the distributed optimizer. With the distributed optimizer the
-  16-bit parameters live in its parameter buffer, so they are not counted twice.
+  16-bit parameters live in its parameter buffer, so they are not counted twice. Muon keeps a main copy and
+  one momentum for the matrices it steps and its scalar Adam's states for the rest (:mod:`.muon`).
 
 Mixture-of-experts layers: the rank builds only its local experts (experts / EP, each sharded over
 ETP), counted as their own part ``experts``, with LoRA adapters on them as ``expert adapters``; the
@@ -27,12 +28,12 @@ every parameter 18 bytes (6 + 12 / DP with the distributed optimizer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import offload
+from megatron_bridge_ext.estimate import muon, offload
 from megatron_bridge_ext.estimate.report import STATIC, Component
 from megatron_bridge_ext.findings import ERROR, Finding
 
@@ -77,6 +78,9 @@ class ParameterCounts:
     frozen: dict[str, int]
     trainable: dict[str, int]
     element_size: int
+    matrices: dict[str, int] = field(default_factory=dict)
+    """Trainable parameters per part that Muon itself steps (:func:`.muon.is_matrix`); the rest of ``trainable``
+    goes to its scalar optimizer. Read only under Muon."""
 
     @property
     def total(self) -> int:
@@ -90,6 +94,10 @@ class ParameterCounts:
     def trainable_experts(self) -> int:
         return sum(self.trainable[part] for part in EXPERT_PARTS)
 
+    def matrices_of(self, experts: bool) -> int:
+        """Muon's matrices among the trainable expert parameters (``experts``) or the others."""
+        return sum(n for part, n in self.matrices.items() if (part in EXPERT_PARTS) == experts)
+
 
 def _layer_index(name: str) -> Optional[int]:
     parts = name.split(".")
@@ -101,15 +109,18 @@ def count_parameters(model: torch.nn.Module, sources: Optional[list[int]] = None
     stage has the parameters of built layer ``sources[i]`` (:func:`..memory.traced_layers`)."""
     frozen = dict.fromkeys(PARTS, 0)
     trainable = dict.fromkeys(PARTS, 0)
+    matrices = dict.fromkeys(PARTS, 0)
     sizes = set()
     for name, param in model.named_parameters():
         index = _layer_index(name)
         copies = sources.count(index) if sources and index is not None else 1
         (trainable if param.requires_grad else frozen)[part_of(name)] += copies * param.numel()
+        if param.requires_grad and muon.is_matrix(param):
+            matrices[part_of(name)] += copies * param.numel()
         sizes.add(param.element_size())
     if len(sizes) != 1:
         raise ValueError(f"parameters of {len(sizes)} element sizes {sorted(sizes)}: the model is not cast to one dtype")
-    return ParameterCounts(frozen, trainable, sizes.pop())
+    return ParameterCounts(frozen, trainable, sizes.pop(), matrices)
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,9 @@ class OptimizerRule:
     (and, with the precision-aware optimizer, of its main copies) lives in host memory."""
     remainders: bool = False
     """The precision-aware main copy is TE's 16-bit remainder of the fp32 value (``store_param_remainders``)."""
+    matrix_moment_bytes: tuple[int, ...] = ()
+    """Muon (:mod:`.muon`): the moments of the matrices it steps itself, whose main copy is ``main_bytes`` too;
+    ``moment_bytes`` are then its scalar Adam's. Empty for every other optimizer."""
 
     @property
     def masters_offloaded(self) -> bool:
@@ -137,27 +151,28 @@ class OptimizerRule:
         return self.offload_fraction is not None and self.precision_aware
 
 
-KNOWN_OPTIMIZERS = ("adam", "sgd")
+KNOWN_OPTIMIZERS = ("adam", "sgd") + muon.NAMES
 
 
 def optimizer_findings(optimizer_config) -> list[Finding]:
-    """An optimizer other than Adam and SGD, refused in one line: Core 0.19 builds the others, and with them its
-    layer-wise distributed optimizer (``use_layer_wise_distributed_optimizer``, read on that path only), through
-    ``_get_megatron_emerging_optimizer`` (``optimizer/__init__.py`` L1038-1044, L742-754), whose states are not
-    modelled."""
+    """An optimizer other than Adam, SGD and Muon, refused in one line: Core 0.19 builds the others through
+    ``_get_megatron_emerging_optimizer`` (``optimizer/__init__.py`` L1038-1044), whose states are not modelled; and
+    the Muon set-ups :mod:`.muon` does not model."""
     name = getattr(optimizer_config, "optimizer", "adam")
     if name in KNOWN_OPTIMIZERS:
-        return []
+        return muon.findings(optimizer_config)
     return [Finding("unsupported_model", ERROR, "optimizer.optimizer",
-                    f"{name!r} and the layer-wise distributed optimizer of emerging optimizers are not modelled "
-                    "(their state layout differs from Adam's)", "estimate with optimizer.optimizer=adam")]
+                    f"{name!r} is not modelled (emerging optimizers other than Muon keep states unlike Adam's)",
+                    "estimate with optimizer.optimizer=adam")]
 
 
 def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, context_parallel: int) -> OptimizerRule:
     """Megatron's optimizer state for one trainable parameter (``OptimizerConfig`` fields)."""
     name = getattr(optimizer_config, "optimizer", "adam")
     if name not in KNOWN_OPTIMIZERS:
-        raise ValueError(f"optimizer.optimizer={name!r}: the estimate knows Adam and SGD; use one of them")
+        raise ValueError(f"optimizer.optimizer={name!r}: the estimate knows Adam, SGD and Muon; use one of them")
+    if muon.is_muon(optimizer_config):
+        return _muon_rule(optimizer_config, param_bytes=param_bytes, shards=data_parallel * context_parallel)
     moments = ["exp_avg", "exp_avg_sq"] if name == "adam" else ["momentum"]
     offloaded = offload.fraction(optimizer_config)
     remainders = False
@@ -184,6 +199,22 @@ def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, co
                    + (f", distributed over DP x CP = {shards}" if distributed else ", not distributed"))
     return OptimizerRule(per, shards, description, distributed, main, tuple(moment_bytes),
                          bool(getattr(optimizer_config, "use_precision_aware_optimizer", False)), offloaded, remainders)
+
+
+def _muon_rule(optimizer_config, *, param_bytes: int, shards: int) -> OptimizerRule:
+    """Muon's matrices: fp32 main copy + fp32 momentum; the rest: its scalar Adam's fp32 main copy + two fp32
+    moments (:mod:`.muon`); divided over DP x CP (experts: expert DP) by the layer-wise optimizer only."""
+    main = 4 if param_bytes < 4 else 0
+    adam = (4, 4)
+    layer_wise = muon.layer_wise(optimizer_config)
+    terms = (f"matrices {main} + {muon.MOMENTUM_BYTES} = {main + muon.MOMENTUM_BYTES} B (main copy + momentum), "
+             f"the others {' + '.join(map(str, ([main] if main else []) + list(adam)))} = {main + sum(adam)} B "
+             "(Adam: main copy + exp_avg + exp_avg_sq)")
+    description = (f"{optimizer_config.optimizer}: {terms}"
+                   + (f", whole parameters dealt over DP x CP = {shards} by the layer-wise optimizer" if layer_wise
+                      else ", not distributed"))
+    return OptimizerRule(main + sum(adam), shards if layer_wise else 1, description, layer_wise, main, adam,
+                         matrix_moment_bytes=(muon.MOMENTUM_BYTES,))
 
 
 def _stores_remainders(optimizer_config, param_bytes: int) -> bool:
@@ -235,15 +266,18 @@ def static_components(counts: ParameterCounts, *, grad_bytes: int, rule: Optimiz
     nbytes = shard.masters + shard.moments
     host = "" if rule.offload_fraction is None else \
         f"; on the GPU: all but the {shard.offloaded:,} of {shard.elements:,} shard elements whose state is on the host"
+    matrices = "" if not rule.matrix_moment_bytes else f" ({counts.matrices_of(False):,} of them matrices)"
     if not experts:
         out.append(Component(STATIC, "optimizer states", nbytes,
-                             f"{trainable:,} trainable parameters x {rule.description}{host}"))
+                             f"{trainable:,} trainable parameters{matrices} x {rule.description}{host}"))
         return out
     shards = expert_shards if rule.distributed else 1
     dense = trainable - experts
+    per_expert = f"{rule.bytes_per_parameter} B" if not rule.matrix_moment_bytes else \
+        f"the same ({counts.matrices_of(True):,} of them matrices)"
     out.append(Component(STATIC, "optimizer states", nbytes,
-                         f"{dense:,} trainable parameters x {rule.description}{host}; {experts:,} trainable expert "
-                         f"parameters x {rule.bytes_per_parameter} B"
+                         f"{dense:,} trainable parameters{matrices} x {rule.description}{host}; {experts:,} trainable "
+                         f"expert parameters x {per_expert}"
                          + (f", distributed over expert DP = DP x TP x CP / (EP x ETP) = {shards}"
                             if rule.distributed else ", not distributed")))
     return out
@@ -275,6 +309,8 @@ def optimizer_shard(counts: ParameterCounts, rule: OptimizerRule, *, expert_shar
     dense = counts.trainable_total - experts
     split = ((dense, rule.shards), (experts, expert_shards if rule.distributed else 1))
     elements = sum(-(-n // shards) for n, shards in split)
+    if rule.matrix_moment_bytes:
+        return _muon_shard(counts, rule, split, elements)
     if rule.offload_fraction is None:
         total = sum(-(-n * rule.bytes_per_parameter // shards) for n, shards in split)
         masters = sum(-(-n * rule.main_bytes // shards) for n, shards in split)
@@ -286,6 +322,19 @@ def optimizer_shard(counts: ParameterCounts, rule: OptimizerRule, *, expert_shar
     else:
         masters = sum(-(-n * rule.main_bytes // shards) for n, shards in split)
     return OptimizerShard(elements, masters, sum(on_gpu) * sum(rule.moment_bytes), sum(on_host))
+
+
+def _muon_shard(counts: ParameterCounts, rule: OptimizerRule, split, elements: int) -> OptimizerShard:
+    """Muon's shard: its matrices at main copy + momentum, the rest at its scalar Adam's bytes, dense and experts
+    each divided over their ranks."""
+    matrix_bytes = rule.main_bytes + sum(rule.matrix_moment_bytes)
+    groups = []
+    for (n, shards), experts in zip(split, (False, True)):
+        matrices = counts.matrices_of(experts)
+        groups += [(matrices, shards, matrix_bytes), (n - matrices, shards, rule.bytes_per_parameter)]
+    total = sum(-(-n * per // shards) for n, shards, per in groups)
+    masters = sum(-(-n * rule.main_bytes // shards) for n, shards, _ in groups)
+    return OptimizerShard(elements, masters, total - masters)
 
 
 def expert_data_parallel(*, data_parallel: int, tensor_parallel: int, context_parallel: int, expert_parallel: int,

@@ -24,7 +24,17 @@ What it changes while tracing:
 * ``dsa_indexer_rotate_activation``: the Hadamard rotation is ``fast_hadamard_transform``'s CUDA kernel (dsa.py
   L253-269), which does not run here: refused (:func:`findings`); GLM-5.2's provider turns it off.
 
-``dsv4_hybrid`` (DeepSeek-V4) is refused: the installed Megatron Core builds no such variant.
+``dsv4_hybrid`` (DeepSeek-V4) is refused: the installed Megatron Core builds no such variant. Bridge's release
+branch (``r0.6.0`` at 6124fbe, version 0.6.1, whose DeepSeek-V4 model, step and recipe files are 0.6.2's byte for
+byte) pins its main Megatron-LM (``3rdparty/Megatron-LM`` at cd4afff, ``.main.commit``) without it and builds
+DeepSeek-V4 on the dev branch it pins beside it (``.dev.commit`` 43e45e1, "bump mcore dev commit for DSv4 support"), whose Core
+adds what the provider (``deepseek_v4_bridge.py`` L390-526) sets: the ``dsv4_hybrid`` spec
+(``experimental_attention_variant_module_specs.py`` L147-201: ``DSv4HybridSelfAttention`` with
+``CompressedSparseAttention``, its ``Compressor`` and ``CSAIndexer``, ``csa.py``), mHC hyper-connections over
+``num_residual_streams`` residual streams (``transformer_config.py`` L1205-1217, ``hyper_connection.py``), hash
+routing on the first ``moe_n_hash_layers`` MoE layers (``moe/router.py`` L200-207) and the ``o_groups`` /
+``o_lora_rank`` grouped output projection (``transformer_config.py`` L3576-3579). No released megatron-core (the
+newest is 0.19.2, whose ``core_r0.19.0`` branch lacks them all) carries them.
 """
 
 from __future__ import annotations
@@ -56,7 +66,9 @@ def findings(model) -> list[Finding]:
         return [_not_modelled("model.experimental_attention_variant",
                               "DeepSeek-V4's 'dsv4_hybrid' attention is not modelled by the estimate: the installed "
                               "Megatron Core has no such variant (experimental_attention_variant_module_specs.py "
-                              "L141-148 builds 'gated_delta_net' and 'dsa' only), so its model cannot be built here",
+                              "L141-148 builds 'gated_delta_net' and 'dsa' only), nor mHC hyper-connections or hash "
+                              "routing; Bridge builds the model on Megatron-LM's dev branch (its .dev.commit 43e45e1), "
+                              "in no released megatron-core, so its model cannot be built here",
                               "read Bridge's figure beside it, or measure one training step on a GPU")]
     if variant and variant != DSA and getattr(model, "multi_latent_attention", False):  # others: .attention_variant
         return [_not_modelled("model.experimental_attention_variant",

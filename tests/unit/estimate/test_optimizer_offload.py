@@ -121,7 +121,8 @@ def test_what_core_refuses_and_what_is_not_modelled_with_the_offload_are_named()
 
 def test_an_emerging_optimizer_is_refused_by_name():
     assert static.optimizer_findings(optimizer_config()) == []
-    assert [f.setting for f in static.optimizer_findings(optimizer_config(optimizer="muon"))] == ["optimizer.optimizer"]
+    assert [f.setting for f in static.optimizer_findings(optimizer_config(optimizer="adaptive_muon"))] == \
+        ["optimizer.optimizer"]
 
 
 @pytest.mark.parametrize("remainders, bf16, main", [(True, True, 2), (False, True, 4), (True, False, 4)])

@@ -113,7 +113,9 @@ def test_overlap_param_gather_with_the_optimizer_step_is_read_and_stated():
       "ddp.use_distributed_optimizer=false"), "optimizer.optimizer_cpu_offload"),
     (("optimizer.optimizer_cpu_offload=true", "optimizer.decoupled_weight_decay=false"),
      "optimizer.decoupled_weight_decay"),
-    (("optimizer.optimizer=dist_muon",), "optimizer.optimizer")])
+    (("optimizer.optimizer=adaptive_muon",), "optimizer.optimizer"),
+    (("optimizer.optimizer=dist_muon", "optimizer.use_distributed_optimizer=true",
+      "ddp.use_distributed_optimizer=true"), "ddp.use_distributed_optimizer")])
 def test_a_setting_the_estimate_cannot_honour_is_refused_by_name(overrides, setting):
     with pytest.raises(Refused) as refused:
         estimate(_build(*overrides).cfg)

@@ -93,7 +93,8 @@ def test_sparse_attention_is_modelled_and_multi_latent_attention_no_longer_refus
 
 
 @pytest.mark.parametrize("fields, setting, words", [
-    (dict(experimental_attention_variant="dsv4_hybrid"), "model.experimental_attention_variant", "no such variant"),
+    (dict(experimental_attention_variant="dsv4_hybrid"), "model.experimental_attention_variant",
+     "in no released megatron-core"),
     (dict(experimental_attention_variant="gated_delta_net"), "model.experimental_attention_variant", "not modelled"),
     (dict(dsa_indexer_rotate_activation=True), "model.dsa_indexer_rotate_activation", "fast_hadamard_transform"),
 ])
