@@ -34,7 +34,8 @@ from megatron_bridge_ext.estimate.features import fp8_experts
 from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of,
                                                trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
-from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
+from megatron_bridge_ext.levers.parallelism.constraints import (expert_sizes, moe_sequence_parallel_problem,
+                                                                query_group_problem, schedule_findings)
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
 
 WHAT = "memory estimate"
@@ -132,11 +133,9 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
         return out
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
+    heads_problem = query_group_problem(heads, groups, tp)
     checks = [
-        (heads % tp, "model.tensor_model_parallel_size", f"TP={tp} does not divide the {heads} attention heads"),
-        (groups % tp and tp % groups, "model.tensor_model_parallel_size",
-         f"TP={tp} neither divides the {groups} query groups nor is a multiple of them (transformer_config.py "
-         "L1338-1345; with TP a multiple, Megatron Core gives each rank one key/value head)"),
+        (heads_problem, "model.tensor_model_parallel_size", heads_problem),
         (model.ffn_hidden_size and model.ffn_hidden_size % tp, "model.tensor_model_parallel_size",
          f"TP={tp} does not divide the FFN size {model.ffn_hidden_size}"),
         (model.vocab_size and not getattr(model, "should_pad_vocab", False) and model.vocab_size % tp,
@@ -159,10 +158,10 @@ def parallel_problems(model, *, micro_batch: int, peft=None) -> list[Finding]:
     out += features.context_parallel.layout_findings(model)
     if not is_hybrid(model):
         out += pipeline.split_problems(model)
-    if getattr(model, "num_moe_experts", None) and tp > 1 and not model.sequence_parallel:
-        refuse("parallel_layout", "model.sequence_parallel",
-               f"is off with TP={tp} on an MoE model: Megatron Core's MoE layer refuses to train so "
-               "(MoELayer.forward raises it, moe/moe_layer.py L629-633)", "set model.sequence_parallel=True")
+    moe_sp = moe_sequence_parallel_problem(experts=getattr(model, "num_moe_experts", None), tp=tp,
+                                           sp=bool(model.sequence_parallel))
+    if moe_sp:
+        refuse("parallel_layout", "model.sequence_parallel", moe_sp, "set model.sequence_parallel=True")
     return out
 
 

@@ -144,17 +144,40 @@ def _bad_input(setting: str, message: str, fix: str) -> Finding:
     return Finding("bad_input", ERROR, setting, message, fix)
 
 
+def query_group_problem(heads: int, groups: int, tp: int) -> Optional[str]:
+    """Why TP cannot split the attention: it must divide the heads, and divide the query groups or be a multiple of
+    them (Megatron Core ``transformer_config.py`` L1338-1345; with TP a multiple, each rank holds one key/value
+    head); None when it can."""
+    if heads % tp:
+        return f"TP={tp} does not divide the {heads} attention heads"
+    if groups % tp and tp % groups:
+        return (f"TP={tp} neither divides the {groups} query groups nor is a multiple of them (transformer_config.py "
+                "L1338-1345; with TP a multiple, Megatron Core gives each rank one key/value head)")
+    return None
+
+
+def moe_sequence_parallel_problem(*, experts, tp: int, sp: bool) -> Optional[str]:
+    """Why an MoE model cannot train at this TP without sequence parallelism: ``MoELayer.forward`` raises in
+    training whenever the attention's TP group is larger than 1 and SP is off (``moe/moe_layer.py`` L629-633),
+    whatever the expert-parallel size; None when it can."""
+    if experts and tp > 1 and not sp:
+        return (f"is off with TP={tp} on an MoE model: Megatron Core's MoE layer refuses to train so "
+                "(MoELayer.forward raises it, moe/moe_layer.py L629-633)")
+    return None
+
+
 def layout_findings(shape: dict, *, world: int, global_batch: int, tp: int, pp: int, vpp: Optional[int], cp: int,
                     ep: int, etp: int, dp: int, sp: bool, micro_batch: int) -> list[Finding]:
     """What Megatron Core and Bridge refuse of one parallel layout of a model of ``shape`` (``heads``,
     ``query_groups``, ``layers``, ``seq``, ``experts``, ``bias``) on ``world`` GPUs, one finding per broken rule:
 
     * TP x PP x CP x DP = world: ``parallel_state.initialize_model_parallel`` L822 (``world_size % model_size``);
-    * TP divides the heads and the query groups: ``transformer_config.py`` L1323 and L1339;
+    * TP divides the heads, and divides the query groups or is a multiple of them: :func:`query_group_problem`;
     * PP divides the layers: ``transformer_block.py`` L150-152; VPP divides a stage's layers (each chunk holds
       layers / (PP x VPP)): ``transformer_block.py`` L169-172; the interleaved schedule's rules: :func:`schedule_findings`;
     * CP: Bridge's ``training/config.py`` L1436, the sequence a multiple of 2 x CP;
-    * SP needs TP > 1: ``model_parallel_config.py`` L502-504; MoE with EP > 1 and TP > 1 needs SP (L560-565);
+    * SP needs TP > 1: ``model_parallel_config.py`` L502-504; MoE with TP > 1 needs SP:
+      :func:`moe_sequence_parallel_problem`;
     * the expert layout: :func:`expert_layout_problem`;
     * micro-batch x DP divides the global batch: ``num_microbatches_calculator.py`` L381-387.
     """
@@ -165,9 +188,9 @@ def layout_findings(shape: dict, *, world: int, global_batch: int, tp: int, pp: 
 
     if tp * pp * cp * dp != world:
         bad("--gpus", f"TP x PP x CP x DP = {tp * pp * cp * dp}, not the {world} GPUs", "choose sizes whose product is N")
-    for name, count in (("heads", shape["heads"]), ("query groups", shape["query_groups"])):
-        if count % tp:
-            bad("model.tensor_model_parallel_size", f"TP={tp} does not divide the {count} {name}", "choose a divisor")
+    heads = query_group_problem(shape["heads"], shape["query_groups"], tp)
+    if heads:
+        bad("model.tensor_model_parallel_size", heads, "choose a divisor")
     uneven = uneven_split(shape["layers"], pp)
     if shape["layers"] % pp and (uneven is None or vpp is not None):
         bad("model.pipeline_model_parallel_size", f"PP={pp} does not divide the {shape['layers']} layers"
@@ -180,8 +203,9 @@ def layout_findings(shape: dict, *, world: int, global_batch: int, tp: int, pp: 
             "choose a smaller CP")
     if sp and tp == 1:
         bad("model.sequence_parallel", "needs TP > 1", "set model.sequence_parallel=false")
-    if shape.get("experts") and ep > 1 and tp > 1 and not sp:
-        bad("model.sequence_parallel", "expert and tensor parallelism need sequence parallelism", "set it true")
+    moe_sp = moe_sequence_parallel_problem(experts=shape.get("experts"), tp=tp, sp=sp)
+    if moe_sp:
+        bad("model.sequence_parallel", moe_sp, "set model.sequence_parallel=true")
     problem = expert_layout_problem(ep=ep, etp=etp, tp=tp, cp=cp, dp=dp, experts=shape.get("experts"),
                                     bias=bool(shape.get("bias")), names=LAYOUT_NAMES)
     out += [problem] if problem else []

@@ -20,8 +20,8 @@ def test_legal_layout_passes():
 @pytest.mark.parametrize("change, setting", [
     # parallel_state.py L822: world_size % (TP x PP x CP) != 0
     (dict(dp=2), "--gpus"),
-    # transformer_config.py L1339: num_query_groups % TP (8 groups, TP 16 over 2 nodes)
-    (dict(tp=16, dp=1), "model.tensor_model_parallel_size"),
+    # transformer_config.py L1338-1345: 6 query groups, TP 4 neither divides them nor is a multiple of them
+    (dict(query_groups=6), "model.tensor_model_parallel_size"),
     # transformer_block.py L150-152: 81 layers over PP 2 (no uneven split with two stages)
     (dict(layers=81), "model.pipeline_model_parallel_size"),
     # transformer_block.py L169-172: 40 layers a stage over VPP 3
@@ -37,7 +37,8 @@ def test_legal_layout_passes():
 ])
 def test_rule_refuses(change, setting):
     shape = dict(DENSE, seq=4100) if change.get("cp") else dict(DENSE)
-    shape["layers"] = change.pop("layers", shape["layers"])
+    for field in ("layers", "query_groups"):
+        shape[field] = change.pop(field, shape[field])
     found = settings(layout_findings(shape, **{**LEGAL, **change}))
     assert (setting or "model.context_parallel_size") in found
 
@@ -47,8 +48,41 @@ def test_expert_rules():
     assert layout_findings(MOE, **legal) == []
     # moe_layer.py L185: num_moe_experts % EP
     assert "model.expert_model_parallel_size" in settings(layout_findings(dict(MOE, experts=12), **legal))
-    # model_parallel_config.py L560-565: EP and TP without SP
-    assert "model.sequence_parallel" in settings(layout_findings(MOE, **dict(legal, sp=False)))
+    # moe_layer.py L629-633: TP without SP, with or without expert parallelism
+    for ep, etp, dp in ((8, 1, 8), (1, 2, 8)):
+        found = settings(layout_findings(MOE, **dict(legal, sp=False, ep=ep, etp=etp, dp=dp)))
+        assert "model.sequence_parallel" in found, (ep, etp)
+
+
+def _core_accepts(heads: int, groups: int, tp: int) -> bool:
+    """Whether Megatron Core's own TransformerConfig takes these heads, query groups and TP."""
+    import warnings
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            TransformerConfig(num_layers=2, hidden_size=heads * 8, num_attention_heads=heads, num_query_groups=groups,
+                              tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+        except ValueError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("heads, groups, tp", [
+    (64, 8, 4), (64, 8, 8), (64, 8, 16), (64, 8, 32), (32, 4, 8), (32, 2, 8), (64, 6, 4), (48, 12, 8), (8, 8, 3),
+    (40, 8, 4), (40, 8, 16), (56, 8, 8)])
+def test_the_search_and_the_estimate_take_the_heads_and_query_groups_core_takes(heads, groups, tp):
+    """One rule for both: the search's layout filter and the estimate's layout check refuse exactly the TP sizes that
+    Core's TransformerConfig refuses (TP a multiple of the query groups is legal: each rank holds one KV head)."""
+    from megatron_bridge_ext.levers.parallelism.constraints import query_group_problem
+
+    accepted = _core_accepts(heads, groups, tp)
+    assert (query_group_problem(heads, groups, tp) is None) == accepted
+    shape = dict(DENSE, heads=heads, query_groups=groups)
+    found = settings(layout_findings(shape, **dict(LEGAL, world=tp * 2 * 4, tp=tp, etp=tp)))
+    assert ("model.tensor_model_parallel_size" not in found) == accepted
 
 
 def test_an_uneven_split_keeps_the_middle_stages_whole():
