@@ -31,8 +31,9 @@ Why each change (all undone on exit; none of them outlives the context):
   module only has with TE installed (its ``fp8 is not None`` test is always true). The trace runs
   no FP8 kernel (FP8 is modelled by contract, :mod:`.te_fp8`), so without TE stand-ins that say "FP8
   off" and enter no context take their place.
-* ``te_checkpoint``: under FP8 Core recomputes an MLP through TE's checkpoint, which raises without
-  TE; Core's own checkpoint, which keeps the same inputs, stands in while tracing.
+* ``te_checkpoint``: under FP8 Core recomputes an MLP, and under full recompute each chunk of layers, through TE's
+  checkpoint, which raises (or is None) without TE; Core's own checkpoint, which keeps the same inputs, stands in
+  while tracing.
 * dynamo off: Megatron's ``jit_fuser`` is ``torch.compile``, which would try to compile for a GPU
   that is not there. Eager regions save what their ops save; a compiled region's partitioner may
   choose differently (listed in the estimate's assumptions).
@@ -304,7 +305,9 @@ def _checkpoint_as_te_does(forward_func, distribute_saved_activations, get_rng_s
 def _te_checkpoint_without_te() -> Iterator[None]:
     """Megatron Core recomputes a layer's MLP under FP8 through ``te_checkpoint`` (Core 0.19.2
     ``transformer/transformer_layer.py:882-893``, ``_forward_mlp``: ``if self.config.fp8 or self.config.fp4``;
-    ``extensions/transformer_engine.py:3291-3314``), which raises without Transformer Engine. TE's
+    ``extensions/transformer_engine.py:3291-3314``), which raises without Transformer Engine; full recompute runs
+    each chunk of layers through the same function (``recompute.py`` L130-140, ``chunk_runner``), which that module
+    imports only with TE (L15-18: None without it, so a full-recompute FP8 trace called None). TE's
     ``transformer_engine/pytorch/distributed.py`` ``checkpoint`` (reentrant by default,
     ``_USE_REENTRANT_ACTIVATION_RECOMPUTE``) keeps the function's tensor inputs and reruns its forward in backward,
     as Core's ``CheckpointFunction`` does; the estimate traces FP8 configs on the local spec, so Core's checkpoint
@@ -314,12 +317,13 @@ def _te_checkpoint_without_te() -> Iterator[None]:
     if core_te.HAVE_TE:
         yield
         return
-    saved = core_te.te_checkpoint
-    core_te.te_checkpoint = _checkpoint_as_te_does
-    try:
+    from megatron.core import recompute
+
+    from megatron_bridge_ext.estimate.standins import replaced_attributes
+
+    with replaced_attributes({(core_te, "te_checkpoint"): _checkpoint_as_te_does,
+                              (recompute, "te_checkpoint"): _checkpoint_as_te_does}):
         yield
-    finally:
-        core_te.te_checkpoint = saved
 
 
 _ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")

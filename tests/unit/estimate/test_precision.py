@@ -286,3 +286,21 @@ def test_fp8_layers_of_an_interleaved_stage_are_read_by_their_global_numbers():
     fp8_layers = {0: 2, 1: 3}[est.stage]
     assert f"of the {fp8_layers} FP8 layers' dense linears" in est.component("weights: FP8 linear weights").basis
     assert _bytes(est, "weights: FP8 linear weights") == fp8_layers * TENSORWISE_LAYER
+
+
+def test_full_recompute_under_fp8_traces_without_transformer_engine_and_saves_what_it_saves_in_bf16():
+    """Full recompute runs each chunk of layers through TE's checkpoint under FP8 (recompute.py L130-140), which
+    Core's block module holds as None without TE; the trace's stand-in keeps each chunk's inputs as Core's own
+    checkpoint does for the bf16 config: the chunk's [s/t, b, h] hidden state (SP on TP 2), and the rotary table
+    [s, 1, 1, h / heads] in fp32 that every chunk is handed (L128), one storage for all chunks."""
+    fp8 = _tiny("bf16_with_fp8_current_scaling_mixed")
+    plain = _tiny("bf16_mixed")
+    for cfg in (fp8, plain):
+        cfg.model.recompute_granularity, cfg.model.recompute_method = "full", "uniform"
+        cfg.model.recompute_num_layers, cfg.model.recompute_modules = 1, None
+    kept = {name: _estimate(cfg).component("recompute checkpoints").bytes
+            for name, cfg in (("fp8", fp8), ("bf16", plain))}
+    seq, tp, hidden, heads = SHAPE["seq"], SHAPE["tp"], SHAPE["hidden"], SHAPE["heads"]
+    chunk_inputs = SHAPE["layers"] * (seq // tp) * SHAPE["micro_batch"] * hidden * 2
+    rotary = seq * (hidden // heads) * 4
+    assert kept["fp8"] == kept["bf16"] == chunk_inputs + rotary
