@@ -264,10 +264,10 @@ def moment_bytes(optimizer, ddp, *, param_bytes: int) -> tuple[int, int]:
     parameter dtype without them): torch's Adam and FusedAdam make them ``zeros_like`` the parameter."""
     import torch
 
-    from megatron_bridge_ext.estimate.static import dtype_bytes
+    from megatron_bridge_ext.estimate.static import state_bytes
 
     if getattr(optimizer, "use_precision_aware_optimizer", False):
-        return tuple(dtype_bytes(getattr(optimizer, name, torch.float32)) for name in ("exp_avg_dtype",
+        return tuple(state_bytes(getattr(optimizer, name, torch.float32)) for name in ("exp_avg_dtype",
                                                                                        "exp_avg_sq_dtype"))
     own = dtype_sizes(ddp, param_bytes)[0] or param_bytes
     return own, own
