@@ -1065,7 +1065,19 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         attention=attention, transformer_impl=impl, device=device,
         distributed_optimizer=bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
         peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe,
-        mla=_mla_settings(p), tp_comm_overlap=bool(getattr(p, "tp_comm_overlap", False)))
+        mla=_mla_settings(p), tp_comm_overlap=bool(getattr(p, "tp_comm_overlap", False)),
+        fsdp=fsdp_rules.strategy(prepared.ddp) if fsdp_rules.enabled(prepared.ddp) else None,
+        moment_bytes=_moment_bytes(prepared))
+
+
+def _moment_bytes(prepared: Prepared) -> int:
+    """Bytes of both moments per element as the optimizer keeps them (:func:`.fsdp.moment_bytes` under
+    Megatron-FSDP, else :func:`.static.optimizer_rule`'s)."""
+    element = static.dtype_bytes(prepared.dtype)
+    if fsdp_rules.enabled(prepared.ddp):
+        return sum(fsdp.moment_bytes(prepared.optimizer, prepared.ddp, param_bytes=element))
+    rule = static.optimizer_rule(prepared.optimizer, param_bytes=element, data_parallel=1, context_parallel=1)
+    return sum(rule.moment_bytes)
 
 
 def _mla_settings(provider) -> Optional[MlaSettings]:

@@ -12,6 +12,8 @@ L345-369), each TP/PP rank's own parameters.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron_bridge_ext.findings import ERROR, Finding
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -123,9 +125,55 @@ def bridge_applies(optimizer, ddp) -> list[str]:
     return notes
 
 
-def overrides(name: str) -> list[str]:
-    """Bridge override strings that turn Megatron-FSDP on with sharding strategy ``name`` (``dist`` and ``ddp`` as
-    Bridge's validation sets them, the distributed optimizer it requires, and the checkpoint format it saves in)."""
+SEARCHED = ("optim_grads", "optim_grads_params")
+"""The strategies the search proposes: those that shard more than the distributed optimizer does (``optim`` shards
+what it shards; ``no_shard`` nothing)."""
+
+
+def search_options(shape: dict, distributed_optimizer: bool, dp_cp: int) -> list[tuple[Optional[str], bool]]:
+    """The (FSDP strategy, bf16 moments) pairs a candidate may take: plain DDP with fp32 or bf16 moments, and each
+    :data:`SEARCHED` strategy, all on the distributed optimizer (Core asserts it for the precision-aware optimizer,
+    optimizer_config.py L430-436; Bridge turns it on for FSDP); FSDP only where DP x CP > 1 shards something and
+    the estimate models it (no FP8: :func:`findings`)."""
+    if not distributed_optimizer:
+        return [(None, False)]
+    strategies = [None] + (list(SEARCHED) if dp_cp > 1 and not shape.get("fp8") else [])
+    return [(name, moments) for name in strategies for moments in (False, True)]
+
+
+def strategy_overrides(name: Optional[str]) -> list[str]:
+    """Bridge override strings for Megatron-FSDP with strategy ``name`` (``dist`` and ``ddp`` as Bridge's validation
+    sets them, the checkpoint format it saves in), or off (None)."""
+    if name is None:
+        return ["dist.use_megatron_fsdp=false", "ddp.use_megatron_fsdp=false"]
     return ["dist.use_megatron_fsdp=true", "ddp.use_megatron_fsdp=true",
-            f"ddp.data_parallel_sharding_strategy={name}", "ddp.use_distributed_optimizer=true",
-            "optimizer.use_distributed_optimizer=true", "checkpoint.ckpt_format=fsdp_dtensor"]
+            f"ddp.data_parallel_sharding_strategy={name}", "checkpoint.ckpt_format=fsdp_dtensor"]
+
+
+def moment_overrides(bf16: bool) -> list[str]:
+    """The precision-aware optimizer with bf16 moments, or off with Core's fp32 states (it asserts fp32 without it,
+    optimizer_config.py L469-481)."""
+    dtype = "bf16" if bf16 else "fp32"
+    return [f"optimizer.use_precision_aware_optimizer={str(bf16).lower()}", f"optimizer.exp_avg_dtype={dtype}",
+            f"optimizer.exp_avg_sq_dtype={dtype}"]
+
+
+def apply(cfg, name: Optional[str], bf16: bool) -> None:
+    """What :func:`strategy_overrides` and :func:`moment_overrides` set, on ``cfg`` in place."""
+    import torch
+
+    cfg.dist.use_megatron_fsdp = cfg.ddp.use_megatron_fsdp = name is not None
+    if name is not None:
+        cfg.ddp.data_parallel_sharding_strategy, cfg.checkpoint.ckpt_format = name, "fsdp_dtensor"
+    cfg.optimizer.use_precision_aware_optimizer = bf16
+    cfg.optimizer.exp_avg_dtype = cfg.optimizer.exp_avg_sq_dtype = torch.bfloat16 if bf16 else torch.float32
+
+
+def given(cfg) -> tuple[Optional[str], bool]:
+    """The config's own (FSDP strategy, bf16 moments)."""
+    import torch
+
+    optimizer = cfg.optimizer
+    moments = bool(getattr(optimizer, "use_precision_aware_optimizer", False)) and \
+        getattr(optimizer, "exp_avg_dtype", None) == getattr(optimizer, "exp_avg_sq_dtype", None) == torch.bfloat16
+    return (strategy(cfg.ddp) if enabled(cfg.ddp, getattr(cfg, "dist", None)) else None), moments
