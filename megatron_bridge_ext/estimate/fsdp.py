@@ -2,15 +2,15 @@
 
 Megatron Core 0.19.2's ``ParamAndGradBuffer`` (``distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py``)
 groups the rank's parameters (``_get_parameter_groups`` L1726-1957: one group per FSDP unit, a transformer, MoE or
-Mamba layer under ``optim_grads_params`` (``mcore_fsdp_adapter.py`` L150-154), split by dtype, expert and
+Mamba layer under ``optim_grads_params`` (``mcore_fsdp_adapter.py`` L158-164), split by dtype, expert and
 ``requires_grad``, and by ``ddp.bucket_size`` elements outside the units), lays each group out padded to a multiple of
 DP x its chunk size (``build_data_parallel_buffer_index`` L257-382, ``_pad_if_needed`` L284-287, not padded under
-``no_shard``) and keeps, per group (L2644-2719):
+``no_shard``) and keeps, per group (L2645-2728):
 
 * **model weights**: under ``no_shard`` the module's own parameters; else a buffer of the parameter dtype, sharded
-  over DP under ``optim_grads_params`` and whole otherwise (L2644-2662);
+  over DP under ``optim_grads_params`` and whole otherwise (L2645-2663);
 * **main weights**: with ``ddp.megatron_fsdp_main_params_dtype`` (fp32 by default; None: none), for trainable
-  groups, sharded except under ``no_shard`` (L2681-2697). They are the optimizer's parameters
+  groups, sharded except under ``no_shard`` (L2683-2699). They are the optimizer's parameters
   (``_init_optimizer_named_parameters`` L3287-3341): Adam's moments follow them, one per element of the rank's shard
   (torch's Adam in the parameters' dtype; Transformer Engine's FusedAdam in ``exp_avg_dtype``/``exp_avg_sq_dtype``,
   with no master copy of its own: Core turns ``master_weights`` off, ``optimizer/__init__.py`` L1116-1128);
@@ -27,7 +27,7 @@ Buckets alive around the compute, with sharded gradients or parameters:
 * **gradient reduce-scatters** (``optim_grads``, ``optim_grads_params``): each bucket's whole gradient is allocated
   when its first gradient arrives (``main_grad_getter`` L3086-3115, in ``megatron_fsdp_grad_comm_dtype`` when set),
   reduce-scattered, and freed only when ``wait_for_previous_grad_reduce`` pops it from the queue, which it does while
-  the queue holds more than ``suggested_communication_unit_size`` elements (L3916-3946, L4218-4246).
+  the queue holds more than ``suggested_communication_unit_size`` elements (L3916-3946, L4219-4249).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class _WholeStage:
 
 def _unit_modules(name: str) -> list:
     """Core's FSDP units: transformer, MoE and Mamba layers under ``optim_grads_params``, none otherwise
-    (``mcore_fsdp_adapter.py`` L150-154)."""
+    (``mcore_fsdp_adapter.py`` L158-164)."""
     if name != "optim_grads_params":
         return []
     from megatron.core.ssm.mamba_layer import MambaLayer
@@ -140,7 +140,7 @@ class Layout:
 
 def dtype_sizes(ddp, param_bytes: int) -> tuple[int, int, int]:
     """Bytes per element of the main weights (0: none), the main gradients, and the gradient buckets of the
-    reduce-scatter (``mcore_fsdp_adapter.py`` L129-133, ``MixedPrecisionPolicy``)."""
+    reduce-scatter (``mcore_fsdp_adapter.py`` L134-138, ``MixedPrecisionPolicy``)."""
     from megatron_bridge_ext.estimate.static import dtype_bytes
 
     main = getattr(ddp, "megatron_fsdp_main_params_dtype", None)
@@ -196,7 +196,7 @@ def _unit_sizes(groups: list[Bucket], *, whole: bool = False) -> list[int]:
 
 def gathered_window(units: list[int], prefetch: int) -> int:
     """The most elements of gathered units alive at once: a unit and those prefetched after it until the prefetched
-    elements reach ``prefetch`` (``all_gather_params`` L4483-4506); the earlier unit is freed after its forward."""
+    elements reach ``prefetch`` (``all_gather_params`` L4481-4507); the earlier unit is freed after its forward."""
     best = 0
     for i, size in enumerate(units):
         fetched, j = 0, i + 1
@@ -244,10 +244,10 @@ def static_components(lay: Layout, *, optimizer_states: int, optimizer_basis: st
     moments, ``optimizer_states`` bytes), the parameters kept gathered outside the units, the buckets in flight."""
     where = {"no_shard": "whole", "optim": "whole", "optim_grads": "whole", "optim_grads_params": "DP shard"}
     out = [Component(STATIC, "weights: Megatron-FSDP model weights", lay.weights,
-                     f"{where[lay.strategy]} of the parameters ({lay.strategy}; param_and_grad_buffer.py L2644-2662)"),
+                     f"{where[lay.strategy]} of the parameters ({lay.strategy}; param_and_grad_buffer.py L2645-2663)"),
            Component(STATIC, "gradients (Megatron-FSDP main gradients)", lay.grads,
                      f"{'DP shard' if lay.strategy in ('optim_grads', 'optim_grads_params') else 'whole'} of the "
-                     f"trainable parameters' gradients ({lay.strategy}; param_and_grad_buffer.py L2699-2719)"),
+                     f"trainable parameters' gradients ({lay.strategy}; param_and_grad_buffer.py L2701-2728)"),
            Component(STATIC, "optimizer states", optimizer_states, optimizer_basis)]
     if lay.gathered_outside_units:
         out.append(Component(BUFFERS, NON_UNITS, lay.gathered_outside_units,
@@ -278,7 +278,7 @@ def step_state(optimizer, ddp, lay: Layout, *, param_bytes: int):
     the main weights exist from construction, the moments from the first step; the step's transients:
 
     * without the decoupled gradient (no precision-aware optimizer), ``update_main_grads`` casts each gradient item to
-      the main weights' dtype (``param_and_grad_buffer.py`` L3369-3376) and keeps it in ``dist_main_grad`` until
+      the main weights' dtype (``param_and_grad_buffer.py`` L3369-3373) and keeps it in ``dist_main_grad`` until
       the next step's: a copy where the dtypes differ;
     * FusedAdam unscales 16-bit moments to fp32 for its kernel (as without FSDP, :func:`.phases.step_state`).
     """
@@ -294,7 +294,7 @@ def step_state(optimizer, ddp, lay: Layout, *, param_bytes: int):
         transients.append(Component(
             TRANSIENT, phases.FP32_GRAD_COPIES, elements * main_bytes,
             f"formula: {elements:,} elements of the optimizer's shard x {main_bytes} B: the {grad_bytes}-byte main "
-            "gradients cast to the main weights' dtype (Megatron-FSDP param_and_grad_buffer.py L3369-3376), kept in "
+            "gradients cast to the main weights' dtype (Megatron-FSDP param_and_grad_buffer.py L3369-3373), kept in "
             "dist_main_grad until the next step"))
         kept.append(phases.FP32_GRAD_COPIES)
     low = sum(1 for b in moments if b < 4) if getattr(optimizer, "use_precision_aware_optimizer", False) else 0
@@ -312,6 +312,6 @@ def optimizer_basis(optimizer, ddp, lay: Layout, *, param_bytes: int) -> str:
     moments = moment_bytes(optimizer, ddp, param_bytes=param_bytes)
     where = "whole" if lay.strategy == "no_shard" else "rank 0's DP shard"
     return (f"Megatron-FSDP main weights {lay.mains:,} B ({main_bytes} B per element, {where}; "
-            f"param_and_grad_buffer.py L2681-2697) + Adam moments {lay.optimizer_elements:,} elements x "
+            f"param_and_grad_buffer.py L2683-2699) + Adam moments {lay.optimizer_elements:,} elements x "
             f"({' + '.join(map(str, moments))}) B (the optimizer's parameters are the main-weight shards, L3287-3341; "
             "no FusedAdam master copy, optimizer/__init__.py L1116-1128)")

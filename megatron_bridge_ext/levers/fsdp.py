@@ -17,13 +17,13 @@ from typing import Optional
 from megatron_bridge_ext.findings import ERROR, Finding
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-"""``ddp.data_parallel_sharding_strategy`` values Core accepts (``param_and_grad_buffer.py`` L2323-2342): what each
+"""``ddp.data_parallel_sharding_strategy`` values Core accepts (``param_and_grad_buffer.py`` L2322-2342): what each
 shards over DP, in that order: nothing, the optimizer's main weights and states, and the gradients, and the
 parameters."""
 SETTING = "ddp.use_megatron_fsdp"
 GRAD_ACC_FUSION_TE = "2.10"
 """Transformer Engine release Core asks for with ``gradient_accumulation_fusion`` (``mcore_fsdp_adapter.py``
-L144-148)."""
+L147-151)."""
 
 
 def enabled(ddp, dist=None) -> bool:
@@ -73,11 +73,11 @@ def _enforced(cfg, provider, ddp, te_version: str) -> list[Finding]:
                            "set it to null"))
     if getattr(provider, "gradient_accumulation_fusion", False) and Version(te_version) < Version(GRAD_ACC_FUSION_TE):
         out.append(_refuse("model.gradient_accumulation_fusion", f"Megatron-FSDP fuses it only with Transformer "
-                           f"Engine >= {GRAD_ACC_FUSION_TE} (mcore_fsdp_adapter.py L144-148)",
+                           f"Engine >= {GRAD_ACC_FUSION_TE} (mcore_fsdp_adapter.py L147-151)",
                            "set model.gradient_accumulation_fusion=false"))
     if getattr(provider, "overlap_moe_expert_parallel_comm", False) and getattr(ddp, "fsdp_double_buffer", False):
         out.append(_refuse("ddp.fsdp_double_buffer", "the 1F1B expert-parallel overlap refuses FSDP double buffers "
-                           "(mcore_fsdp_adapter.py L158-162)", "set ddp.fsdp_double_buffer=false"))
+                           "(mcore_fsdp_adapter.py L168-172)", "set ddp.fsdp_double_buffer=false"))
     return out
 
 
@@ -88,15 +88,15 @@ def _unmodelled(provider, optimizer, ddp) -> list[Finding]:
                                  "each gathered unit) is not modelled", "estimate the bf16 config"))
     if (getattr(ddp, "num_distributed_optimizer_instances", 1) or 1) > 1:
         out.append(_not_modelled("ddp.num_distributed_optimizer_instances", "hybrid FSDP (an outer DP group, "
-                                 "param_and_grad_buffer.py L2473-2490) is not modelled",
+                                 "param_and_grad_buffer.py L2491-2507) is not modelled",
                                  "estimate with ddp.num_distributed_optimizer_instances=1"))
     if getattr(ddp, "fsdp_double_buffer", False) or getattr(ddp, "nccl_ub", False):
         out.append(_not_modelled("ddp.fsdp_double_buffer", "Megatron-FSDP's persistent double-buffer pools "
-                                 "(FixedPoolAllocator, param_and_grad_buffer.py L2516-2560; nccl_ub turns them on) "
+                                 "(FixedPoolAllocator, param_and_grad_buffer.py L2518-2579; nccl_ub turns them on) "
                                  "are not modelled", "estimate with ddp.fsdp_double_buffer=false, ddp.nccl_ub=false"))
     if getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False):
         out.append(_not_modelled("ddp.fp8_param_gather", "Megatron-FSDP's FP8 parameter buffers (uint8 and "
-                                 "transpose buffers, param_and_grad_buffer.py L2623-2678) are not modelled",
+                                 "transpose buffers, param_and_grad_buffer.py L2624-2680) are not modelled",
                                  "estimate with ddp.fp8_param_gather=false"))
     if getattr(optimizer, "optimizer_cpu_offload", False):
         out.append(_not_modelled("optimizer.optimizer_cpu_offload", "CPU offload over Megatron-FSDP's DTensor "

@@ -357,7 +357,7 @@ def dp_bytes(s: Settings, moe: Optional[dict] = None) -> int:
 
 def fsdp_bytes_per_parameter(s: Settings) -> int:
     """Bytes per parameter Megatron-FSDP sends in a step, by strategy: with sharded gradients each microbatch's
-    backward reduce-scatters them (``megatron_fsdp.py`` L750-770, ``grad_reduce_every_bprop``) in the parameter dtype
+    backward reduce-scatters them (``megatron_fsdp.py`` L755-770, ``grad_reduce_every_bprop``) in the parameter dtype
     (``megatron_fsdp_main_grads_dtype`` unset); under ``optim_grads_params`` each microbatch also all-gathers every
     layer's parameters for its forward and again for its backward (L780-800, L897-913); else the step all-gathers
     the updated parameters once (``no_shard`` all-reduces the gradients once instead)."""
