@@ -28,6 +28,9 @@ Buckets alive around the compute, with sharded gradients or parameters:
   when its first gradient arrives (``main_grad_getter`` L3086-3115, in ``megatron_fsdp_grad_comm_dtype`` when set),
   reduce-scattered, and freed only when ``wait_for_previous_grad_reduce`` pops it from the queue, which it does while
   the queue holds more than ``suggested_communication_unit_size`` elements (L3916-3946, L4219-4249).
+
+Not modelled: a unit gathered again for activation recompute is released lazily (``megatron_fsdp.py`` L956-967), and
+a stage's model chunks (VPP) are laid out as one model (each chunk's buffers differ only outside the units).
 """
 
 from __future__ import annotations
