@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import (configs, features, mamba, muon, offload, phases, pipeline, precision,
+from megatron_bridge_ext.estimate import (configs, features, fsdp, mamba, muon, offload, phases, pipeline, precision,
                                           routing, static, te, te_fp8, trace_cache, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
                                                 layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
@@ -34,6 +34,7 @@ from megatron_bridge_ext.estimate.features import fp8_experts
 from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of,
                                                trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
+from megatron_bridge_ext.levers import fsdp as fsdp_rules
 from megatron_bridge_ext.levers.parallelism.constraints import (expert_sizes, moe_sequence_parallel_problem,
                                                                 query_group_problem, schedule_findings)
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
@@ -211,8 +212,8 @@ def _unsupported(model) -> list[Finding]:
 
 
 UNHONOURED = (
-    ("ddp", "use_megatron_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
-    ("ddp", "use_custom_fsdp", "Megatron FSDP's sharded weights and gradients are not modelled"),
+    ("ddp", "use_custom_fsdp", "the deprecated flag is read nowhere in Megatron Core 0.19 "
+     "(distributed_data_parallel_config.py L93-98): Megatron-FSDP is ddp.use_megatron_fsdp"),
 )
 """Optimizer and DDP settings the estimate cannot honour: each is refused by name rather than estimated without it."""
 
@@ -251,17 +252,20 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         mixed.finalize()
         mixed.setup(provider, optimizer, ddp)
     notes += _sync_distributed_optimizer(optimizer, ddp)
+    fsdp_problems, fsdp_unmodelled = fsdp_rules.findings(cfg, provider, optimizer, ddp, te_version=te.MODELLED_VERSION)
+    if fsdp_rules.enabled(ddp, getattr(cfg, "dist", None)):
+        notes += fsdp_rules.bridge_applies(optimizer, ddp)
     _apply_comm_overlap(cfg, provider, optimizer, ddp,
                         data_parallel=data_parallel_size or getattr(cfg, "data_parallel_size", None) or 1)
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
     problems += features.latent_moe.config_problems(provider)
-    problems += features.recipe_attention.packed_findings(provider, cfg)
+    problems += features.recipe_attention.packed_findings(provider, cfg) + fsdp_problems
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
-                    + _unhonoured(optimizer, ddp, _training_dtype(provider))) if modelled_only else []
+                    + _unhonoured(optimizer, ddp, _training_dtype(provider)) + fsdp_unmodelled) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
@@ -289,6 +293,10 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if schedule:
         raise Refused(WHAT, schedule)
     resume, note = _resumes(getattr(cfg, "checkpoint", None), resume)
+    if resume and modelled_only and fsdp_rules.enabled(ddp):
+        raise NotModelled(WHAT, [Finding(
+            "unsupported_model", ERROR, "resume", "the optimizer-state load of Megatron-FSDP (fsdp_dtensor, "
+            "distrib_optimizer.py L916-925) is not modelled", "estimate without resume")])
     if resume and modelled_only and not getattr(optimizer, "use_distributed_optimizer", False):
         raise NotModelled(WHAT, [Finding(
             "unsupported_model", ERROR, "resume", "the optimizer-state load of the non-distributed optimizer is not "
@@ -646,8 +654,11 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     element = static.dtype_bytes(prepared.dtype)
     global_layers = global_layer_numbers(provider, stage, model)
     sources = reduced.sources if reduced else None
-    components, step = _static(prepared, counts,
-                               precision.fp8_weights(model, fp8, global_layers, sources) if fp8 else None, fp8)
+    if fsdp_rules.enabled(prepared.ddp):
+        components, step = _fsdp_static(prepared, model, sources, counts.element_size)
+    else:
+        components, step = _static(prepared, counts,
+                                   precision.fp8_weights(model, fp8, global_layers, sources) if fp8 else None, fp8)
     in_fp8 = _fp8_layers(global_layers, fp8)
     modelled = fp8 is not None and not te_fp8.refused(fp8)  # TE's quantised shard replaces the bf16 one
     contract = te.TeContract(0, 0, 0, 0)
@@ -782,6 +793,24 @@ def _static(prepared: Prepared, counts: static.ParameterCounts, fp8_weights: Opt
     out = static.static_components(counts, grad_bytes=grad_bytes, rule=rule, expert_shards=expert_dp,
                                    stored_apart=precision.stored_apart(fp8_weights, fp8))
     return out + [c for c in [precision.component(fp8_weights, fp8)] if c], step
+
+
+def _fsdp_static(prepared: Prepared, model, sources: Optional[list[int]],
+                 param_bytes: int) -> tuple[list[Component], phases.StepState]:
+    """Megatron-FSDP's lines of the rank (:mod:`.fsdp`) and its optimizer's step."""
+    provider = prepared.provider
+    ep, etp = expert_sizes(provider)
+    dp = prepared.data_parallel * provider.context_parallel_size
+    expert_dp = static.expert_data_parallel(data_parallel=prepared.data_parallel,
+                                            tensor_parallel=provider.tensor_model_parallel_size,
+                                            context_parallel=provider.context_parallel_size,
+                                            expert_parallel=ep, expert_tensor_parallel=etp)
+    lay = fsdp.layout(fsdp.buckets(model, prepared.ddp, dp=dp, expert_dp=expert_dp, sources=sources), prepared.ddp,
+                      param_bytes=param_bytes)
+    step = fsdp.step_state(prepared.optimizer, prepared.ddp, lay, param_bytes=param_bytes)
+    return fsdp.static_components(lay, optimizer_states=step.masters + step.moments,
+                                  optimizer_basis=fsdp.optimizer_basis(prepared.optimizer, prepared.ddp, lay,
+                                                                       param_bytes=param_bytes)), step
 
 
 def global_layer_numbers(provider, stage: int, model) -> list[int]:
@@ -1041,7 +1070,19 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         attention=attention, transformer_impl=impl, device=device,
         distributed_optimizer=bool(getattr(prepared.optimizer, "use_distributed_optimizer", False)),
         peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe,
-        mla=_mla_settings(p), tp_comm_overlap=bool(getattr(p, "tp_comm_overlap", False)))
+        mla=_mla_settings(p), tp_comm_overlap=bool(getattr(p, "tp_comm_overlap", False)),
+        fsdp=fsdp_rules.strategy(prepared.ddp) if fsdp_rules.enabled(prepared.ddp) else None,
+        moment_bytes=_moment_bytes(prepared))
+
+
+def _moment_bytes(prepared: Prepared) -> int:
+    """Bytes of both moments per element as the optimizer keeps them (:func:`.fsdp.moment_bytes` under
+    Megatron-FSDP, else :func:`.static.optimizer_rule`'s)."""
+    element = static.dtype_bytes(prepared.dtype)
+    if fsdp_rules.enabled(prepared.ddp):
+        return sum(fsdp.moment_bytes(prepared.optimizer, prepared.ddp, param_bytes=element))
+    rule = static.optimizer_rule(prepared.optimizer, param_bytes=element, data_parallel=1, context_parallel=1)
+    return sum(rule.moment_bytes)
 
 
 def _mla_settings(provider) -> Optional[MlaSettings]:

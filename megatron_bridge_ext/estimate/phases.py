@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_bridge_ext.estimate.fsdp import UNITS as FSDP_UNITS
 from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
 from megatron_bridge_ext.estimate.settings import Settings
 
@@ -203,7 +204,7 @@ def phases(est) -> list[Phase]:
                     basis="static + activations + buffers + largest transient (moments and activations together)")
     if est.step is None:
         return [steady]
-    live = [c for c in est.components if c.kind in (STATIC, BUFFERS) and not _wgrad_deferral(c)]
+    live = [c for c in est.components if c.kind in (STATIC, BUFFERS) and not _forward_backward_only(c)]
     step = _phase(FIRST_STEP, live + list(est.step.transients), est.step, transients_together=True,
                   basis="static with the moments + buffers + the step's transients (alive together); activations "
                         "freed" + "".join(f"; {n}" for n in est.step.notes))
@@ -227,7 +228,7 @@ def _phase(name: str, components, step: Optional[StepState], *, transients_toget
     held = sum(c.bytes for c in components if c.kind != TRANSIENT)
     peak = held + (sum(transients) if transients_together else max(transients, default=0))
     kept = set(step.kept) if step else set()
-    after = sum(c.bytes for c in components if c.kind in (STATIC, BUFFERS) and not _wgrad_deferral(c)) + \
+    after = sum(c.bytes for c in components if c.kind in (STATIC, BUFFERS) and not _forward_backward_only(c)) + \
         sum(c.bytes for c in components if c.name in kept)
     return Phase(name, components, peak, after, basis)
 
@@ -244,9 +245,11 @@ def _without_moments(component: Component, step: StepState) -> Component:
 DEFERRED_WGRAD = "deferred output-layer wgrad inputs"
 
 
-def _wgrad_deferral(component: Component) -> bool:
-    """The buffers of ``defer_embedding_wgrad_compute``: drained before the step (schedules.py L886-899)."""
-    return component.name == DEFERRED_WGRAD
+def _forward_backward_only(component: Component) -> bool:
+    """Buffers gone before the step: those of ``defer_embedding_wgrad_compute`` (drained at the pipeline flush,
+    schedules.py L886-899) and Megatron-FSDP's unsharded buckets (:data:`.fsdp.UNITS`, freed by
+    ``finish_grad_sync``)."""
+    return component.name in (DEFERRED_WGRAD, FSDP_UNITS)
 
 
 def wgrad_deferral_component(provider, *, limit: Optional[int], seq: int, micro_batch: int, vocab_local: int,

@@ -238,6 +238,11 @@ class Settings:
     tp_comm_overlap: bool = False
     """TP's collectives overlap the linears: ``tp_comm_overlap`` as Bridge's ``CommOverlapConfig.setup`` leaves it (on
     only with TP > 1 and SP: comm_overlap.py L442-451); a key older JSONs lack, read as off."""
+    fsdp: Optional[str] = None
+    """Megatron-FSDP's ``data_parallel_sharding_strategy`` with it on; None without (older JSONs lack the key)."""
+    moment_bytes: int = 8
+    """Bytes of Adam's two moments per element (8 in fp32; the precision-aware optimizer's dtypes); older JSONs lack
+    the key, read as fp32."""
 
     def to_json(self) -> dict[str, Any]:
         """The flat dict of ``mbx plan --json``: the layout and shapes, the PEFT keys, a hybrid model's, the report

@@ -57,6 +57,18 @@ def dtype_bytes(dtype) -> int:
         raise ValueError(f"dtype {dtype} is not supported by the estimate; use float32, bfloat16 or float16") from None
 
 
+FUSED_ADAM_MASTERS = (torch.float32, torch.float16)
+"""``master_weight_dtype`` values Transformer Engine's FusedAdam accepts (``optimizers/fused_adam.py``,
+``FusedAdam.__init__``: "FusedAdam only supports fp32/fp16 master weights")."""
+
+
+def state_bytes(dtype) -> int:
+    """Bytes per element of a precision-aware optimizer state: ``torch.uint8`` is FusedAdam's FP8 state, one byte per
+    element in a ``Float8Tensor`` with one fp32 scale per tensor (``_initialize_state``: ``Float8Quantizer``,
+    ``make_empty``; the per-tensor scale and amax are left out)."""
+    return 1 if dtype == torch.uint8 else dtype_bytes(dtype)
+
+
 def part_of(name: str) -> str:
     """Where a parameter of a GPTModel belongs, by name (routed experts: ``...mlp.experts.local_experts...``)."""
     routed = ".mlp.experts." in name
@@ -160,14 +172,36 @@ def optimizer_findings(optimizer_config) -> list[Finding]:
     the Muon set-ups :mod:`.muon` does not model."""
     name = getattr(optimizer_config, "optimizer", "adam")
     if name in KNOWN_OPTIMIZERS:
-        return muon.findings(optimizer_config)
+        return muon.findings(optimizer_config) + _master_dtype_findings(optimizer_config)
     return [Finding("unsupported_model", ERROR, "optimizer.optimizer",
                     f"{name!r} is not modelled (emerging optimizers other than Muon keep states unlike Adam's)",
                     "estimate with optimizer.optimizer=adam")]
 
 
+def _master_dtype_findings(optimizer_config) -> list[Finding]:
+    """A precision-aware ``main_params_dtype`` FusedAdam refuses where it holds the masters (Core passes it as
+    ``master_weight_dtype``, ``optimizer/__init__.py`` L569-580; :func:`.phases.te_holds_masters`)."""
+    from megatron_bridge_ext.estimate.phases import te_holds_masters
+
+    dtype = getattr(optimizer_config, "main_params_dtype", torch.float32)
+    if not te_holds_masters(optimizer_config) or dtype in FUSED_ADAM_MASTERS \
+            or getattr(optimizer_config, "optimizer_cpu_offload", False):
+        return []
+    return [Finding("optimizer_config", ERROR, "optimizer.main_params_dtype",
+                    f"{dtype} master weights are refused by Transformer Engine's FusedAdam (fp32 or fp16 only)",
+                    "set optimizer.main_params_dtype=fp32 or fp16")]
+
+
 def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, context_parallel: int) -> OptimizerRule:
-    """Megatron's optimizer state for one trainable parameter (``OptimizerConfig`` fields)."""
+    """Megatron's optimizer state for one trainable parameter (``OptimizerConfig`` fields).
+
+    The precision-aware optimizer's dtypes (Core 0.19 ``optimizer_config.py`` L187-206; without it each must be fp32,
+    L469-481): ``exp_avg_dtype``/``exp_avg_sq_dtype`` fp32, bf16, fp16 or FusedAdam's FP8 (``torch.uint8``,
+    :func:`state_bytes`); ``main_params_dtype`` fp32 or fp16 for FusedAdam's masters (:func:`optimizer_findings`),
+    its fp32 masters of bf16 parameters stored as 16-bit remainders (:func:`_stores_remainders`), or Core's own fp32
+    main copies where FusedAdam does not hold them (``distrib_optimizer.py`` L445, L485-495); ``main_grads_dtype`` is
+    read nowhere but in that check: the gradient is the DDP buffer's (``grad_reduce_in_fp32``, :func:`grad_buffer_bytes`).
+    """
     name = getattr(optimizer_config, "optimizer", "adam")
     if name not in KNOWN_OPTIMIZERS:
         raise ValueError(f"optimizer.optimizer={name!r}: the estimate knows Adam, SGD and Muon; use one of them")
@@ -185,7 +219,7 @@ def optimizer_rule(optimizer_config, *, param_bytes: int, data_parallel: int, co
     elif getattr(optimizer_config, "use_precision_aware_optimizer", False):
         remainders = _stores_remainders(optimizer_config, param_bytes)
         main = 2 if remainders else dtype_bytes(optimizer_config.main_params_dtype)
-        moment_bytes = [dtype_bytes(getattr(optimizer_config, f"{m}_dtype", torch.float32)) for m in moments]
+        moment_bytes = [state_bytes(getattr(optimizer_config, f"{m}_dtype", torch.float32)) for m in moments]
         source = "precision-aware optimizer dtypes" + (", main copy as 16-bit remainders" if remainders else "")
     else:
         main = 4 if param_bytes < 4 else 0  # fp32 parameters are their own main copy

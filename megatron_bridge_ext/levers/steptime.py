@@ -35,7 +35,10 @@ TFLOP/s/GPU over 107 rows of five GPU kinds, 6.8% on the 47 dense rows; ``script
   all-gather (bf16) with the distributed optimizer, an fp32 all-reduce (twice the bytes) without it, (dp - 1)/dp of
   the trainable parameters on the rank (experts' over the expert-DP group), overlapped with the backward
   (``overlap_grad_reduce``, ``overlap_param_gather``: comm_overlap.py L575-579): only what exceeds the step's
-  compute time is counted.
+  compute time is counted. Under Megatron-FSDP (:func:`fsdp_bytes_per_parameter`) the layers' all-gathers and
+  reduce-scatters run every microbatch; the assumption is the same overlap: Core prefetches the next layers' gathers
+  and reduce-scatters on side streams (``megatron_fsdp.py`` L405-417, ``param_and_grad_buffer.py`` L4380-4520), so
+  only what exceeds the step's compute is counted.
 * **optimizer**: Adam's step on the rank's shard at HBM bandwidth (:func:`optimizer_seconds`).
 * **CPU offloading**: the activation bytes to the host and back over the host link (one direction at a
   time), overlapped with the compute of the other layers (Core copies on a side stream, layer by
@@ -347,8 +350,20 @@ def dp_bytes(s: Settings, moe: Optional[dict] = None) -> int:
                                   element=element_size(s))
     if dp == 1:
         return experts
-    per_param = GRAD_BYTES + PARAM_GATHER_BYTES if s.distributed_optimizer else 2 * GRAD_BYTES
+    per_param = fsdp_bytes_per_parameter(s) if s.fsdp else \
+        GRAD_BYTES + PARAM_GATHER_BYTES if s.distributed_optimizer else 2 * GRAD_BYTES
     return per_param * trainable_params(s, moe) * (dp - 1) // dp + experts
+
+
+def fsdp_bytes_per_parameter(s: Settings) -> int:
+    """Bytes per parameter Megatron-FSDP sends in a step, by strategy: with sharded gradients each microbatch's
+    backward reduce-scatters them (``megatron_fsdp.py`` L755-770, ``grad_reduce_every_bprop``) in the parameter dtype
+    (``megatron_fsdp_main_grads_dtype`` unset); under ``optim_grads_params`` each microbatch also all-gathers every
+    layer's parameters for its forward and again for its backward (L780-800, L897-913); else the step all-gathers
+    the updated parameters once (``no_shard`` all-reduces the gradients once instead)."""
+    p = element_size(s)
+    m = s.num_microbatches
+    return {"no_shard": 2 * p, "optim": 2 * p, "optim_grads": m * p + p, "optim_grads_params": m * 3 * p}[s.fsdp]
 
 
 def dispatch_bytes(s: Settings, moe: Optional[dict]) -> int:
@@ -505,7 +520,8 @@ def cp_bytes(s: Settings) -> int:
 
 def optimizer_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> float:
     """Adam's step on the rank's shard (the distributed optimizer divides the dense parameters over DP x CP and the
-    experts' over expert DP): :data:`OPTIMIZER_BYTES` per parameter at HBM bandwidth."""
+    experts' over expert DP): :data:`OPTIMIZER_BYTES` per parameter at HBM bandwidth, less what 16-bit moments save
+    (read and written at ``moment_bytes`` instead of 8: the precision-aware optimizer's)."""
     from megatron_bridge_ext.levers.parallelism.cost import (expert_dp_size, expert_parameters_per_rank,
                                                              stage_layer_kinds)
 
@@ -515,7 +531,7 @@ def optimizer_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> f
         experts = expert_parameters_per_rank(s, moe, ep=moe["ep"], etp=moe["etp"],
                                              moe_layers=stage_layer_kinds(s, moe)[1])
         params += experts / (max(1, expert_dp_size(s, ep=moe["ep"], etp=moe["etp"])) if s.distributed_optimizer else 1)
-    return OPTIMIZER_BYTES * params / device.hbm
+    return (OPTIMIZER_BYTES - 2 * (8 - s.moment_bytes)) * params / device.hbm
 
 
 def tp_exposed(s: Settings, tp_seconds: float, linear_seconds: float) -> float:

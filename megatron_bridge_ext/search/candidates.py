@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
+from megatron_bridge_ext.levers import fsdp
 from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, expert_sizes, layout_findings, uneven_split
 from megatron_bridge_ext.levers.recompute.advice import INSIDE_MOE
 
@@ -32,6 +33,10 @@ class Candidate:
     recompute: Union[tuple, str]
     """``()`` none, a tuple of selective modules, or :data:`FULL`."""
     distributed_optimizer: bool
+    fsdp: Optional[str] = None
+    """Megatron-FSDP's sharding strategy (:mod:`..levers.fsdp`); None: Core's DDP."""
+    bf16_moments: bool = False
+    """The precision-aware optimizer with bf16 ``exp_avg`` and ``exp_avg_sq`` (:func:`..levers.fsdp.moment_overrides`)."""
 
     @property
     def layout(self) -> tuple:
@@ -44,7 +49,8 @@ class Candidate:
         on wherever ``other`` has them."""
         return (self.layout == other.layout and self.micro_batch <= other.micro_batch
                 and covers(self.recompute, other.recompute) and self.sp >= other.sp
-                and self.distributed_optimizer >= other.distributed_optimizer)
+                and self.distributed_optimizer >= other.distributed_optimizer
+                and (self.fsdp, self.bf16_moments) == (other.fsdp, other.bf16_moments))
 
     def overrides(self, layers: int) -> list[str]:
         """Bridge override strings that set this candidate on the given config of ``layers`` layers."""
@@ -58,7 +64,8 @@ class Candidate:
         first_last = uneven_split(layers, self.pp)
         split = ["model.num_layers_in_first_pipeline_stage={}".format(first_last[0] if first_last else "null"),
                  "model.num_layers_in_last_pipeline_stage={}".format(first_last[1] if first_last else "null")]
-        return out + split + self._experts_and_recompute()
+        return (out + split + self._experts_and_recompute() + fsdp.strategy_overrides(self.fsdp)
+                + fsdp.moment_overrides(self.bf16_moments))
 
     def _experts_and_recompute(self) -> list[str]:
         out = []
@@ -81,7 +88,8 @@ class Candidate:
         experts = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 else ""
         vpp = f" VPP{self.vpp}" if self.vpp else ""
         return (f"TP{self.tp}{' SP' if self.sp else ''} PP{self.pp}{vpp} CP{self.cp}{experts} DP{self.dp} "
-                f"mb{self.micro_batch} {rc}{'' if self.distributed_optimizer else ' no-distopt'}")
+                f"mb{self.micro_batch} {rc}{'' if self.distributed_optimizer else ' no-distopt'}"
+                f"{f' FSDP {self.fsdp}' if self.fsdp else ''}{' bf16-moments' if self.bf16_moments else ''}")
 
 
 def covers(a, b) -> bool:
@@ -111,6 +119,7 @@ def apply(cfg, c: Candidate):
         m.recompute_granularity = "selective" if c.recompute else None
         m.recompute_method = m.recompute_num_layers = None
         m.recompute_modules = list(c.recompute) if c.recompute else None
+    fsdp.apply(out, c.fsdp, c.bf16_moments)
     out.data_parallel_size = c.dp
     return out
 
@@ -124,13 +133,13 @@ def given(cfg, dp: int) -> Candidate:
     return Candidate(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                      m.virtual_pipeline_model_parallel_size, m.context_parallel_size or 1, ep, etp, dp,
                      bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1, cfg.train.micro_batch_size, rc,
-                     bool(cfg.optimizer.use_distributed_optimizer))
+                     bool(cfg.optimizer.use_distributed_optimizer), *fsdp.given(cfg))
 
 
 def shape_of(model) -> dict:
     return {"heads": model.num_attention_heads, "query_groups": model.num_query_groups or model.num_attention_heads,
             "layers": model.num_layers, "seq": model.seq_length, "experts": getattr(model, "num_moe_experts", None),
-            "bias": bool(getattr(model, "add_bias_linear", False))}
+            "bias": bool(getattr(model, "add_bias_linear", False)), "fp8": bool(getattr(model, "fp8", None))}
 
 
 def recompute_sets(modules: list[str]) -> list:
@@ -158,12 +167,12 @@ def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[s
         eps = [e for e in divisors(experts) if e <= tp * cp * dp] if experts else [1]
         for vpp, ep, etp, sp in itertools.product(vpps, eps, sorted({1, tp}) if experts else [tp], (False, True)):
             for mb in divisors(global_batch // dp) if global_batch % dp == 0 else [1]:
-                seen += len(rcs) * 2
+                seen += len(rcs) * sum(len(fsdp.search_options(shape, do, dp * cp)) for do in (True, False))
                 if layout_findings(shape, world=world, global_batch=global_batch, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                    ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
                     continue
-                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do)
-                          for rc in rcs for do in (True, False)]
+                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do, *memory)
+                          for rc in rcs for do in (True, False) for memory in fsdp.search_options(shape, do, dp * cp)]
     return seen, legal
 
 
@@ -180,4 +189,5 @@ def settings_for(base, c: Candidate, shape: dict, global_batch: int):
                    layers_on_stage=-(-layers // c.pp), stage=c.pp - 1,
                    recompute_granularity=FULL if c.recompute == FULL else ("selective" if c.recompute else None),
                    recompute_modules=() if c.recompute == FULL else tuple(c.recompute),
-                   distributed_optimizer=c.distributed_optimizer, moe=moe)
+                   distributed_optimizer=c.distributed_optimizer, moe=moe, fsdp=c.fsdp,
+                   moment_bytes=2 + 2 if c.bf16_moments else 4 + 4)

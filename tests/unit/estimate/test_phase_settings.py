@@ -108,7 +108,10 @@ def test_overlap_param_gather_with_the_optimizer_step_is_read_and_stated():
 
 
 @pytest.mark.parametrize("overrides, setting", [
-    (("ddp.use_megatron_fsdp=true",), "ddp.use_megatron_fsdp"),
+    (("ddp.use_custom_fsdp=true",), "ddp.use_custom_fsdp"),
+    (("ddp.use_megatron_fsdp=true", "checkpoint.ckpt_format=fsdp_dtensor",
+      "ddp.num_distributed_optimizer_instances=2"),
+     "ddp.num_distributed_optimizer_instances"),
     (("optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=false",
       "ddp.use_distributed_optimizer=false"), "optimizer.optimizer_cpu_offload"),
     (("optimizer.optimizer_cpu_offload=true", "optimizer.decoupled_weight_decay=false"),

@@ -25,7 +25,7 @@ LAYOUT_AND_SHAPES = ["tp", "pp", "vpp", "cp", "dp", "sequence_parallel", "seq_le
                      "num_microbatches", "dtype", "fp8", "stage", "layers_on_stage", "hidden", "ffn", "heads",
                      "query_groups", "kv_channels", "num_layers", "gated_linear_unit", "vocab_size",
                      "recompute_granularity", "recompute_modules", "attention", "transformer_impl", "device",
-                     "distributed_optimizer", "tp_comm_overlap"]
+                     "distributed_optimizer", "tp_comm_overlap", "fsdp", "moment_bytes"]
 FULL_FINE_TUNING = ["peft", "peft_kind"]
 PEFT = ["peft", "peft_kind", "lora_dim", "lora_targets", "sequence_parallel_input_strategy"]
 HYBRID = ["hybrid_layers", "mamba"]
@@ -124,6 +124,11 @@ def test_the_estimates_dict_carries_the_flat_settings_and_they_read_back(dense, 
 def test_a_json_from_before_tp_comm_overlap_reads_it_as_off(dense):
     flat = {k: v for k, v in dense.settings.to_json().items() if k != "tp_comm_overlap"}
     assert Settings.from_json(flat).tp_comm_overlap is False
+
+
+def test_a_json_from_before_fsdp_reads_it_as_ddp_with_fp32_moments(dense):
+    flat = {k: v for k, v in dense.settings.to_json().items() if k not in ("fsdp", "moment_bytes")}
+    assert (Settings.from_json(flat).fsdp, Settings.from_json(flat).moment_bytes) == (None, 4 + 4)
 
 
 def test_an_unknown_key_is_refused_by_name(dense):

@@ -124,3 +124,41 @@ def test_the_estimates_gradient_line_is_the_trainable_parameters_at_the_buffers_
               intermediate_size=shape.ffn, model_type="gpt")
     trainable = shape.layers * adapter_params(hf, shape.tp, shape.lora_rank)
     assert estimate(cfg).component("gradients (main_grad buffer)").bytes == trainable * (4 if fp32 else 2)
+
+
+SIZES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+"""Bytes per element of each state dtype FusedAdam accepts for the moments (fp8 is its ``torch.uint8`` state)."""
+TORCH = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}
+
+
+@pytest.mark.parametrize("exp_avg", list(SIZES))
+@pytest.mark.parametrize("exp_avg_sq", list(SIZES))
+@pytest.mark.parametrize("main", ["fp32", "fp16"])
+def test_every_precision_aware_dtype_combination_fused_adam_accepts_is_counted(exp_avg, exp_avg_sq, main):
+    """bf16 parameters without remainders: FusedAdam's master in main_params_dtype plus each moment in its dtype;
+    the step unscales each state below 4 bytes to fp32."""
+    import torch
+
+    from megatron_bridge_ext.estimate import phases, static
+    from tests.support.settings import optimizer_config
+
+    config = optimizer_config(use_precision_aware_optimizer=True, main_params_dtype=getattr(torch, TORCH[main]),
+                              exp_avg_dtype=getattr(torch, TORCH[exp_avg]),
+                              exp_avg_sq_dtype=getattr(torch, TORCH[exp_avg_sq]))
+    assert static.optimizer_findings(config) == []
+    rule = optimizer_rule(config, param_bytes=2, data_parallel=1, context_parallel=1)
+    assert rule.bytes_per_parameter == SIZES[main] + SIZES[exp_avg] + SIZES[exp_avg_sq]
+    counts = _counts(1000, frozen_layers=0)
+    step = phases.step_state(config, static.optimizer_shard(counts, rule), rule, grad_bytes=4)
+    low = sum(SIZES[d] < 4 for d in (exp_avg, exp_avg_sq, main))
+    assert sum(c.bytes for c in step.transients) == 1000 * 4 * low
+
+
+def test_bf16_master_weights_are_refused_as_fused_adam_refuses_them():
+    import torch
+
+    from megatron_bridge_ext.estimate import static
+    from tests.support.settings import optimizer_config
+
+    config = optimizer_config(use_precision_aware_optimizer=True, main_params_dtype=torch.bfloat16)
+    assert [f.setting for f in static.optimizer_findings(config)] == ["optimizer.main_params_dtype"]

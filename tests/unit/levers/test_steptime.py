@@ -368,3 +368,21 @@ def test_the_optimizer_step_moves_its_shards_bytes_at_hbm_bandwidth():
     """Adam on the rank's shard of the trainable parameters (DP 2, distributed optimizer): 30 bytes per parameter."""
     params = (L * (H * 3 * H + H * H + 2 * H * FFN) + 2 * V * H) // 2 / 2
     assert steptime.step_time(settings(dp=2), H100).optimizer == pytest.approx(30 * params / H100_HBM, rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy, per_microbatch, per_step", [
+    ("optim_grads_params", 3, 0), ("optim_grads", 1, 1), ("optim", 0, 2), ("no_shard", 0, 2)])
+def test_fsdp_sends_each_microbatchs_gathers_and_reduce_scatters_in_bf16(strategy, per_microbatch, per_step):
+    """Sharded gradients: a bf16 reduce-scatter every microbatch; sharded parameters: a bf16 all-gather for each
+    layer's forward and again for its backward; otherwise one exchange of 2 x 2 B per parameter in the step."""
+    s = settings(dp=4, num_microbatches=6, fsdp=strategy)
+    params = steptime.trainable_params(s)
+    expected = (per_microbatch * s.num_microbatches + per_step) * 2 * params * (s.dp - 1) // s.dp
+    assert steptime.dp_bytes(s) == expected
+
+
+def test_bf16_moments_save_their_read_and_write_in_the_optimizer_step():
+    fp32, bf16 = settings(moment_bytes=8), settings(moment_bytes=4)
+    saved = 2 * (8 - 4) * steptime.trainable_params(fp32) / steptime.gpu().hbm
+    assert steptime.optimizer_seconds(fp32, steptime.gpu()) - steptime.optimizer_seconds(bf16, steptime.gpu()) == \
+        pytest.approx(saved)

@@ -83,3 +83,30 @@ def test_a_candidates_overrides_set_what_apply_sets():
             assert getattr(overridden.model, name) == getattr(applied.model, name), (recompute, name)
         assert overridden.train.micro_batch_size == applied.train.micro_batch_size
         assert overridden.optimizer.use_distributed_optimizer == applied.optimizer.use_distributed_optimizer
+
+
+def test_fsdp_and_bf16_moment_overrides_set_what_apply_sets():
+    """Each Megatron-FSDP strategy and the precision-aware optimizer's bf16 moments the search proposes, and their
+    absence, through Bridge's parser: the same ddp, dist, checkpoint and optimizer fields as ``candidates.apply``."""
+    import copy
+
+    from megatron_bridge_ext.estimate.configs import _with_overrides
+    from megatron_bridge_ext.levers import fsdp
+    from megatron_bridge_ext.search import candidates as cands
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=4, hidden=64, ffn=256, heads=4, kv_heads=2, seq=256, micro_batch=1, vocab=128, tp=1,
+                         sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, None)
+    fields = (("ddp", "use_megatron_fsdp"), ("dist", "use_megatron_fsdp"), ("ddp", "data_parallel_sharding_strategy"),
+              ("checkpoint", "ckpt_format"), ("optimizer", "use_precision_aware_optimizer"),
+              ("optimizer", "exp_avg_dtype"), ("optimizer", "exp_avg_sq_dtype"))
+    for name, moments in fsdp.search_options(cands.shape_of(cfg.model), True, 4):
+        c = cands.Candidate(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=4, sp=False, micro_batch=1, recompute=(),
+                            distributed_optimizer=True, fsdp=name, bf16_moments=moments)
+        applied = cands.apply(cfg, c)
+        overridden = _with_overrides(copy.deepcopy(cfg), c.overrides(cfg.model.num_layers))
+        for section, field in fields:
+            assert getattr(getattr(overridden, section), field) == getattr(getattr(applied, section), field), \
+                (name, moments, section, field)
+        assert cands.given(applied, 4) == c
