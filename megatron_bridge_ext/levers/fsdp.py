@@ -141,11 +141,19 @@ def search_options(shape: dict, distributed_optimizer: bool, dp_cp: int) -> list
     return [(name, moments) for name in strategies for moments in (False, True)]
 
 
-def strategy_overrides(name: Optional[str]) -> list[str]:
+DEFAULT_CKPT_FORMAT = "torch_dist"
+"""The checkpoint format a config has unless it sets one (Megatron's ``CheckpointConfig.ckpt_format``,
+``megatron/training/config/training_config.py`` L486), the one a config leaving Megatron-FSDP goes back to: Bridge
+refuses ``fsdp_dtensor`` without Megatron-FSDP when it saves or loads (``training/config.py`` L1389-1394)."""
+
+
+def strategy_overrides(name: Optional[str], *, from_fsdp: bool = False) -> list[str]:
     """Bridge override strings for Megatron-FSDP with strategy ``name`` (``dist`` and ``ddp`` as Bridge's validation
-    sets them, the checkpoint format it saves in), or off (None)."""
+    sets them, the checkpoint format it saves in), or off (None); ``from_fsdp``: the given config runs Megatron-FSDP,
+    so its ``fsdp_dtensor`` checkpoint format goes back to :data:`DEFAULT_CKPT_FORMAT` with it."""
     if name is None:
-        return ["dist.use_megatron_fsdp=false", "ddp.use_megatron_fsdp=false"]
+        back = [f"checkpoint.ckpt_format={DEFAULT_CKPT_FORMAT}"] if from_fsdp else []
+        return ["dist.use_megatron_fsdp=false", "ddp.use_megatron_fsdp=false"] + back
     return ["dist.use_megatron_fsdp=true", "ddp.use_megatron_fsdp=true",
             f"ddp.data_parallel_sharding_strategy={name}", "checkpoint.ckpt_format=fsdp_dtensor"]
 
@@ -165,6 +173,8 @@ def apply(cfg, name: Optional[str], bf16: bool) -> None:
     cfg.dist.use_megatron_fsdp = cfg.ddp.use_megatron_fsdp = name is not None
     if name is not None:
         cfg.ddp.data_parallel_sharding_strategy, cfg.checkpoint.ckpt_format = name, "fsdp_dtensor"
+    elif getattr(cfg.checkpoint, "ckpt_format", None) == "fsdp_dtensor":
+        cfg.checkpoint.ckpt_format = DEFAULT_CKPT_FORMAT
     cfg.optimizer.use_precision_aware_optimizer = bf16
     cfg.optimizer.exp_avg_dtype = cfg.optimizer.exp_avg_sq_dtype = torch.bfloat16 if bf16 else torch.float32
 

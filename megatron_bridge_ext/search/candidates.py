@@ -52,8 +52,9 @@ class Candidate:
                 and self.distributed_optimizer >= other.distributed_optimizer
                 and (self.fsdp, self.bf16_moments) == (other.fsdp, other.bf16_moments))
 
-    def overrides(self, layers: int) -> list[str]:
-        """Bridge override strings that set this candidate on the given config of ``layers`` layers."""
+    def overrides(self, layers: int, given: Optional["Candidate"] = None) -> list[str]:
+        """Bridge override strings that set this candidate on the given config of ``layers`` layers (``given``: that
+        config as a candidate, whose Megatron-FSDP checkpoint format a candidate without it must undo)."""
         out = [f"model.tensor_model_parallel_size={self.tp}", f"model.pipeline_model_parallel_size={self.pp}",
                f"model.virtual_pipeline_model_parallel_size={'null' if self.vpp is None else self.vpp}",
                "model.microbatch_group_size_per_vp_stage=null",
@@ -64,7 +65,7 @@ class Candidate:
         first_last = uneven_split(layers, self.pp)
         split = ["model.num_layers_in_first_pipeline_stage={}".format(first_last[0] if first_last else "null"),
                  "model.num_layers_in_last_pipeline_stage={}".format(first_last[1] if first_last else "null")]
-        return (out + split + self._experts_and_recompute() + fsdp.strategy_overrides(self.fsdp)
+        return (out + split + self._experts_and_recompute() + fsdp.strategy_overrides(self.fsdp, from_fsdp=given is not None and given.fsdp is not None)
                 + fsdp.moment_overrides(self.bf16_moments))
 
     def _experts_and_recompute(self) -> list[str]:

@@ -31,7 +31,7 @@ def _v(value, key: str = "") -> str:
 
 def row(result, e) -> dict:
     tokens = result.global_batch * result.seq / e.step_time_s / result.world
-    return {"candidate": e.candidate.describe(), "overrides": e.candidate.overrides(result.layers)
+    return {"candidate": e.candidate.describe(), "overrides": e.candidate.overrides(result.layers, result.given)
             + (["env_vars.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"] if e.expandable else []),
             "memory_config": memory_config_line(e), "peak_bytes": e.peak_bytes, "peak_phase": e.peak_phase,
             "fits": e.fits, "step_time_s": e.step_time_s, "tokens_per_s_per_gpu": tokens,

@@ -110,3 +110,29 @@ def test_fsdp_and_bf16_moment_overrides_set_what_apply_sets():
             assert getattr(getattr(overridden, section), field) == getattr(getattr(applied, section), field), \
                 (name, moments, section, field)
         assert cands.given(applied, 4) == c
+
+
+def test_a_candidate_without_fsdp_from_an_fsdp_config_undoes_its_checkpoint_format():
+    """From a config on Megatron-FSDP (so on fsdp_dtensor checkpoints, which Bridge requires with it), a candidate
+    without it goes back to Megatron's default format, which Bridge takes without FSDP (training/config.py
+    L1389-1394), through both its overrides and ``candidates.apply``; a config that never had FSDP keeps its own."""
+    import copy
+
+    from megatron_bridge_ext.estimate.configs import _with_overrides
+    from megatron_bridge_ext.levers import fsdp
+    from megatron_bridge_ext.search import candidates as cands
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=4, hidden=64, ffn=256, heads=4, kv_heads=2, seq=256, micro_batch=1, vocab=128, tp=1,
+                         sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    plain = tiny_config(shape, None)
+    plain.checkpoint.ckpt_format = "torch_dcp"
+    on_fsdp = copy.deepcopy(plain)
+    fsdp.apply(on_fsdp, "optim_grads", False)
+    ddp = cands.Candidate(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=4, sp=False, micro_batch=1, recompute=(),
+                          distributed_optimizer=True)
+    for cfg, expected in ((on_fsdp, "torch_dist"), (plain, "torch_dcp")):
+        given = cands.given(cfg, 4)
+        overridden = _with_overrides(copy.deepcopy(cfg), ddp.overrides(cfg.model.num_layers, given))
+        assert overridden.checkpoint.ckpt_format == cands.apply(cfg, ddp).checkpoint.ckpt_format == expected
+        assert overridden.ddp.use_megatron_fsdp is False
