@@ -667,6 +667,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             fp8_acts = te_fp8.with_experts(fp8_acts, EXPERTS, experts)
     components += _activations(traced, in_flight, contract, fp8_acts)
     in_flight = in_flight.mean
+    components += features.activation_offload.components(traced.offload_groups, provider, in_flight)
     tokens = prepared.local_seq // tp if sp else prepared.local_seq
     shard_shape = f"[{tokens}, {prepared.micro_batch}, {provider.hidden_size}]"
     if contract.layers:
@@ -695,6 +696,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                           assumptions=_assumptions(prepared, attention, impl, device, contract, candidates)
                           + te_fp8.assumptions(fp8_acts)
                           + _moe_assumptions(provider, imbalance, routed)
+                          + [a for a in [features.activation_offload.assumption(traced.offload_groups, provider,
+                                                                                 in_flight)] if a]
                           + [a for a in [offload.assumption(prepared.optimizer, host=step.offloaded,
                                                             elements=step.elements)] if a],
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,

@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_bridge_ext.estimate.features.activation_offload import KEPT as OFFLOAD_KEPT
 from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
 from megatron_bridge_ext.estimate.settings import Settings
 
@@ -211,14 +212,20 @@ def phases(est) -> list[Phase]:
         resume = _phase(RESUME, live + list(est.step.load), None, transients_together=False,
                         basis="static with the loaded optimizer states + buffers + the largest of the load's "
                               "transients; no activations (estimate.phases.load_transients)")
-        iteration_1 = _phase(ITERATION_1, est.components, est.step, transients_together=False,
+        iteration_1 = _phase(ITERATION_1, _warmup(est.components), est.step, transients_together=False,
                              basis="static with the loaded moments + activations + buffers + largest transient")
         return [resume, iteration_1, step, steady]
-    first = [_without_moments(c, est.step) if c.name == OPTIMIZER_STATES else c for c in est.components]
+    first = [_without_moments(c, est.step) if c.name == OPTIMIZER_STATES else c for c in _warmup(est.components)]
     iteration_1 = _phase(ITERATION_1, first, est.step, transients_together=False,
                          basis="static without the moments (created in the first step) + activations + buffers "
                                "+ largest transient")
     return [iteration_1, step, steady]
+
+
+def _warmup(components) -> list[Component]:
+    """Iteration 1's components: the activation offload's warmup offloads every group (fine_grained_activation_offload.py
+    L1066-1087, ``should_bulk_offload``), so what it keeps from iteration 2 on is not held yet."""
+    return [c for c in components if c.name != OFFLOAD_KEPT]
 
 
 def _phase(name: str, components, step: Optional[StepState], *, transients_together: bool, basis: str) -> Phase:
