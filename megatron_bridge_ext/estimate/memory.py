@@ -33,6 +33,7 @@ from megatron_bridge_ext.estimate.features import fp8_experts
 from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of,
                                                trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
+from megatron_bridge_ext.levers.activation_offload import constraints as activation_offload_constraints
 from megatron_bridge_ext.levers.parallelism.constraints import expert_sizes, schedule_findings
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
 
@@ -256,6 +257,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
+    problems += activation_offload_constraints.findings(provider)
     problems += features.latent_moe.config_problems(provider)
     problems += features.recipe_attention.packed_findings(provider, cfg)
     if problems:
