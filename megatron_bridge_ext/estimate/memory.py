@@ -703,7 +703,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                           + [a for a in [offload.assumption(prepared.optimizer, host=step.offloaded,
                                                             elements=step.elements)] if a],
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
-                          activations_per_layer=dict(traced.by_layer))
+                          activations_per_layer=dict(traced.by_layer),
+                          offload_host_bytes=features.activation_offload.host_bytes(traced.offload_groups, provider))
 
 
 def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage], *, rank: int, load, attention: str,

@@ -222,13 +222,20 @@ def components(groups: tuple[Group, ...], model, in_flight: float) -> list:
     return out
 
 
+def host_bytes(groups: tuple[Group, ...], model) -> int:
+    """The pinned host bytes of one microbatch's offloaded groups in the steady state (a chunk other than the first
+    to run backward)."""
+    stay = kept(groups, float(getattr(model, "activation_offload_fraction", 1.0)), first_backward=False)
+    return sum(g.host_bytes for g in groups if g not in stay)
+
+
 def assumption(groups: tuple[Group, ...], model, in_flight: float) -> Optional[str]:
     """The estimate's line on what the offload moved to pinned host memory, None without groups."""
     if not groups:
         return None
     fraction = float(getattr(model, "activation_offload_fraction", 1.0))
     stay = kept(groups, fraction, first_backward=False)
-    host = sum(g.host_bytes for g in groups if g not in stay)
+    host = host_bytes(groups, model)
     gone = gpu_bytes(groups) - gpu_bytes(stay)
     names = sorted({g.name for g in groups})
     return (f"fine-grained activation offloading of {', '.join(names)} (min_offloaded_tensor_size="

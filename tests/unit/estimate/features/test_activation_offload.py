@@ -138,3 +138,11 @@ def test_a_storage_two_groups_save_stays_while_either_group_stays():
     shared = Group("core_attn", 0, ((("s",), 8),), 8), Group("attn_proj", 0, ((("s",), 8),), 8)
     assert activation_offload.gpu_bytes(shared) == 8
     assert activation_offload.gpu_bytes(activation_offload.kept(shared, 0.5, first_backward=False)) == 8
+
+
+def test_the_host_bytes_count_the_output_in_both_groups(estimates):
+    """Core copies each group's tensors (fine_grained_activation_offload.py L1002-1026): core_attn's output once for
+    core_attn and again for attn_proj; the step-time model sends these bytes over the host link."""
+    _, offloaded = estimates
+    per_layer = SEQ * BATCH * (HEADS * D + 2 * KV * D + H + H) * E
+    assert offloaded.offload_host_bytes == LAYERS * per_layer
