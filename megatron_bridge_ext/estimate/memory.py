@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import (configs, features, mamba, offload, phases, pipeline, precision, routing,
-                                          static, te, te_fp8, trace_cache, unmodelled)
+from megatron_bridge_ext.estimate import (configs, cuda_graphs, features, mamba, offload, phases, pipeline, precision,
+                                          routing, static, te, te_fp8, trace_cache, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
                                                 layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
                                                 stage_layer_kinds)
@@ -94,6 +94,8 @@ class Prepared:
     appear) and the output layer's wgrad deferral limit."""
     resume: bool = False
     """The run loads its optimizer state from ``checkpoint.load`` (:func:`_resumes`): the phases start with it."""
+    graph_impl: str = "none"
+    """The config's CUDA-graph implementation (the traced copy has them off): :mod:`.cuda_graphs`."""
 
     @property
     def local_seq(self) -> int:
@@ -268,7 +270,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
     notes += _set_wgrad_deferral_apart(provider, reports.wgrad_deferral_limit)
-    graphs = phases.cuda_graph_note(provider)
+    graphs, graph_impl = phases.cuda_graph_note(provider), cuda_graphs.impl_of(provider)
     notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider) + ([graphs] if graphs else [])
     notes += precision.notes(precision.fp8_of(provider))
     try:
@@ -297,7 +299,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
             "modelled (its init_state_fn states, optimizer.py L1145-1146, then the checkpoint's)",
             "estimate without resume, or with use_distributed_optimizer=true")])
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
-                     dp, num_microbatches, notes + ([note] if note else []), reports, resume)
+                     dp, num_microbatches, notes + ([note] if note else []), reports, resume, graph_impl)
 
 
 def _resumes(checkpoint, asked: bool) -> tuple[bool, Optional[str]]:
@@ -676,6 +678,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         components.append(te.te_component(contract, in_flight, shard_shape=shard_shape))
     if fp8_acts is not None and fp8_acts.lora_shards:
         components.append(te_fp8.lora_component(fp8_acts, in_flight, fp8, shard_shape=shard_shape))
+    graphs = cuda_graphs.static_buffers(provider, impl=prepared.graph_impl, tokens=tokens,
+                                        micro_batch=prepared.micro_batch, element=element, layers=layers,
+                                        in_flight=in_flight, num_microbatches=prepared.num_microbatches)
     if traced.persistent_buffer_bytes:
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
@@ -704,7 +709,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                                                             elements=step.elements)] if a],
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
                           activations_per_layer=dict(traced.by_layer),
-                          offload_host_bytes=features.activation_offload.host_bytes(traced.offload_groups, provider))
+                          offload_host_bytes=features.activation_offload.host_bytes(traced.offload_groups, provider),
+                          graph_buffers=graphs)
 
 
 def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage], *, rank: int, load, attention: str,
