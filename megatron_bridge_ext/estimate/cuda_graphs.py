@@ -6,7 +6,8 @@ pool in the order they run (Core's ``transformer/cuda_graphs.py``: ``CudaGraphMa
 graphs created in recorded order, L541-620; Transformer Engine's ``make_graphed_callables`` with the schedule's
 ``_order``, ``transformer_engine/pytorch/graph.py`` L676-680, L693-729, one ``mempool``, L485), so a replay allocates
 those intermediates where the eager step did: the same bytes as the activations already counted. What comes on top
-are the buffers that stay between replays, each [s, b, h] (the sequence shard under SP):
+are the buffers that stay between replays, each [s, b, h] (the sequence shard under SP), for each layer with a graph
+(:func:`captured_layers`):
 
 * ``transformer_engine`` (Bridge captures it after ``cuda_graph_warmup_steps``, ``training/train.py`` L429-441, through
   Core's ``TECudaGraphHelper``): a static input per (layer, microbatch) that the pipeline order keeps alive together
@@ -19,9 +20,10 @@ are the buffers that stay between replays, each [s, b, h] (the sequence shard un
   (``get_cudagraph_runner``, L1835, L1867-1932);
 * ``full_iteration``: one graph for the forward and backward; its inputs are the step's batch, nothing per layer.
 
-Upper bound and not exact: a captured region's outputs may be fewer than [s, b, h] x 2 and Core or TE may weak-ref
+Upper bound and not exact: a captured layer's outputs may be fewer than [s, b, h] x 2 and Core or TE may weak-ref
 and reuse more buffers than counted here (cuda_graphs.py L578-585 on TE's weak references); the router's
-probabilities and routing map (``moe_router``/``moe_preprocess`` regions) are not counted. The pool's reserved but
+probabilities and routing map (``moe_router``/``moe_preprocess``) and Core's separate router graphs of the local
+implementation (transformer_layer.py L1580-1586) are not counted. The pool's reserved but
 free memory (a captured region's intermediates between replays) is outside the allocated figures the phases give.
 """
 
@@ -46,14 +48,34 @@ def impl_of(model) -> str:
     return impl
 
 
-def regions_per_layer(model) -> int:
-    """Captured regions per layer: one for the whole layer (``cuda_graph_modules`` empty or ``full``), else one per
-    named module (Core's ``normalize_cuda_graph_modules``)."""
+HYBRID_SCOPES = {"M": ("mamba",), "*": ("attn",), "D": ("attn",), "+": ("attn",), "G": ("attn",), "-": ("mlp",),
+                 "E": ("moe", "moe_router", "moe_preprocess")}
+"""Which ``cuda_graph_modules`` capture a hybrid layer of each pattern symbol (``_layer_is_graphable``,
+cuda_graphs.py L2043-2083: Mamba layers by ``mamba``, layers with attention by ``attn``, MoE layers by ``moe``,
+``moe_router`` or ``moe_preprocess``, dense MLP layers by ``mlp``; a gated delta net counted with attention)."""
+
+
+def captured_layers(model, kinds: list) -> int:
+    """The stage's layers (``kinds``: :func:`..build.stage_layer_kinds`) with a graph: every layer with
+    ``cuda_graph_modules`` empty or ``full``, else those ``_layer_is_graphable`` (cuda_graphs.py L2043-2083) admits. A
+    GPT layer always has attention; its MLP is MoE or dense by its kind. One graph per layer (Core's TE helper
+    graphs each layer as one callable, L2137-2210; a local layer has one manager, transformer_layer.py L555-567)."""
     from megatron.core.transformer.cuda_graph_config import normalize_cuda_graph_modules
 
     modules = getattr(model, "cuda_graph_modules", None)
-    scopes = normalize_cuda_graph_modules(modules)[0] if modules else []
-    return max(1, len(scopes))
+    scopes = {s.name for s in normalize_cuda_graph_modules(modules)[0]} if modules else set()
+    if not scopes:
+        return len(kinds)
+    moe = {"moe", "moe_router", "moe_preprocess"}
+    count = 0
+    for kind in kinds:
+        if isinstance(kind, str):
+            count += bool(scopes & set(HYBRID_SCOPES.get(kind, ())))
+        else:
+            from megatron_bridge_ext.estimate.build import is_moe_kind
+
+            count += "attn" in scopes or bool(scopes & (moe if is_moe_kind(kind) else {"mlp"}))
+    return count
 
 
 def buffer_sets(impl: str, *, pp: int, in_flight: float, num_microbatches: int) -> int:
@@ -65,17 +87,17 @@ def buffer_sets(impl: str, *, pp: int, in_flight: float, num_microbatches: int) 
     return 0
 
 
-def static_buffers(model, *, impl: str, tokens: int, micro_batch: int, element: int, layers: int, in_flight: float,
+def static_buffers(model, *, impl: str, tokens: int, micro_batch: int, element: int, kinds: list, in_flight: float,
                    num_microbatches: int) -> Optional[Component]:
-    """The static buffers of the stage's captured graphs (``tokens``: the sequence shard between layers), None without
-    per-layer graphs."""
+    """The static buffers of the stage's captured graphs (``tokens``: the sequence shard between layers; ``kinds``:
+    the stage's layer kinds), None without per-layer graphs."""
     sets = buffer_sets(impl, pp=model.pipeline_model_parallel_size, in_flight=in_flight,
                        num_microbatches=num_microbatches)
+    layers = captured_layers(model, kinds)
     if not sets or not layers:
         return None
-    regions = regions_per_layer(model)
     per = 4 * tokens * micro_batch * model.hidden_size * element
-    return Component(BUFFERS, STATIC_BUFFERS, layers * regions * sets * per,
-                     f"formula (upper bound): {layers} layers x {regions} captured region(s) x {sets} buffer set(s) "
+    return Component(BUFFERS, STATIC_BUFFERS, layers * sets * per,
+                     f"formula (upper bound): {layers} captured layer(s) of {len(kinds)} x {sets} buffer set(s) "
                      f"({impl}) x 4 ([{tokens}, {micro_batch}, {model.hidden_size}] input, output and their gradients) "
                      f"x {element} B (estimate.cuda_graphs)")

@@ -679,7 +679,8 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     if fp8_acts is not None and fp8_acts.lora_shards:
         components.append(te_fp8.lora_component(fp8_acts, in_flight, fp8, shard_shape=shard_shape))
     graphs = cuda_graphs.static_buffers(provider, impl=prepared.graph_impl, tokens=tokens,
-                                        micro_batch=prepared.micro_batch, element=element, layers=layers,
+                                        micro_batch=prepared.micro_batch, element=element,
+                                        kinds=stage_layer_kinds(provider, stage),
                                         in_flight=in_flight, num_microbatches=prepared.num_microbatches)
     if traced.persistent_buffer_bytes:
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,

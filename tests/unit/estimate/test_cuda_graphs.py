@@ -21,23 +21,38 @@ def _model(pp=1, modules="full"):
     return types.SimpleNamespace(pipeline_model_parallel_size=pp, hidden_size=H, cuda_graph_modules=modules)
 
 
+DENSE = [0, 0, 0, 0]
+
+
 @pytest.mark.parametrize("impl, pp, in_flight, microbatches, modules, expected", [
-    ("transformer_engine", 1, 1.0, 8, "full", 4 * 1 * 1 * ONE),
-    ("transformer_engine", 4, 2.5, 8, "full", 4 * 1 * 3 * ONE),        # the microbatches the order keeps together
-    ("transformer_engine", 4, 2.0, 8, ["attn", "mlp"], 4 * 2 * 2 * ONE),  # one region per named module
-    ("local", 1, 1.0, 8, [], 4 * 1 * 1 * ONE),                          # one runner per layer, reused
-    ("local", 2, 2.0, 8, "full", 4 * 1 * 8 * ONE),                      # one runner per microbatch of the step
+    ("transformer_engine", 1, 1.0, 8, "full", 4 * 1 * ONE),
+    ("transformer_engine", 4, 2.5, 8, "full", 4 * 3 * ONE),          # the microbatches the order keeps together
+    ("transformer_engine", 4, 2.0, 8, ["attn", "mlp"], 4 * 2 * ONE),  # one graph per layer, whatever it captures
+    ("local", 1, 1.0, 8, [], 4 * 1 * ONE),                            # one runner per layer, reused
+    ("local", 2, 2.0, 8, "full", 4 * 8 * ONE),                        # one runner per microbatch of the step
 ])
-def test_the_static_buffers_are_four_hidden_states_per_region_and_buffer_set(impl, pp, in_flight, microbatches,
-                                                                             modules, expected):
-    line = cuda_graphs.static_buffers(_model(pp, modules), impl=impl, tokens=S, micro_batch=B, element=E, layers=4,
-                                      in_flight=in_flight, num_microbatches=microbatches)
+def test_the_static_buffers_are_four_hidden_states_per_captured_layer_and_buffer_set(impl, pp, in_flight,
+                                                                                    microbatches, modules, expected):
+    line = cuda_graphs.static_buffers(_model(pp, modules), impl=impl, tokens=S, micro_batch=B, element=E,
+                                      kinds=DENSE, in_flight=in_flight, num_microbatches=microbatches)
     assert line.bytes == expected and line.name == cuda_graphs.STATIC_BUFFERS
+
+
+@pytest.mark.parametrize("kinds, modules, captured", [
+    (list("M*-EM*"), ["attn", "mamba"], 4),       # Mamba and attention layers; the MLP and MoE layers run eagerly
+    (list("M*-EM*"), ["moe_router"], 1),
+    (list("M*-EM*"), "full", 6),
+    ([0, 1, 1, 0], ["moe"], 2),                   # a GPT model's MoE layers
+    ([0, 1, 1, 0], ["mlp"], 2),                   # its dense layers
+    ([0, 1, 1, 0], ["attn"], 4),                  # every GPT layer has attention
+])
+def test_the_layers_with_a_graph_are_those_core_finds_graphable(kinds, modules, captured):
+    assert cuda_graphs.captured_layers(_model(modules=modules), kinds) == captured
 
 
 def test_a_full_iteration_graph_and_no_graphs_add_no_static_buffers():
     for impl in ("full_iteration", "none"):
-        assert cuda_graphs.static_buffers(_model(), impl=impl, tokens=S, micro_batch=B, element=E, layers=4,
+        assert cuda_graphs.static_buffers(_model(), impl=impl, tokens=S, micro_batch=B, element=E, kinds=DENSE,
                                           in_flight=1.0, num_microbatches=8) is None
 
 
@@ -47,7 +62,7 @@ def test_the_deprecated_switches_read_as_core_reads_them():
 
 
 TINY_BUFFERS = 2 * 1 * 1 * 4 * 32 * 2 * 64 * 4
-"""The tiny model's: 2 layers x one region (the whole layer) x one microbatch in flight x 4 [32, 2, 64] fp32."""
+"""The tiny model's: 2 layers (the whole layer captured) x one microbatch in flight x 4 [32, 2, 64] fp32."""
 
 
 @pytest.fixture(scope="module")
