@@ -234,8 +234,9 @@ def _graphs(est) -> list[Phase]:
 
 
 def _warmup(components) -> list[Component]:
-    """Iteration 1's components: the activation offload's warmup offloads every group (fine_grained_activation_offload.py
-    L1066-1087, ``should_bulk_offload``), so what it keeps from iteration 2 on is not held yet."""
+    """Iteration 1's components: the activation offload's warmup offloads every group
+    (fine_grained_activation_offload.py L1066-1087, ``should_bulk_offload``), so what it keeps from iteration 2 on is
+    not held yet."""
     return [c for c in components if c.name != OFFLOAD_KEPT]
 
 

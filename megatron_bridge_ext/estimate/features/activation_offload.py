@@ -140,8 +140,8 @@ class _Recorder:
 
 @contextlib.contextmanager
 def recording(model: torch.nn.Module) -> Iterator[_Recorder]:
-    """While ``model`` runs a microbatch under the saved-tensor meter: Core's offload interface (offload.py L1356-1470) with
-    :class:`_Recorder`'s hooks, chunk handling a no-op (the trace has one chunk and no streams)."""
+    """While ``model`` runs a microbatch under the saved-tensor meter: Core's offload interface (offload.py
+    L1356-1470) with :class:`_Recorder`'s hooks, chunk handling a no-op (the trace has one chunk and no streams)."""
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
         FineGrainedActivationOffloadingInterface as Interface)
 
