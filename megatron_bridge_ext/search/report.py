@@ -10,7 +10,7 @@ from megatron_bridge_ext.sizes import gib
 def changes(given, c) -> str:
     """What candidate ``c`` changes against the config as given, in a few words."""
     names = {"tp": "TP", "pp": "PP", "vpp": "VPP", "cp": "CP", "ep": "EP", "etp": "ETP", "dp": "DP", "sp": "SP",
-             "micro_batch": "mb", "recompute": "recompute", "distributed_optimizer": "distopt"}
+             "micro_batch": "mb", "recompute": "recompute", "distributed_optimizer": "distopt", "offload": "offload"}
     if given.ep == c.ep == 1:  # no expert parallelism on either side: the expert TP follows TP
         names.pop("etp")
     out = [f"{label} {_v(getattr(given, k))}->{_v(getattr(c, k))}" for k, label in names.items()

@@ -61,3 +61,9 @@ def test_each_layout_is_tried_with_and_without_the_offload():
 def test_offloading_holds_no_more_memory_than_not():
     assert _candidate(ATTENTION).below(_candidate())
     assert not _candidate().below(_candidate(ATTENTION))
+
+
+def test_the_front_names_the_offload_a_candidate_turns_on():
+    from megatron_bridge_ext.search.report import changes
+
+    assert changes(_candidate(), _candidate(ATTENTION)) == "offload none->qkv_linear+core_attn+attn_proj"
