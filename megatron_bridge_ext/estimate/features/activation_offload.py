@@ -71,14 +71,22 @@ def used(model) -> bool:
 def findings(model) -> list[Finding]:
     """What of the offload the estimate does not model (Core's own refusals are in
     :mod:`megatron_bridge_ext.levers.activation_offload.constraints`)."""
-    if not used(model) or (getattr(model, "pipeline_model_parallel_size", 1) or 1) == 1:
+    if not used(model):
         return []
-    if getattr(model, "delta_offload_bytes_across_pp_ranks", 0):
-        return [Finding("unsupported_model", ERROR, "model.delta_offload_bytes_across_pp_ranks",
-                        "is not modelled by the estimate: Core keeps pp_rank x that many bytes of whole groups on the "
-                        "GPU, chosen over every microbatch's groups (fine_grained_activation_offload.py L600-611)",
-                        "estimate with delta_offload_bytes_across_pp_ranks=0")]
-    return []
+    out = []
+    experts = sorted(set(MOE_GROUPS) & set(getattr(model, "offload_modules", None) or []))
+    if experts and getattr(model, "num_moe_experts", None):
+        out.append(Finding("unsupported_model", ERROR, "model.offload_modules",
+                           f"offloading {experts} is not modelled by the estimate: Core opens those groups in "
+                           "TEGroupedMLP (moe/experts.py L253-283, L673-709, L793-900), the estimate traces the "
+                           "local spec's SequentialMLP experts", f"estimate without {experts}"))
+    if (getattr(model, "pipeline_model_parallel_size", 1) or 1) > 1 and \
+            getattr(model, "delta_offload_bytes_across_pp_ranks", 0):
+        out.append(Finding("unsupported_model", ERROR, "model.delta_offload_bytes_across_pp_ranks",
+                           "is not modelled by the estimate: Core keeps pp_rank x that many bytes of whole groups on "
+                           "the GPU, chosen over every microbatch's groups (fine_grained_activation_offload.py "
+                           "L600-611)", "estimate with delta_offload_bytes_across_pp_ranks=0"))
+    return out
 
 
 class _Recorder:

@@ -146,3 +146,18 @@ def test_the_host_bytes_count_the_output_in_both_groups(estimates):
     _, offloaded = estimates
     per_layer = SEQ * BATCH * (HEADS * D + 2 * KV * D + H + H) * E
     assert offloaded.offload_host_bytes == LAYERS * per_layer
+
+
+@pytest.mark.parametrize("fields, setting", [
+    (dict(offload_modules=["core_attn", "moe_act"], num_moe_experts=8), "model.offload_modules"),
+    (dict(offload_modules=["core_attn"], pipeline_model_parallel_size=2, delta_offload_bytes_across_pp_ranks=1),
+     "model.delta_offload_bytes_across_pp_ranks"),
+])
+def test_what_the_estimate_does_not_model_is_refused_by_name(fields, setting):
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(**dict(dict(fine_grained_activation_offloading=True, num_moe_experts=None,
+                                        pipeline_model_parallel_size=1, delta_offload_bytes_across_pp_ranks=0), **fields))
+    assert [f.setting for f in activation_offload.findings(model)] == [setting]
+    model.fine_grained_activation_offloading = False
+    assert activation_offload.findings(model) == []
