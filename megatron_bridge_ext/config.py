@@ -25,6 +25,7 @@ from megatron_bridge_ext.findings import ACTION, ERROR, NO_EFFECT, Finding, Refu
 from megatron_bridge_ext.levers.allocator.config import AllocatorConfig
 from megatron_bridge_ext.levers.change import Change
 from megatron_bridge_ext.levers.lora_input.config import LoraInputConfig, is_lora_family
+from megatron_bridge_ext.levers.activation_offload import constraints as activation_offload
 from megatron_bridge_ext.levers.parallelism.constraints import model_findings
 from megatron_bridge_ext.levers.recompute.config import RecomputeConfig
 from megatron_bridge_ext.overrides import unbuilt_peft
@@ -123,7 +124,8 @@ class MemoryConfig:
         findings = [unbuilt] if unbuilt else []
         recompute = self.recompute
         findings += (recompute.findings(cfg.model) + model_findings(cfg.model, recompute.granularity(cfg.model))
-                     + recompute.effect_findings(cfg.model) + _target_findings(cfg)
+                     + recompute.effect_findings(cfg.model) + activation_offload.findings(cfg.model)
+                     + _target_findings(cfg)
                      + self.lora_input.findings(cfg, recompute.view(cfg.model)) + self.allocator.findings(cfg))
         errors = [f for f in findings if f.level == ERROR]
         if errors:

@@ -184,7 +184,8 @@ class Planner:
             option.peak_bytes = state.est.peak_bytes if peak is None else peak
             option.breakdown = breakdown(state.est) if parts is None else parts
             if self.step_time is not None:
-                after = steptime.step_time(state.est.settings, self.gpu, offload_bytes=option.cost.pcie_bytes or 0,
+                after = steptime.step_time(state.est.settings, self.gpu,
+                                           offload_bytes=(option.cost.pcie_bytes or 0) + _fine_grained_bytes(state.est),
                                            moe=moe_shape(state.cfg.model))
                 option.cost.step_time_pct = steptime.change_pct(self.step_time, after)
         self.options.append(option)
@@ -228,7 +229,8 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
                                     num_microbatches=baseline.settings.num_microbatches)
     bridge, error = _bridge(cfg, with_bridge, data_parallel_size=baseline.settings.dp,
                             num_microbatches=baseline.settings.num_microbatches)
-    planner.step_time = steptime.step_time(baseline.settings, gpu, moe=moe_shape(cfg.model))
+    planner.step_time = steptime.step_time(baseline.settings, gpu, offload_bytes=_fine_grained_bytes(baseline),
+                                           moe=moe_shape(cfg.model))
     result = Plan(gpu_memory, margin, expandable_margin, expandable_segments, baseline, bridge, planner.options,
                   bridge_error=error, layout=layout_of(cfg), not_modelled=unmodelled.config_lines(cfg), gpu=gpu,
                   step_time=planner.step_time, strategies=lora_input_advice.compare(planner, cfg, baseline))
@@ -302,6 +304,13 @@ def layout_of(cfg) -> dict:
             "num_moe_experts": getattr(model, "num_moe_experts", None),
             "moe_router_topk": getattr(model, "moe_router_topk", None) if getattr(model, "num_moe_experts", None)
             else None}
+
+
+def _fine_grained_bytes(est) -> int:
+    """The host-link bytes of a step under the config's fine-grained activation offloading (0 without it)."""
+    from megatron_bridge_ext.levers.activation_offload.cost import step_bytes
+
+    return step_bytes(est.offload_host_bytes, est.settings.num_microbatches)
 
 
 def _python_line(flags: dict) -> str:

@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_bridge_ext.estimate import (configs, features, fsdp, mamba, muon, offload, phases, pipeline, precision,
-                                          routing, static, te, te_fp8, trace_cache, unmodelled)
+from megatron_bridge_ext.estimate import (configs, cuda_graphs, features, fsdp, mamba, muon, offload, phases, pipeline,
+                                          precision, routing, static, te, te_fp8, trace_cache, unmodelled)
 from megatron_bridge_ext.estimate.build import (ATTENTIONS, FUSED, LOCAL, build_rank_model, is_hybrid, is_moe_kind,
                                                 layer_kinds, moe_layer_pattern, set_gpt_layer_kinds, set_layer_kinds,
                                                 stage_layer_kinds)
@@ -35,6 +35,7 @@ from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS
                                                trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers import fsdp as fsdp_rules
+from megatron_bridge_ext.levers.activation_offload import constraints as activation_offload_constraints
 from megatron_bridge_ext.levers.parallelism.constraints import (expert_sizes, moe_sequence_parallel_problem,
                                                                 query_group_problem, schedule_findings)
 from megatron_bridge_ext.levers.recompute import attention as recompute_attention
@@ -96,6 +97,8 @@ class Prepared:
     appear) and the output layer's wgrad deferral limit."""
     resume: bool = False
     """The run loads its optimizer state from ``checkpoint.load`` (:func:`_resumes`): the phases start with it."""
+    graph_impl: str = "none"
+    """The config's CUDA-graph implementation (the traced copy has them off): :mod:`.cuda_graphs`."""
 
     @property
     def local_seq(self) -> int:
@@ -260,6 +263,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     micro_batch = cfg.train.micro_batch_size
     problems = parallel_problems(provider, micro_batch=micro_batch, peft=cfg.peft)
     problems += [p for p in [unmodelled.cuda_graph_problem(provider)] if p]
+    problems += activation_offload_constraints.findings(provider)
     problems += features.latent_moe.config_problems(provider)
     problems += features.recipe_attention.packed_findings(provider, cfg) + fsdp_problems
     if problems:
@@ -270,7 +274,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
         raise NotModelled(WHAT, not_modelled)
     reports = _report_settings(cfg, provider)
     notes += _set_wgrad_deferral_apart(provider, reports.wgrad_deferral_limit)
-    graphs = phases.cuda_graph_note(provider)
+    graphs, graph_impl = phases.cuda_graph_note(provider), cuda_graphs.impl_of(provider)
     notes += _local_spec_kernels(provider) + unmodelled.drop_cuda_graphs(provider) + ([graphs] if graphs else [])
     notes += precision.notes(precision.fp8_of(provider))
     try:
@@ -303,7 +307,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
             "modelled (its init_state_fn states, optimizer.py L1145-1146, then the checkpoint's)",
             "estimate without resume, or with use_distributed_optimizer=true")])
     return Prepared(provider, cfg.peft, optimizer, ddp, _training_dtype(provider), provider.seq_length, micro_batch,
-                     dp, num_microbatches, notes + ([note] if note else []), reports, resume)
+                     dp, num_microbatches, notes + ([note] if note else []), reports, resume, graph_impl)
 
 
 def _resumes(checkpoint, asked: bool) -> tuple[bool, Optional[str]]:
@@ -678,12 +682,17 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
             fp8_acts = te_fp8.with_experts(fp8_acts, EXPERTS, experts)
     components += _activations(traced, in_flight, contract, fp8_acts)
     in_flight = in_flight.mean
+    components += features.activation_offload.components(traced.offload_groups, provider, in_flight)
     tokens = prepared.local_seq // tp if sp else prepared.local_seq
     shard_shape = f"[{tokens}, {prepared.micro_batch}, {provider.hidden_size}]"
     if contract.layers:
         components.append(te.te_component(contract, in_flight, shard_shape=shard_shape))
     if fp8_acts is not None and fp8_acts.lora_shards:
         components.append(te_fp8.lora_component(fp8_acts, in_flight, fp8, shard_shape=shard_shape))
+    graphs = cuda_graphs.static_buffers(provider, impl=prepared.graph_impl, tokens=tokens,
+                                        micro_batch=prepared.micro_batch, element=element,
+                                        kinds=stage_layer_kinds(provider, stage),
+                                        in_flight=in_flight, num_microbatches=prepared.num_microbatches)
     if traced.persistent_buffer_bytes:
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
@@ -706,10 +715,14 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
                           assumptions=_assumptions(prepared, attention, impl, device, contract, candidates)
                           + te_fp8.assumptions(fp8_acts)
                           + _moe_assumptions(provider, imbalance, routed)
+                          + [a for a in [features.activation_offload.assumption(traced.offload_groups, provider,
+                                                                                 in_flight)] if a]
                           + [a for a in [offload.assumption(prepared.optimizer, host=step.offloaded,
                                                             elements=step.elements)] if a],
                           activations_per_microbatch=dict(traced.by_category), in_flight_microbatches=in_flight,
-                          activations_per_layer=dict(traced.by_layer))
+                          activations_per_layer=dict(traced.by_layer),
+                          offload_host_bytes=features.activation_offload.host_bytes(traced.offload_groups, provider),
+                          graph_buffers=graphs)
 
 
 def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage], *, rank: int, load, attention: str,

@@ -1,5 +1,5 @@
 """A run's memory by phase: a resumed run's optimizer-state load, iteration 1 before the optimizer's moments exist (a
-fresh run), the first step, the steady state.
+fresh run), the first step, the steady state, and with CUDA graphs the steady state once they are captured.
 
 The steady-state estimate (:mod:`.memory`) holds every component at once. A Megatron run reaches it in steps,
 and the figures users compare come from different ones:
@@ -27,8 +27,9 @@ and the figures users compare come from different ones:
   the main gradients in place (``optimizer/clip_grads.py`` L55-140: a few fp32 scalars), so neither adds a line;
 * **the steady state** (iteration 2 on): moments and a step's activations together (:mod:`.memory`'s peak);
 * **CUDA-graph capture**: Bridge captures TE's graphs once ``cuda_graph_warmup_steps`` iterations are done
-  (``training/train.py`` L431-446), so their pools appear in the iteration after; not modelled, named with that
-  iteration.
+  (``training/train.py`` L429-441; Core's local graphs are recorded and created after as many warmup steps), so
+  from the iteration after the steady state holds the graphs' static buffers too (:mod:`.cuda_graphs`, an upper
+  bound); their pool's intermediates are the traced activations, allocated there instead.
 
 Each phase's peak is its live components plus its transients (the largest one for forward/backward, whose
 transients come one after another; their sum for the step, whose copies are alive together).
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_bridge_ext.estimate.fsdp import UNITS as FSDP_UNITS
+from megatron_bridge_ext.estimate.features.activation_offload import KEPT as OFFLOAD_KEPT
 from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
 from megatron_bridge_ext.estimate.settings import Settings
 
@@ -212,14 +214,31 @@ def phases(est) -> list[Phase]:
         resume = _phase(RESUME, live + list(est.step.load), None, transients_together=False,
                         basis="static with the loaded optimizer states + buffers + the largest of the load's "
                               "transients; no activations (estimate.phases.load_transients)")
-        iteration_1 = _phase(ITERATION_1, est.components, est.step, transients_together=False,
+        iteration_1 = _phase(ITERATION_1, _warmup(est.components), est.step, transients_together=False,
                              basis="static with the loaded moments + activations + buffers + largest transient")
-        return [resume, iteration_1, step, steady]
-    first = [_without_moments(c, est.step) if c.name == OPTIMIZER_STATES else c for c in est.components]
+        return [resume, iteration_1, step, steady] + _graphs(est)
+    first = [_without_moments(c, est.step) if c.name == OPTIMIZER_STATES else c for c in _warmup(est.components)]
     iteration_1 = _phase(ITERATION_1, first, est.step, transients_together=False,
                          basis="static without the moments (created in the first step) + activations + buffers "
                                "+ largest transient")
-    return [iteration_1, step, steady]
+    return [iteration_1, step, steady] + _graphs(est)
+
+
+def _graphs(est) -> list[Phase]:
+    """The steady state with the captured graphs' static buffers, when the config captures per-layer graphs."""
+    buffers = getattr(est, "graph_buffers", None)
+    if buffers is None:
+        return []
+    return [_phase(CUDA_GRAPHS, list(est.components) + [buffers], est.step, transients_together=False,
+                   basis="the steady state + the captured graphs' static buffers (an upper bound); their pool's "
+                         "intermediates are the activations above (estimate.cuda_graphs)")]
+
+
+def _warmup(components) -> list[Component]:
+    """Iteration 1's components: the activation offload's warmup offloads every group
+    (fine_grained_activation_offload.py L1066-1087, ``should_bulk_offload``), so what it keeps from iteration 2 on is
+    not held yet."""
+    return [c for c in components if c.name != OFFLOAD_KEPT]
 
 
 def _phase(name: str, components, step: Optional[StepState], *, transients_together: bool, basis: str) -> Phase:
@@ -280,14 +299,17 @@ def wgrad_deferral_component(provider, *, limit: Optional[int], seq: int, micro_
 
 
 def cuda_graph_note(provider) -> Optional[str]:
-    """When a config's CUDA-graph pools appear, as one line (their bytes are not modelled), else None."""
+    """When a config's CUDA-graph pools appear and what the estimate counts of them, as one line, else None."""
     impl = getattr(provider, "cuda_graph_impl", None) or "none"
     if impl == "none":
         return None
     warmup = getattr(provider, "cuda_graph_warmup_steps", 0) or 0
+    counted = ("its static buffers are the '" + CUDA_GRAPHS + "' phase (an upper bound), its intermediates the "
+               "traced activations" if impl in ("local", "transformer_engine") else
+               "a full-iteration graph's pool holds the step's own allocations, the traced ones")
     return (f"{CUDA_GRAPHS}: cuda_graph_impl={impl!r} captures once cuda_graph_warmup_steps={warmup} iteration(s) "
-            f"are done (Bridge training/train.py L431-446), so its pools appear in iteration {warmup + 1}; their "
-            "bytes are not modelled")
+            f"are done (Bridge training/train.py L429-441), so its pools appear in iteration {warmup + 1}; "
+            f"{counted}; the pool's reserved but free memory is not modelled")
 
 
 @dataclass(frozen=True)
@@ -357,14 +379,16 @@ def predicted_reports(estimate_result, iterations: Optional[list[int]] = None) -
         iterations = report_iterations(s.reports.log_interval, s.reports.train_iters)
     for iteration in iterations:
         for stage, peaks in sorted(per_stage.items()):
-            reached = [name for name in (RESUME, ITERATION_1, FIRST_STEP, STEADY) if name in peaks
-                       and (iteration >= 2 or name != STEADY)]
+            reached = [name for name in (RESUME, ITERATION_1, FIRST_STEP, STEADY, CUDA_GRAPHS) if name in peaks
+                       and (iteration >= 2 or name != STEADY)
+                       and (name != CUDA_GRAPHS or (graphs is not None and iteration >= graphs))]
             phase = max(reached, key=lambda name: peaks[name][0])
             last = FIRST_STEP if FIRST_STEP in peaks else STEADY  # every report follows a step
+            last = CUDA_GRAPHS if CUDA_GRAPHS in reached else last  # its static buffers outlive the step
             out.append(PredictedReport(
                 iteration, phase, stage, _ranks(s, stage), peaks[phase][0], peaks[last][1],
                 unmodelled=f"{CUDA_GRAPHS} pools from iteration {graphs} (not modelled)"
-                if graphs is not None and iteration >= graphs else None))
+                if graphs is not None and iteration >= graphs and CUDA_GRAPHS not in peaks else None))
     return out
 
 

@@ -56,6 +56,12 @@ class MemoryEstimate:
     seconds: float = 0.0
     step: Optional[Any] = None
     stage_phase_peaks: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    graph_buffers: Optional[Component] = None
+    """The static buffers of the config's captured CUDA graphs (:mod:`.cuda_graphs`), alive from the capture on: the
+    ``CUDA-graph capture`` phase holds them."""
+    offload_host_bytes: int = 0
+    """The pinned host bytes fine-grained activation offloading copies per microbatch in the steady state (what the
+    step-time model sends over the host link, :mod:`megatron_bridge_ext.levers.activation_offload.cost`)."""
 
     def total(self, kind: str) -> int:
         return sum(c.bytes for c in self.components if c.kind == kind)

@@ -7,12 +7,14 @@ estimate's categories. Each storage counts once, in the category of the first mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megatron_bridge_ext.estimate.features import activation_offload
 from megatron_bridge_ext.estimate.precision import LINEARS, MAMBA_LINEARS
 from megatron_bridge_ext.measure import ROOT, SavedActivationMeter
 
@@ -157,6 +159,9 @@ class TracedMicrobatch:
     linear_alone: dict[str, int] = dataclasses.field(default_factory=dict)
     """The part of ``linear_saved`` in storages no other module saved: what goes when TE keeps that input
     quantised instead."""
+    offload_groups: tuple = ()
+    """The fine-grained activation offload's groups, in forward order (:mod:`.features.activation_offload`): their
+    offloaded storages are in no figure above."""
 
     def extended(self, sources: list[int]) -> "TracedMicrobatch":
         """This trace of a reduced stage as the real stage, whose layer i saves what traced layer ``sources[i]`` did.
@@ -178,7 +183,8 @@ class TracedMicrobatch:
                                    lora_a_saved=_from_sources(self.lora_a_saved, sources),
                                    linear_saved=_from_sources(self.linear_saved, sources),
                                    linear_alone=_from_sources(self.linear_alone, sources),
-                                   by_category_and_layer=by_category_and_layer)
+                                   by_category_and_layer=by_category_and_layer,
+                                   offload_groups=activation_offload.extended(self.offload_groups, sources))
 
 
 def _from_sources(per_module: dict[str, int], sources: list[int]) -> dict[str, int]:
@@ -208,7 +214,8 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
 
     The first stage takes token ids; later stages take the previous stage's output [s/t, b, h]
     (sequence shard under SP), as the pipeline schedule hands it over, requiring grad. The last
-    stage computes the loss from labels.
+    stage computes the loss from labels. With fine-grained activation offloading what Core offloads leaves the
+    count (:func:`.features.activation_offload.recording`).
     """
     from megatron.core import parallel_state
 
@@ -220,9 +227,12 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
             received = torch.empty(seq // sequence_parallel_tp, micro_batch, hidden, dtype=dtype, device=device,
                                    requires_grad=True)
             model.set_input_tensor(received)
-        with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
+        offload = activation_offload.used(model.config)
+        with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter, \
+                (activation_offload.recording(model) if offload else contextlib.nullcontext()) as recorder:
             output = model(ids, positions, None, labels=labels)
     result = meter.result()  # while the output keeps the graph and its saved storages alive
+    groups = recorder.result(meter.counted) if offload else ()
     del output
     by_category, by_layer = split(result)
     buffer = parallel_state._GLOBAL_MEMORY_BUFFER
@@ -232,4 +242,5 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
     return TracedMicrobatch(result.total_bytes, by_category, by_layer, persistent, lora_a,
                             split_by_category_and_layer(result),
                             {name: n for name, n in result.by_module.items() if is_dense_linear(name)},
-                            {name: n for name, n in result.by_module_alone.items() if is_dense_linear(name)})
+                            {name: n for name, n in result.by_module_alone.items() if is_dense_linear(name)},
+                            groups)

@@ -10,9 +10,11 @@ them would read as if they were counted:
   (:func:`pipeline_segments`). Bridge's formula reads no layer
   pattern and has no Mamba term: it counts every layer as attention plus MLP or MoE (:func:`bridge_caveat`);
 * CUDA graphs (``cuda_graph_impl``, or the deprecated ``enable_cuda_graph`` /
-  ``external_cuda_graph`` that Core's ``TransformerConfig.__post_init__`` turns into it): each
-  captured graph allocates from its own memory pool (static inputs, outputs and the intermediates
-  of the captured region), which neither our estimate nor Bridge's counts (:func:`cuda_graph_line`).
+  ``external_cuda_graph`` that Core's ``TransformerConfig.__post_init__`` turns into it): the
+  graphs allocate from a private pool (static inputs, outputs and the intermediates of the captured
+  regions); our estimate counts the static buffers in its capture phase, as an upper bound
+  (:mod:`.cuda_graphs`), and the intermediates as the traced activations; the pool's reserved but free
+  memory is in no figure, nor is any of it in Bridge's (:func:`cuda_graph_line`).
 """
 
 from __future__ import annotations
@@ -136,13 +138,13 @@ def _module_names(modules) -> list[str]:
 
 
 def cuda_graph_line(model) -> Optional[str]:
-    """One line naming CUDA graph memory pools as not modelled when the config captures graphs, else None."""
+    """One line saying what of the CUDA graph memory pools is modelled when the config captures graphs, else None."""
     setting = cuda_graph_setting(model)
     if setting is None:
         return None
-    return (f"CUDA graph memory pools ({setting}) are not modelled: each captured graph keeps its own pool for its "
-            "static inputs, outputs and the intermediates of the captured region, in no figure here (ours or "
-            "Bridge's); measure a step on a GPU, or leave headroom for them")
+    return (f"CUDA graph memory pools ({setting}) are partly modelled: our capture phase counts the graphs' static "
+            "buffers (an upper bound) and their intermediates as the traced activations; the pool's reserved but "
+            "free memory is in no figure here (ours or Bridge's): leave headroom for it")
 
 
 def cuda_graph_problem(model) -> Optional[Finding]:
@@ -165,7 +167,7 @@ def drop_cuda_graphs(model) -> list[str]:
     model.cuda_graph_impl = "none"
     model.enable_cuda_graph = model.external_cuda_graph = False
     return [f"CUDA graphs ({setting}) traced eagerly: the layers save what they save uncaptured; the graphs' "
-            "memory pools are not modelled"]
+            "static buffers are the capture phase's (estimate.cuda_graphs)"]
 
 
 def config_lines(cfg) -> list[str]:

@@ -167,6 +167,11 @@ class SavedActivationMeter:
             module_categories=dict(self._result.module_categories),
         )
 
+    def counted(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is counted as an activation (saved while active, not a parameter, not released)."""
+        seen = self._seen.get(_storage_key(storage))
+        return seen is not None and seen.ref() is storage and bool(seen.nbytes) and not seen.released
+
     def step(self) -> SavedActivations:
         """End a step: return its counts, keep them in ``steps``, and reset."""
         result = self.result()

@@ -148,8 +148,9 @@ def _out_of_memory_later(result) -> list[str]:
     if first is None or first.peak_bytes > usable or est.peak_bytes <= usable:
         return []
     where = {phases.FIRST_STEP: "iteration 1 at the first optimizer step",
-             phases.RESUME: "loading the checkpoint's optimizer state before it"}.get(
-        est.peak_phase.name, "iteration 2 at the steady state")
+             phases.RESUME: "loading the checkpoint's optimizer state before it",
+             phases.CUDA_GRAPHS: f"iteration {est.settings.reports.cuda_graph_first_iteration} once its CUDA graphs "
+                                 "are captured"}.get(est.peak_phase.name, "iteration 2 at the steady state")
     return [f"  fits iteration 1 ({gib(first.peak_bytes)} in its forward and backward), runs out of memory in {where} "
             f"({gib(est.peak_bytes)} of {gib(usable)} usable)"]
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from megatron_bridge_ext.levers import fsdp
+from megatron_bridge_ext.levers.activation_offload.cost import ATTENTION as ATTENTION_OFFLOAD
 from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, expert_sizes, layout_findings, uneven_split
 from megatron_bridge_ext.levers.recompute.advice import INSIDE_MOE
 
@@ -37,6 +38,8 @@ class Candidate:
     """Megatron-FSDP's sharding strategy (:mod:`..levers.fsdp`); None: Core's DDP."""
     bf16_moments: bool = False
     """The precision-aware optimizer with bf16 ``exp_avg`` and ``exp_avg_sq`` (:func:`..levers.fsdp.moment_overrides`)."""
+    offload: tuple = ()
+    """The ``offload_modules`` of fine-grained activation offloading, ``()`` with it off."""
 
     @property
     def layout(self) -> tuple:
@@ -50,7 +53,8 @@ class Candidate:
         return (self.layout == other.layout and self.micro_batch <= other.micro_batch
                 and covers(self.recompute, other.recompute) and self.sp >= other.sp
                 and self.distributed_optimizer >= other.distributed_optimizer
-                and (self.fsdp, self.bf16_moments) == (other.fsdp, other.bf16_moments))
+                and (self.fsdp, self.bf16_moments) == (other.fsdp, other.bf16_moments)
+                and set(self.offload) >= set(other.offload))
 
     def overrides(self, layers: int, given: Optional["Candidate"] = None) -> list[str]:
         """Bridge override strings that set this candidate on the given config of ``layers`` layers (``given``: that
@@ -65,7 +69,10 @@ class Candidate:
         first_last = uneven_split(layers, self.pp)
         split = ["model.num_layers_in_first_pipeline_stage={}".format(first_last[0] if first_last else "null"),
                  "model.num_layers_in_last_pipeline_stage={}".format(first_last[1] if first_last else "null")]
-        return (out + split + self._experts_and_recompute() + fsdp.strategy_overrides(self.fsdp, from_fsdp=given is not None and given.fsdp is not None)
+        offload = [f"model.fine_grained_activation_offloading={str(bool(self.offload)).lower()}"]
+        offload += [f"model.offload_modules=[{','.join(self.offload)}]"] if self.offload else []
+        return (out + split + self._experts_and_recompute() + offload
+                + fsdp.strategy_overrides(self.fsdp, from_fsdp=given is not None and given.fsdp is not None)
                 + fsdp.moment_overrides(self.bf16_moments))
 
     def _experts_and_recompute(self) -> list[str]:
@@ -90,7 +97,8 @@ class Candidate:
         vpp = f" VPP{self.vpp}" if self.vpp else ""
         return (f"TP{self.tp}{' SP' if self.sp else ''} PP{self.pp}{vpp} CP{self.cp}{experts} DP{self.dp} "
                 f"mb{self.micro_batch} {rc}{'' if self.distributed_optimizer else ' no-distopt'}"
-                f"{f' FSDP {self.fsdp}' if self.fsdp else ''}{' bf16-moments' if self.bf16_moments else ''}")
+                f"{f' FSDP {self.fsdp}' if self.fsdp else ''}{' bf16-moments' if self.bf16_moments else ''}"
+                f"{' offload ' + '+'.join(self.offload) if self.offload else ''}")
 
 
 def covers(a, b) -> bool:
@@ -121,6 +129,8 @@ def apply(cfg, c: Candidate):
         m.recompute_method = m.recompute_num_layers = None
         m.recompute_modules = list(c.recompute) if c.recompute else None
     fsdp.apply(out, c.fsdp, c.bf16_moments)
+    m.fine_grained_activation_offloading = bool(c.offload)
+    m.offload_modules = list(c.offload) if c.offload else None
     out.data_parallel_size = c.dp
     return out
 
@@ -134,7 +144,8 @@ def given(cfg, dp: int) -> Candidate:
     return Candidate(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                      m.virtual_pipeline_model_parallel_size, m.context_parallel_size or 1, ep, etp, dp,
                      bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1, cfg.train.micro_batch_size, rc,
-                     bool(cfg.optimizer.use_distributed_optimizer), *fsdp.given(cfg))
+                     bool(cfg.optimizer.use_distributed_optimizer), *fsdp.given(cfg),
+                     tuple(m.offload_modules or ()) if getattr(m, "fine_grained_activation_offloading", False) else ())
 
 
 def shape_of(model) -> dict:
@@ -155,7 +166,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[str]) -> tuple[int, list[Candidate]]:
+def offload_sets(model) -> list[tuple]:
+    """No offload, and the attention's inputs offloaded where Bridge allows it (Transformer Engine's layers, no
+    layer-level CPU offloading: :mod:`megatron_bridge_ext.levers.activation_offload.constraints`)."""
+    if getattr(model, "transformer_impl", None) != "transformer_engine" or getattr(model, "cpu_offloading", False):
+        return [()]
+    return [(), ATTENTION_OFFLOAD]
+
+
+def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[str],
+                  offloads: tuple = ((),)) -> tuple[int, list[Candidate]]:
     """How many combinations were looked at, and the legal ones (:func:`layout_findings` finds nothing)."""
     seen, legal = 0, []
     rcs = recompute_sets(modules)
@@ -168,12 +188,14 @@ def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[s
         eps = [e for e in divisors(experts) if e <= tp * cp * dp] if experts else [1]
         for vpp, ep, etp, sp in itertools.product(vpps, eps, sorted({1, tp}) if experts else [tp], (False, True)):
             for mb in divisors(global_batch // dp) if global_batch % dp == 0 else [1]:
-                seen += len(rcs) * sum(len(fsdp.search_options(shape, do, dp * cp)) for do in (True, False))
+                seen += len(rcs) * len(offloads) * sum(len(fsdp.search_options(shape, do, dp * cp))
+                                                       for do in (True, False))
                 if layout_findings(shape, world=world, global_batch=global_batch, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                    ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
                     continue
-                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do, *memory)
-                          for rc in rcs for do in (True, False) for memory in fsdp.search_options(shape, do, dp * cp)]
+                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do, *memory, offload=off)
+                          for rc in rcs for do in (True, False) for memory in fsdp.search_options(shape, do, dp * cp)
+                          for off in offloads]
     return seen, legal
 
 

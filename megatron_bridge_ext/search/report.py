@@ -11,7 +11,7 @@ def changes(given, c) -> str:
     """What candidate ``c`` changes against the config as given, in a few words."""
     names = {"tp": "TP", "pp": "PP", "vpp": "VPP", "cp": "CP", "ep": "EP", "etp": "ETP", "dp": "DP", "sp": "SP",
              "micro_batch": "mb", "recompute": "recompute", "distributed_optimizer": "distopt", "fsdp": "FSDP",
-             "bf16_moments": "bf16 moments"}
+             "bf16_moments": "bf16 moments", "offload": "offload"}
     if given.ep == c.ep == 1:  # no expert parallelism on either side: the expert TP follows TP
         names.pop("etp")
     out = [f"{label} {_v(getattr(given, k), k)}->{_v(getattr(c, k), k)}" for k, label in names.items()

@@ -21,6 +21,7 @@ from typing import Optional
 from megatron_bridge_ext.estimate import trace_cache
 from megatron_bridge_ext.findings import Refused
 from megatron_bridge_ext.levers import steptime
+from megatron_bridge_ext.levers.activation_offload import cost as offload_cost
 from megatron_bridge_ext.levers.parallelism.cost import moe_shape
 from megatron_bridge_ext.search import candidates as cands
 from megatron_bridge_ext.search.front import pareto
@@ -88,7 +89,8 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     moe = moe_shape(cfg.model)
     base = base_est.settings
     given = cands.given(cfg, base.dp)
-    seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe))
+    seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe),
+                                      offloads=tuple(cands.offload_sets(cfg.model)))
     out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
                  counts={"enumerated": seen, "legal": len(legal)}, layers=shape["layers"])
     t1 = time.perf_counter()
@@ -96,8 +98,13 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     def moe_of(c):
         return None if moe is None else {**moe, "ep": c.ep, "etp": c.etp}
 
-    predicted = {c: steptime.step_time(cands.settings_for(base, c, shape, gb), gpu, moe=moe_of(c)).total
-                 for c in legal}
+    def predicted_time(c):
+        s = cands.settings_for(base, c, shape, gb)
+        host = offload_cost.predicted_host_bytes(s, c.offload) if c.offload else 0
+        return steptime.step_time(s, gpu, moe=moe_of(c),
+                                  offload_bytes=offload_cost.step_bytes(host, s.num_microbatches)).total
+
+    predicted = {c: predicted_time(c) for c in legal}
     order = sorted(legal, key=lambda c: (predicted[c], c != given))
     t2 = time.perf_counter()
     done: dict = {}
@@ -121,7 +128,8 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
             return None
         phase = max(est.phases, key=lambda p: p.peak_bytes)
         s = est.settings
-        st = steptime.step_time(s, gpu, moe=moe_of(c))
+        st = steptime.step_time(s, gpu, moe=moe_of(c),
+                                offload_bytes=offload_cost.step_bytes(est.offload_host_bytes, s.num_microbatches))
         e = Evaluated(c, est.peak_bytes, phase.name, st, est.peak_bytes <= usable_expandable,
                       not expandable_on and usable < est.peak_bytes <= usable_expandable,
                       s.num_microbatches * steptime.microbatch_flops(s, moe_of(c)))

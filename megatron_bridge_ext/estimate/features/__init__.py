@@ -12,14 +12,14 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from megatron_bridge_ext.estimate.features import (attention_variant, context_parallel, cross_entropy, dispatcher, dsa,
-                                                   flex, flex_attention, fp8_experts, gated_delta_net, hybridep,
-                                                   latent_moe, mla, moe_act, mtp, recipe_attention, router, softmax,
-                                                   token_dropping)
+from megatron_bridge_ext.estimate.features import (activation_offload, attention_variant, context_parallel,
+                                                   cross_entropy, dispatcher, dsa, flex, flex_attention, fp8_experts,
+                                                   gated_delta_net, hybridep, latent_moe, mla, moe_act, mtp,
+                                                   paged_stash, recipe_attention, router, softmax, token_dropping)
 from megatron_bridge_ext.findings import Finding
 
 FEATURES = (mla, dsa, attention_variant, mtp, context_parallel, dispatcher, token_dropping, latent_moe, moe_act,
-            fp8_experts)
+            fp8_experts, activation_offload, paged_stash)
 """Every feature module, each with ``findings(model) -> list[Finding]``."""
 KERNELS = (softmax, cross_entropy, router, flex_attention, gated_delta_net)
 """The feature modules that stand in for a GPU kernel Core calls, each with ``kernels()`` (a context in which Core

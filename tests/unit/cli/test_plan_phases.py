@@ -38,6 +38,20 @@ def test_fits_iteration_1_and_runs_out_of_memory_in_iteration_2_is_one_line():
     assert _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=first - 1)) == []
 
 
+def test_runs_out_of_memory_once_the_cuda_graphs_are_captured_names_that_iteration():
+    from dataclasses import replace
+
+    from megatron_bridge_ext.estimate.report import BUFFERS
+
+    est = _estimate(activations=3000)
+    est.settings = replace(est.settings, reports=replace(est.settings.reports, cuda_graph_first_iteration=4))
+    est.graph_buffers = Component(BUFFERS, "CUDA-graph static inputs, outputs and gradients", 500, "g")
+    steady = 4000 + MASTERS + MOMENTS + 3000 + 100
+    [line] = _out_of_memory_later(types.SimpleNamespace(baseline=est, usable_now=steady))
+    assert line.strip().endswith(f"runs out of memory in iteration 4 once its CUDA graphs are captured "
+                                 f"({gib(steady + 500)} of {gib(steady)} usable)")
+
+
 def test_fits_iteration_1_and_runs_out_of_memory_loading_the_checkpoint_before_it_is_one_line():
     """A resumed run whose load holds the states twice (FusedAdam's own loader) beyond iteration 1's peak."""
     reloaded = Component(TRANSIENT, phases.RELOADED_STATES, 2 * (MASTERS + MOMENTS), "r")

@@ -91,7 +91,7 @@ def test_every_field_that_turns_cuda_graphs_on_is_named(fields, setting):
         assert lines == []
     else:
         assert lines == [unmodelled.cuda_graph_line(model)]
-        assert lines[0].startswith(f"CUDA graph memory pools ({setting}) are not modelled")
+        assert lines[0].startswith(f"CUDA graph memory pools ({setting}) are partly modelled")
 
 
 def test_cuda_graphs_without_te_rng_tracker_are_refused_as_bridge_refuses_them():
@@ -104,6 +104,6 @@ def test_cuda_graphs_without_te_rng_tracker_are_refused_as_bridge_refuses_them()
 def test_the_traced_copy_runs_without_cuda_graphs_and_says_so():
     model = _model(enable_cuda_graph=True, use_te_rng_tracker=True)
     [note] = unmodelled.drop_cuda_graphs(model)
-    assert "traced eagerly" in note and "memory pools are not modelled" in note
+    assert "traced eagerly" in note and "static buffers are the capture phase's" in note
     assert unmodelled.cuda_graph_setting(model) is None
     assert unmodelled.drop_cuda_graphs(model) == []

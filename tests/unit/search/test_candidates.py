@@ -1,0 +1,69 @@
+"""Fine-grained activation offloading as a dimension of the search's candidates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from megatron_bridge_ext.levers.activation_offload.cost import ATTENTION
+from megatron_bridge_ext.search import candidates as cands
+
+pytestmark = [pytest.mark.unit]
+
+
+def _candidate(offload=()):
+    return cands.Candidate(tp=2, pp=2, vpp=None, cp=1, ep=1, etp=1, dp=1, sp=True, micro_batch=2, recompute=(),
+                           distributed_optimizer=True, offload=offload)
+
+
+def _cfg():
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=4, hidden=64, ffn=256, heads=4, kv_heads=2, seq=256, micro_batch=1, vocab=128, tp=1,
+                         sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    return tiny_config(shape, None)
+
+
+@pytest.mark.parametrize("offload", [(), ATTENTION])
+def test_the_overrides_set_the_offload_that_apply_sets(offload):
+    from megatron_bridge_ext.estimate.configs import _with_overrides
+
+    cfg = _cfg()
+    cfg.model.fine_grained_activation_offloading, cfg.model.offload_modules = True, ["core_attn"]
+    c = _candidate(offload)
+    applied = cands.apply(cfg, c)
+    overridden = _with_overrides(copy.deepcopy(cfg), c.overrides(cfg.model.num_layers))
+    assert overridden.model.fine_grained_activation_offloading is applied.model.fine_grained_activation_offloading \
+        is bool(offload)
+    if offload:
+        assert list(overridden.model.offload_modules) == list(applied.model.offload_modules) == list(offload)
+    assert cands.given(applied, 1).offload == offload
+
+
+def test_offloading_is_tried_where_bridge_allows_it():
+    cfg = _cfg()
+    assert cands.offload_sets(cfg.model) == [()]  # the tiny config is the local spec
+    cfg.model.transformer_impl = "transformer_engine"
+    assert cands.offload_sets(cfg.model) == [(), ATTENTION]
+    cfg.model.cpu_offloading = True
+    assert cands.offload_sets(cfg.model) == [()]
+
+
+def test_each_layout_is_tried_with_and_without_the_offload():
+    shape = {"heads": 4, "query_groups": 2, "layers": 4, "seq": 256, "experts": None, "bias": False}
+    _, plain = cands.enumerate_all(shape, world=4, global_batch=8, modules=["core_attn"])
+    _, both = cands.enumerate_all(shape, world=4, global_batch=8, modules=["core_attn"], offloads=((), ATTENTION))
+    assert len(both) == 2 * len(plain)
+    assert {c.offload for c in both} == {(), ATTENTION}
+
+
+def test_offloading_holds_no_more_memory_than_not():
+    assert _candidate(ATTENTION).below(_candidate())
+    assert not _candidate().below(_candidate(ATTENTION))
+
+
+def test_the_front_names_the_offload_a_candidate_turns_on():
+    from megatron_bridge_ext.search.report import changes
+
+    assert changes(_candidate(), _candidate(ATTENTION)) == "offload none->qkv_linear+core_attn+attn_proj"
