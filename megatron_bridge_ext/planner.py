@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_bridge_ext.config import MemoryConfig
-from megatron_bridge_ext.estimate import unmodelled
+from megatron_bridge_ext.estimate import trace_cache, unmodelled
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
 from megatron_bridge_ext.estimate.memory import NotModelled
 from megatron_bridge_ext.estimate.report import MemoryEstimate
@@ -214,7 +214,9 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
          expandable_segments: Optional[bool] = None, estimate_options: Optional[dict] = None,
          with_bridge: bool = True, peft_overrides: Optional[list[str]] = None,
          gpu: Optional[steptime.Gpu] = None) -> Plan:
-    """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits.
+    """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits and
+    answer with their fastest fitting combination (:mod:`.search.reachable`). The estimates share traces
+    (:mod:`.estimate.trace_cache`): a trace depends on no more than its key.
 
     ``expandable_segments``: whether the run already has them (default: from ``cfg.env_vars``).
     ``estimate_options`` are passed to :func:`megatron_bridge_ext.estimate.estimate`.
@@ -224,6 +226,15 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     ``gpu``: the device that prices each option's step time (default: the
     :data:`~megatron_bridge_ext.levers.steptime.DEFAULT_GPU` preset).
     """
+    with trace_cache.reuse():
+        return _plan(cfg, gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
+                     expandable_segments=expandable_segments, estimate_options=estimate_options,
+                     with_bridge=with_bridge, peft_overrides=peft_overrides, gpu=gpu)
+
+
+def _plan(cfg, *, gpu_memory: int, margin: float, expandable_margin: float, expandable_segments: Optional[bool],
+          estimate_options: Optional[dict], with_bridge: bool, peft_overrides: Optional[list[str]],
+          gpu: Optional[steptime.Gpu]) -> Plan:
     gpu = gpu or steptime.gpu()
     if gpu_memory <= 0:
         raise Refused("plan", [Finding("bad_input", ERROR, "gpu_memory", f"is {gpu_memory}",

@@ -21,8 +21,15 @@ module (:func:`_recompute_levers`)."""
 def lever_count(given: Candidate, c: Candidate) -> int:
     """How many levers ``c`` moves away from ``given``: one per changed field, one per recompute module added or
     dropped (switching to or from full recompute is one)."""
-    return sum(getattr(given, f) != getattr(c, f) for f in LEVER_FIELDS) + _recompute_levers(given.recompute,
-                                                                                             c.recompute)
+    moved = [f for f in LEVER_FIELDS if getattr(given, f) != getattr(c, f)]
+    if "etp" in moved and _etp_follows_tp(given) and _etp_follows_tp(c):
+        moved.remove("etp")
+    return len(moved) + _recompute_levers(given.recompute, c.recompute)
+
+
+def _etp_follows_tp(c: Candidate) -> bool:
+    """The expert TP equals TP: on a dense model (and where an MoE model sets it so) it moves with TP, no lever."""
+    return c.etp == c.tp
 
 
 def _recompute_levers(a, b) -> int:
@@ -55,6 +62,10 @@ def reverts(given: Candidate, c: Candidate) -> list[Candidate]:
         if getattr(given, f) == getattr(c, f):
             continue
         back = replace(c, **{f: getattr(given, f)})
+        if f == "etp" and _etp_follows_tp(given) and _etp_follows_tp(c):
+            continue
+        if f == "tp" and _etp_follows_tp(given) and _etp_follows_tp(c):
+            back = replace(back, etp=given.etp)
         if f in ("tp", "pp", "cp"):
             grid = back.tp * back.pp * back.cp
             if world % grid:

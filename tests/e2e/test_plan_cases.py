@@ -1,0 +1,83 @@
+"""The plain ``mbx plan`` answers with the fastest fitting combination of the levers, on cases whose former answer
+was slower: each answer's predicted step-time change is at most the figure quoted for the faster answer (the one
+found by hand), no lever of it saves nothing at its peak, and the decision order does not refuse an option for a
+setting its own walk left as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NANO = "megatron.bridge.recipes.nemotronh.h100.nemotron_3_nano:nemotron_3_nano_pretrain_8gpu_h100_bf16_config"
+NANO_ARGS = ["--recipe", NANO, "--seq", "8192", "--dp", "16", "model.moe_token_dispatcher_type=alltoall",
+             "model.vocab_size=131072"]
+QWEN3_8B = ["--hf-config", "tests/data/qwen3-8b/config.json"]
+
+CASES = {
+    # PP 2 -> 4 alone fits at +8.3% (the walk carried mlp recompute over to it)
+    "llama70b-pp": (["--hf-config", "tests/data/llama-3-70b/config.json", "--tp", "4", "--pp", "2", "--dp", "4",
+                     "--seq", "4096", "--global-batch", "32", "--gpu-memory", "80GiB"], 8.3),
+    # SP on with mlp recompute fits at +18.8% (the walk, SP off, went on to offloading)
+    "qwen3-8b-sp": (QWEN3_8B + ["--tp", "2", "--seq", "8192", "--peft", "lora", "--dp", "4", "--gpu-memory",
+                                "40GiB", "--no-sp"], 18.8),
+    # full recompute, where the walk answered offloading at +1344%
+    "qwen3-8b-dora-full": (["--recipe", "megatron.bridge.recipes.qwen.qwen3:qwen3_8b_peft_config"] + QWEN3_8B
+                           + ["--gpu-memory", "24GiB", "--peft", "dora"], 1344.0),
+    # micro-batch 1 with mlp recompute fits at +23.8% (the walk answered TP 2 -> 4)
+    "qwen3-8b-micro-batch": (QWEN3_8B + ["--seq", "2048", "--peft", "lora", "--gpu-memory", "12GiB", "--tp", "2",
+                                         "--dp", "2", "--micro-batch", "4"], 23.8),
+    # moe recompute alone fits (the walk answered layernorm + moe_act + moe at +27.3%)
+    "nano-moe": (NANO_ARGS + ["--gpu-memory", "80GB", "model.recompute_granularity=null"], 27.3),
+}
+"""Each case's arguments and the predicted step-time change (percent) its answer must not exceed."""
+
+
+def plan_json(args: list[str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge_ext.cli", "plan", "--json", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def idle_modules(result: dict) -> set[str]:
+    """The recompute modules the decision order measured saving nothing here."""
+    return {o["label"].removeprefix("recompute ") for o in result["options"]
+            if o["reason"] == "saves nothing here (measured)"}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_answer_is_at_least_as_fast_as_the_quoted_one_and_carries_no_idle_lever(name):
+    args, quoted = CASES[name]
+    result = plan_json(args)
+    answer = result["answer"]
+    assert answer is not None and result["fits_as_is"] is False
+    assert answer["step_time_pct"] <= quoted, answer
+    assert answer["peak_bytes"] <= result["usable_now"] or answer["memory_config"].get("expandable_segments")
+    assert answer["saves"] and all(saved > 0 for saved in answer["saves"].values()), answer["saves"]
+    modules = answer["memory_config"].get("recompute_modules") or []
+    assert not set(modules) & idle_modules(result), (modules, idle_modules(result))
+
+
+def test_moe_answer_recomputes_moe_alone():
+    """``moe`` recompute covers ``moe_act`` (the whole MoE layer), and ``layernorm`` adds nothing at this peak."""
+    answer = plan_json(CASES["nano-moe"][0])["answer"]
+    assert answer["memory_config"]["recompute_modules"] == ["moe"], answer
+
+
+def test_the_decision_order_does_not_block_itself_on_moe():
+    """TP x 2 turns SP on (Core's MoE layer refuses TP > 1 without it); offloading turns the recipe's recompute off
+    (the two exclude each other): neither is refused for a setting the walk itself left."""
+    result = plan_json(NANO_ARGS + ["--gpu-memory", "40GB"])
+    reasons = {o["label"]: o["reason"] for o in result["options"]}
+    tp = next(label for label in reasons if label.startswith("TP "))
+    offload = next(label for label in reasons if label.startswith("offload "))
+    assert "SP on" in tp and "sequence_parallel" not in reasons[tp], reasons[tp]
+    assert "recompute turned off" in offload and "recompute" not in reasons[offload], reasons[offload]
