@@ -23,8 +23,10 @@ step, the predicted step-time change of a calibrated model (:mod:`.levers.stepti
 as is, the published throughput figure where one exists) and its constraints, which come from
 ``MemoryConfig.validate`` (the checks a user gets when applying the flags) and, for a resize, Megatron
 Core's layout rules. An option the estimate cannot predict is recorded with its cost and the estimate's
-reason, without a peak. The first option that fits is the answer (among options of one step with equal
-predicted peaks, the fastest: :func:`order_equal_memory`), as a :class:`MemoryConfig` and as override
+reason, without a peak. Those options are the decision-order table (among options of one step with equal predicted
+peaks, the fastest first: :func:`order_equal_memory`). The answer is the fastest fitting combination of the levers
+reachable from the layout as given (:mod:`.search.reachable`, by the search's rule: no lever that does not lower its
+peak), or CPU offloading where it fits faster (:func:`fastest_answer`), as a :class:`MemoryConfig` and as override
 strings that Bridge's own override
 parser turns into the same config (the PEFT change only where overrides built the PEFT; otherwise a
 note says why not and gives the ``MemoryConfig(...).apply(cfg)`` line).

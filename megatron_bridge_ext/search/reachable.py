@@ -87,7 +87,24 @@ def answer(planner: Planner, cfg, baseline, *, usable: int, usable_expandable: i
             return None
         allowed = set(legal)
         best, saves = rule.drop_idle(best, given, lambda c: found.estimator(c) if c in allowed else None)
-    return _option(planner, cfg, given, best, found, shard_local and best.candidate.sp, saves, expandable_on)
+        c_cfg, est = found.estimator.estimates[best.candidate]
+        if shard_local and best.candidate.sp:
+            c_cfg, est, shard_local = _shard_local_kept(planner, cfg, best, (c_cfg, est), saves, options)
+    return _option(planner, cfg, given, best, (c_cfg, est), shard_local and best.candidate.sp, saves, expandable_on,
+                   (usable, usable_expandable))
+
+
+def _shard_local_kept(planner: Planner, cfg, best, with_it: tuple, saves: dict, options: dict) -> tuple:
+    """The answer without ``shard_local`` when that leaves its peak where it is (the lever saves nothing here), else
+    as it is with the saving recorded: the config, its estimate, and whether ``shard_local`` stays."""
+    c = best.candidate
+    without = cands.apply(cfg, c)
+    est = planner.estimate(without, **options, data_parallel_size=c.dp,
+                           num_microbatches=cfg.train.global_batch_size // (c.micro_batch * c.dp))
+    if est.peak_bytes <= best.peak_bytes:
+        return without, est, False
+    saves[f"{PEFT_FIELD} shard_local"] = est.peak_bytes - best.peak_bytes
+    return *with_it, True
 
 
 def _shard_local_wanted(cfg) -> bool:
@@ -103,8 +120,8 @@ def _apply(cfg, c: cands.Candidate, shard_local: bool):
     return out
 
 
-def _option(planner: Planner, cfg, given: cands.Candidate, best, found, shard_local: bool, saves: dict,
-            expandable_on: bool) -> Option:
+def _option(planner: Planner, cfg, given: cands.Candidate, best, estimated: tuple, shard_local: bool, saves: dict,
+            expandable_on: bool, usables: tuple[int, int]) -> Option:
     """``best`` as an option: MemoryConfig flags for the allocator (where the peak needs it), the LoRA-A input and
     selective recompute; overrides for the rest (the layout, SP, micro-batch, full or no recompute)."""
     c = best.candidate
@@ -118,10 +135,10 @@ def _option(planner: Planner, cfg, given: cands.Candidate, best, found, shard_lo
         flags["recompute_modules"] = list(c.recompute)
     mine = set(given.overrides(layers))
     overrides = [o for o in layout.overrides(layers) if o not in mine]
-    c_cfg, est = found.estimator.estimates[c]
+    c_cfg, est = estimated
     option = Option(0, LEVER, report.changes(given, c) + (f", {PEFT_FIELD} shard_local" if shard_local else ""),
                     True)
     planner.fill(option, State(c_cfg, est, flags, overrides), flags_on=cands.apply(cfg, layout))
-    option.usable_bytes = found.usable_expandable if flags["expandable_segments"] else found.usable
+    option.usable_bytes = usables[1] if flags["expandable_segments"] else usables[0]
     option.saves = saves
     return option

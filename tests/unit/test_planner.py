@@ -51,6 +51,11 @@ def _plan(cfg, gpu):
     return planner.plan(cfg, gpu_memory=gpu, expandable_segments=False)
 
 
+def _walked(result):
+    """The first option of the decision order that fits (the table's; the answer may combine levers faster)."""
+    return next((o for o in result.options if o.fits), None)
+
+
 def test_fits_as_is():
     cfg = _cfg()
     result = _plan(cfg, 10 * _peak(_cfg()))
@@ -94,7 +99,9 @@ def test_fragmentation_only_is_fixed_by_expandable_segments():
     result = _plan(_cfg(), gpu)
     assert not result.fits_as_is
     assert [o.step for o in result.options] == [1]
-    assert result.chosen.lever == "allocator" and result.chosen.peak_bytes == peak
+    assert _walked(result).lever == "allocator"
+    # the answer: the config as given with expandable segments, nothing else
+    assert result.chosen.label == "as given" and result.chosen.peak_bytes == peak and result.chosen.saves == {}
     assert result.memory_config() == MemoryConfig(expandable_segments=True)
     assert result.overrides() == []
 
@@ -104,7 +111,7 @@ def test_needs_the_lora_input_under_sequence_parallelism():
     assert shard_local < peak
     result = _plan(_cfg(), _device_for((peak + shard_local) / 2, planner.EXPANDABLE_MARGIN))
     assert [o.step for o in result.options] == [1, 2]
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 2 and chosen.peak_bytes == shard_local
     assert chosen.flags == {"expandable_segments": True, "sequence_parallel_input_strategy": "shard_local"}
     # cfg.peft was set in Python: no override reaches it, and the answer says how to set it instead
@@ -127,7 +134,7 @@ def test_needs_selective_recompute():
     both = _peak(_cfg(), **with_shard_local, recompute_modules=["layernorm", "mlp"])
     assert both < min(alone["layernorm"], alone["mlp"])
     result = _plan(_cfg(), _device_for((both + min(alone["layernorm"], alone["mlp"])) / 2, planner.EXPANDABLE_MARGIN))
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 3 and chosen.flags["recompute_modules"] == ["layernorm", "mlp"]
     assert chosen.peak_bytes == both
     assert [o.step for o in result.options if o.applicable][:2] == [1, 2]
@@ -148,7 +155,7 @@ def test_needs_tp_times_two_when_pp_does_not_help():
     assert tp.peak_bytes < min(pp.peak_bytes, best_before)
     result = _plan(_cfg(dp=2), _device_for((tp.peak_bytes + min(pp.peak_bytes, best_before)) / 2,
                                            planner.EXPANDABLE_MARGIN))
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 4 and chosen.label.startswith("TP 2 -> 4")
     assert "model.tensor_model_parallel_size=4" in chosen.overrides
     assert "TP 4->8: -28.4%" in chosen.cost.published
@@ -214,7 +221,7 @@ def test_expert_parallelism_halves_the_expert_weights_first_in_step_4():
     assert ep.config.model.expert_model_parallel_size == 2 and ep.config.data_parallel_size == 2  # the dense DP kept
 
     result = _plan(_moe_cfg(), _device_for((ep.peak_bytes + before.peak_bytes) / 2, planner.EXPANDABLE_MARGIN))
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 4 and chosen.label == ep.label
     assert "model.expert_model_parallel_size=2" in chosen.overrides
     assert chosen.cost.collective_bytes == ep.cost.collective_bytes and "EP over TP" in chosen.cost.published
@@ -397,7 +404,7 @@ def _option(step: int, label: str, peak: int, pct: float, *, applicable: bool = 
                   cost=Cost(step_time_pct=pct if applicable else None))
 
 
-def test_equal_memory_options_of_a_step_are_put_fastest_first_and_the_faster_is_the_answer():
+def test_equal_memory_options_of_a_step_are_put_fastest_first():
     gib = 2**30
     options = [_option(3, "recompute a", 10 * gib, 5.0),
                _option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", int(8 * gib * (1 + planner.EQUAL_PEAK_SHARE)), 30.0),
@@ -405,10 +412,17 @@ def test_equal_memory_options_of_a_step_are_put_fastest_first_and_the_faster_is_
                _option(5, "offload", 8 * gib, 1.0)]  # equal peak, but a later step: the decision order stays
     ordered = planner.order_equal_memory(options)
     assert [o.label for o in ordered] == ["recompute a", "EP x 2", "PP x 2", "TP x 2", "offload"]
-    plan = planner.Plan(2**40, planner.MARGIN, planner.EXPANDABLE_MARGIN, True, None, None, ordered)
-    assert plan.chosen.label == "recompute a"  # the first step that fits wins, whatever its time
-    assert planner.Plan(2**40, planner.MARGIN, planner.EXPANDABLE_MARGIN, True, None, None,
-                        ordered[1:]).chosen.label == "EP x 2"
+
+
+def test_the_answer_is_the_combination_unless_offloading_fits_faster():
+    gib = 2**30
+    combined = _option(0, "PP 2->4, DP 4->2", 9 * gib, 8.0)
+    walked = [_option(3, "recompute a", 10 * gib, 5.0), _option(5, "offload", 8 * gib, 300.0)]
+    assert planner.fastest_answer(combined, walked) is combined  # an earlier step that fits is no answer of itself
+    quick_offload = _option(5, "offload", 8 * gib, 2.0)
+    assert planner.fastest_answer(combined, walked[:1] + [quick_offload]) is quick_offload
+    assert planner.fastest_answer(None, walked[1:]) is walked[1]  # no combination fits: offloading, which does
+    assert planner.fastest_answer(None, [_option(4, "PP x 2", 8 * gib, 1.0, applicable=False)]) is None
 
 
 def test_options_of_different_memory_or_not_applicable_keep_the_decision_order():
