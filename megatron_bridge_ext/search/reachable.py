@@ -11,6 +11,7 @@ first, the first that fits is the answer, and then a lever whose removal leaves 
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
@@ -81,7 +82,7 @@ def answer(planner: Planner, cfg, baseline, *, usable: int, usable_expandable: i
         found = walk.search(cfg, baseline, world=given.tp * given.pp * given.cp * given.dp, usable=usable,
                             usable_expandable=usable_expandable, expandable_on=expandable_on, gpu=planner.gpu,
                             estimate_options=options, budget_s=0, legal=legal, keep_estimates=True,
-                            apply=lambda c_cfg, c: _apply(c_cfg, c, shard_local))
+                            apply=lambda c_cfg, c: _apply(c_cfg, given, c, shard_local))
         best = found.answer
         if best is None:
             return None
@@ -89,16 +90,17 @@ def answer(planner: Planner, cfg, baseline, *, usable: int, usable_expandable: i
         best, saves = rule.drop_idle(best, given, lambda c: found.estimator(c) if c in allowed else None)
         c_cfg, est = found.estimator.estimates[best.candidate]
         if shard_local and best.candidate.sp:
-            c_cfg, est, shard_local = _shard_local_kept(planner, cfg, best, (c_cfg, est), saves, options)
+            c_cfg, est, shard_local = _shard_local_kept(planner, cfg, given, best, (c_cfg, est), saves, options)
     return _option(planner, cfg, given, best, (c_cfg, est), shard_local and best.candidate.sp, saves, expandable_on,
                    (usable, usable_expandable))
 
 
-def _shard_local_kept(planner: Planner, cfg, best, with_it: tuple, saves: dict, options: dict) -> tuple:
+def _shard_local_kept(planner: Planner, cfg, given: cands.Candidate, best, with_it: tuple, saves: dict,
+                      options: dict) -> tuple:
     """The answer without ``shard_local`` when that leaves its peak where it is (the lever saves nothing here), else
     as it is with the saving recorded: the config, its estimate, and whether ``shard_local`` stays."""
     c = best.candidate
-    without = cands.apply(cfg, c)
+    without = _apply(cfg, given, c, False)
     est = planner.estimate(without, **options, data_parallel_size=c.dp,
                            num_microbatches=cfg.train.global_batch_size // (c.micro_batch * c.dp))
     if est.peak_bytes <= best.peak_bytes:
@@ -113,8 +115,45 @@ def _shard_local_wanted(cfg) -> bool:
     return cfg.peft is not None and is_lora_family(cfg.peft) and strategy_in_effect(cfg.peft) == "off"
 
 
-def _apply(cfg, c: cands.Candidate, shard_local: bool):
-    out = cands.apply(cfg, c)
+FIELDS = {
+    "tp": ("model.tensor_model_parallel_size",),
+    "pp": ("model.pipeline_model_parallel_size", "model.num_layers_in_first_pipeline_stage",
+           "model.num_layers_in_last_pipeline_stage", "model.microbatch_group_size_per_vp_stage"),
+    "vpp": ("model.virtual_pipeline_model_parallel_size", "model.microbatch_group_size_per_vp_stage"),
+    "cp": ("model.context_parallel_size",), "sp": ("model.sequence_parallel",),
+    "micro_batch": ("train.micro_batch_size",),
+    "ep": ("model.expert_model_parallel_size",), "etp": ("model.expert_tensor_parallel_size",),
+    "recompute": ("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers",
+                  "model.recompute_modules"),
+    "distributed_optimizer": ("optimizer.use_distributed_optimizer", "ddp.use_distributed_optimizer")}
+"""The config fields each candidate field sets (:func:`.candidates.apply`): only a lever that moves touches its own."""
+
+
+def _selective(given: cands.Candidate, c: cands.Candidate) -> bool:
+    """Whether ``c``'s recompute is a change of selective modules (made by ``MemoryConfig``, as the walk makes it)."""
+    return c.recompute not in ((), cands.FULL) and given.recompute != cands.FULL and c.recompute != given.recompute
+
+
+def _moved(cfg, given: cands.Candidate, c: cands.Candidate) -> tuple:
+    """A copy of ``cfg`` with the fields of the levers ``c`` moves set as :func:`.candidates.apply` sets them, the
+    rest untouched; and those fields' paths."""
+    full = cands.apply(cfg, c)
+    out = copy.deepcopy(cfg)
+    paths = [p for f, ps in FIELDS.items() if getattr(given, f) != getattr(c, f) for p in ps]
+    for path in paths:
+        *parents, name = path.split(".")
+        setattr(_get(out, parents), name, _get(full, path.split(".")))
+    out.data_parallel_size = c.dp
+    return out, list(dict.fromkeys(paths))
+
+
+def _apply(cfg, given: cands.Candidate, c: cands.Candidate, shard_local: bool):
+    """``cfg`` set to candidate ``c``: its layout fields, then selective recompute and the LoRA-A input by
+    ``MemoryConfig`` (what the answer's flags do)."""
+    selective = _selective(given, c)
+    out, _ = _moved(cfg, given, replace(c, recompute=given.recompute) if selective else c)
+    if selective:
+        MemoryConfig(recompute_modules=list(c.recompute), expandable_segments=False).apply(out)
     if shard_local and c.sp:
         MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(out)
     return out
@@ -125,20 +164,36 @@ def _option(planner: Planner, cfg, given: cands.Candidate, best, estimated: tupl
     """``best`` as an option: MemoryConfig flags for the allocator (where the peak needs it), the LoRA-A input and
     selective recompute; overrides for the rest (the layout, SP, micro-batch, full or no recompute)."""
     c = best.candidate
-    layers = cfg.model.num_layers
-    selective = c.recompute not in ((), cands.FULL) and given.recompute != cands.FULL
-    layout = replace(c, recompute=given.recompute) if selective else c
+    selective = _selective(given, c)
+    layout_cfg, paths = _moved(cfg, given, replace(c, recompute=given.recompute) if selective else c)
     flags = {"expandable_segments": bool(best.expandable or expandable_on)}
     if shard_local:
         flags[PEFT_FIELD] = "shard_local"
-    if selective and c.recompute != given.recompute:
+    if selective:
         flags["recompute_modules"] = list(c.recompute)
-    mine = set(given.overrides(layers))
-    overrides = [o for o in layout.overrides(layers) if o not in mine]
+    overrides = [f"{p}={_text(_get(layout_cfg, p.split('.')))}" for p in paths
+                 if _get(cfg, p.split(".")) != _get(layout_cfg, p.split("."))]
     c_cfg, est = estimated
     option = Option(0, LEVER, report.changes(given, c) + (f", {PEFT_FIELD} shard_local" if shard_local else ""),
                     True)
-    planner.fill(option, State(c_cfg, est, flags, overrides), flags_on=cands.apply(cfg, layout))
+    planner.fill(option, State(c_cfg, est, flags, overrides), flags_on=layout_cfg)
     option.usable_bytes = usables[1] if flags["expandable_segments"] else usables[0]
     option.saves = saves
     return option
+
+
+def _get(cfg, names: list[str]):
+    for name in names:
+        cfg = getattr(cfg, name, None)
+    return cfg
+
+
+def _text(value) -> str:
+    """A value as Bridge's override parser reads it: null, true/false, [a,b]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)

@@ -100,10 +100,15 @@ def test_fragmentation_only_is_fixed_by_expandable_segments():
     assert not result.fits_as_is
     assert [o.step for o in result.options] == [1]
     assert _walked(result).lever == "allocator"
-    # the answer: the config as given with expandable segments, nothing else
-    assert result.chosen.label == "as given" and result.chosen.peak_bytes == peak and result.chosen.saves == {}
-    assert result.memory_config() == MemoryConfig(expandable_segments=True)
-    assert result.overrides() == []
+    # the answer: the layout as given with expandable segments, and shard_local, the one lever here that is faster
+    # (less traffic) as well as leaner: it lowers the peak, so it stays
+    shard_local = _peak(_cfg(), sequence_parallel_input_strategy="shard_local")
+    answer = result.chosen
+    assert answer.label == "as given, sequence_parallel_input_strategy shard_local" and answer.peak_bytes == shard_local
+    assert answer.saves == {"sequence_parallel_input_strategy shard_local": peak - shard_local}
+    assert answer.cost.step_time_pct < 0
+    assert result.memory_config() == MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy="shard_local")
+    assert not any(o.startswith("model.") for o in result.overrides())
 
 
 def test_needs_the_lora_input_under_sequence_parallelism():
@@ -319,6 +324,29 @@ def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, over
         assert "MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy='shard_local').apply(cfg)" in lora.peft_note
     else:
         assert "++peft.sequence_parallel_input_strategy=shard_local" in printed_peft and lora.peft_note == ""
+
+
+@pytest.mark.parametrize("recipe, layout, overrides", [
+    (VANILLA, {"peft": "lora", "dp": 2}, TINY),
+    (WITH_LORA, {"dp": 2}, TINY),
+], ids=["peft-flag", "recipe-sets-peft"])
+def test_the_combined_answer_pasted_reproduces_the_planned_config(recipe, layout, overrides):
+    """The answer combining levers (a layout change among them, on a device that only the decision order's
+    leanest option fits) as printed, pasted as the user would, gives the config it estimated."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron_bridge_ext.estimate import configs
+
+    layout = configs.Layout(tp=2, seq=1024, **layout)
+    built, everything = _walk_every_lever(layout, overrides, recipe, None)
+    leanest = min(o.peak_bytes for o in everything.options if o.applicable)
+    built = configs.build(layout, overrides, recipe=recipe)
+    result = planner.plan(built.cfg, gpu_memory=_device_for(leanest, planner.EXPANDABLE_MARGIN) + 1,
+                          expandable_segments=False, with_bridge=False, peft_overrides=built.peft_overrides)
+    answer = result.chosen
+    assert answer.lever == "fastest combination" and answer.peak_bytes <= answer.usable_bytes
+    pasted = _pasted(layout, overrides, recipe, None, built, answer)
+    assert _peft(pasted) == _peft(answer.config)
+    assert _tree(pasted) == _tree(answer.config)
 
 
 def test_the_old_peft_overrides_change_nothing_on_a_recipe_that_sets_peft():
