@@ -51,6 +51,13 @@ def _plan(cfg, gpu):
     return planner.plan(cfg, gpu_memory=gpu, expandable_segments=False)
 
 
+@pytest.fixture
+def walk_only(monkeypatch):
+    """The decision order alone: the combined answer, which on a device nothing fits walks every combination of the
+    levers, is left out of plans that look at the table only."""
+    monkeypatch.setattr(planner.reachable, "answer", lambda *args, **kwargs: None)
+
+
 def _walked(result):
     """The first option of the decision order that fits (the table's; the answer may combine levers faster)."""
     return next((o for o in result.options if o.fits), None)
@@ -151,7 +158,7 @@ def test_needs_selective_recompute():
     assert "model.recompute_granularity=selective" in chosen.overrides
 
 
-def test_needs_tp_times_two_when_pp_does_not_help():
+def test_needs_tp_times_two_when_pp_does_not_help(walk_only):
     everything_fails = _plan(_cfg(dp=2), 1)
     by_label = {o.label.split(",")[0]: o for o in everything_fails.options if o.step == 4}
     pp, tp = by_label["PP 1 -> 2"], by_label["TP 2 -> 4"]
@@ -207,7 +214,7 @@ def _moe_cfg():
     return cfg
 
 
-def test_expert_parallelism_halves_the_expert_weights_first_in_step_4():
+def test_expert_parallelism_halves_the_expert_weights_first_in_step_4(walk_only):
     cfg = _moe_cfg()
     everything_fails = _plan(cfg, 1)
     step4 = [o for o in everything_fails.options if o.step == 4]
@@ -230,6 +237,28 @@ def test_expert_parallelism_halves_the_expert_weights_first_in_step_4():
     assert chosen.step == 4 and chosen.label == ep.label
     assert "model.expert_model_parallel_size=2" in chosen.overrides
     assert chosen.cost.collective_bytes == ep.cost.collective_bytes and "EP over TP" in chosen.cost.published
+
+
+def test_the_decision_order_does_not_block_itself_on_moe(walk_only):
+    """At TP 1 with EP 2 and the config's own recompute: TP x 2 turns SP on (Core's MoE layer refuses TP > 1
+    without it) and offloading turns the recompute off (the two exclude each other), so neither is refused for a
+    setting the walk left as it was."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=MOE_LAYERS, hidden=HIDDEN, ffn=256, heads=8, kv_heads=4, seq=1024, micro_batch=2,
+                         vocab=128, tp=1, dtype="bfloat16", swiglu=True, experts=EXPERTS, topk=2, moe_ffn=MOE_FFN,
+                         dispatcher="alltoall", ep=2, etp=1)
+    cfg = tiny_config(shape, None)
+    cfg.model.recompute_granularity, cfg.model.recompute_modules = "selective", ["core_attn"]
+    cfg.data_parallel_size, cfg.train.global_batch_size = 4, shape.micro_batch * 4
+    result = _plan(cfg, 1)
+    [tp] = [o for o in result.options if o.label.startswith("TP 1 -> 2")]
+    assert tp.applicable and tp.label.endswith("SP on") and tp.config.model.sequence_parallel is True
+    assert "model.sequence_parallel=true" in tp.overrides
+    [offload] = [o for o in result.options if o.step == 5]
+    assert offload.applicable and offload.label.endswith("(recompute turned off)")
+    assert offload.config.model.recompute_granularity is None
+    assert "model.recompute_granularity=null" in offload.overrides
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,7 +335,7 @@ def _peft(cfg):
     (WITH_LORA, {}, TINY, None),
     (QWEN3_RECIPE, {}, ["model.num_layers=2"], QWEN3_8B),  # Bridge's own recipe, offline from config.json
 ], ids=["peft-flag", "peft-by-overrides", "peft-flag-with-overrides", "recipe-sets-peft", "qwen3-recipe-sets-peft"])
-def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides, hf_config):
+def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides, hf_config, walk_only):
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
     layout = _layout(**layout)
     built, result = _walk_every_lever(layout, overrides, recipe, hf_config)
@@ -363,7 +392,7 @@ def test_the_old_peft_overrides_change_nothing_on_a_recipe_that_sets_peft():
     assert process_config_with_overrides(cfg, cli_overrides=OUR_LORA).peft is before
 
 
-def test_peft_flag_and_peft_overrides_build_one_peft():
+def test_peft_flag_and_peft_overrides_build_one_peft(walk_only):
     """--peft lora plus the overrides that switch on our strategy: the plan traces the strategy."""
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
     from megatron_bridge_ext.estimate import configs
@@ -404,7 +433,7 @@ def test_sequence_parallelism_a_config_sets_at_tp_1_is_turned_off_as_bridge_turn
     assert any(note.startswith("SP off: the config sets sequence_parallel at TP 1") for note in built.notes)
 
 
-def test_each_option_is_priced_in_step_time_against_the_config_as_is():
+def test_each_option_is_priced_in_step_time_against_the_config_as_is(walk_only):
     """Expandable segments change no time; adding mlp to layernorm recompute adds its forward GEMMs at the H100's
     dense bf16 peak (the default device) times the calibration's efficiency of their size: SwiGLU fc1 h -> 2 ffn/t
     and fc2 ffn/t -> h, 2 FLOPs per multiply-add, on the 4 layers of the one microbatch (global batch = micro-batch
