@@ -9,7 +9,8 @@ recompute, SP and the distributed optimizer on hold no more memory on any term):
   larger micro-batch of it does.
 
 The first estimated candidate that fits is the fastest that fits (every later one is predicted slower); the walk goes
-on, within ``budget_s``, to fill the front. Estimates share traces (:mod:`..estimate.trace_cache`).
+on, within ``budget_s``, to fill the front (the plain plan, :mod:`.reachable`, stops there: ``budget_s=0``). The answer
+is :func:`.rule.fastest` of what was estimated. Estimates share traces (:mod:`..estimate.trace_cache`).
 """
 
 from __future__ import annotations
