@@ -4,9 +4,9 @@ The levers, on the same GPUs: TP x 2 and PP x 2 (DP shrinks to keep the GPUs), E
 mixture-of-experts model, sequence parallelism on (with TP > 1), a smaller micro-batch (the global batch kept), every
 set of the selective recompute modules that can save memory here and full recompute, and, where a LoRA-family PEFT
 runs under sequence parallelism, ``sequence_parallel_input_strategy="shard_local"`` (less traffic; kept only where
-it lowers the answer's peak). They are walked by the rule of ``mbx plan --search`` (:mod:`.walk`, :mod:`.rule`): fastest predicted
-first, the first that fits is the answer, and then a lever whose removal leaves the peak where it is goes
-(:func:`.rule.drop_idle`).
+it lowers the answer's peak). They are walked by the rule of ``mbx plan --search`` (:mod:`.walk`, :mod:`.rule`):
+fastest predicted first, the first that fits is the answer, and then a lever whose removal leaves the peak where it is
+goes (:func:`.rule.drop_idle`).
 """
 
 from __future__ import annotations
