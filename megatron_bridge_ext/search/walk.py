@@ -107,9 +107,9 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
         run = Estimator(cfg, out, gpu=gpu, moe=moe, expandable_on=expandable_on, estimate_options=estimate_options,
                         apply=apply, keep=keep_estimates)
         out.estimator = run
-        _walk(run, out, order, predicted, budget_s)
-        out.counts.update(estimated=len(run.done), not_estimable=len(out.refused), traces=trace_cache.misses,
-                          trace_reuses=trace_cache.hits)
+        pruned, dominated = _walk(run, out, order, predicted, budget_s)
+        out.counts.update(estimated=len(run.done), not_estimable=len(out.refused), pruned_not_fitting=pruned,
+                          pruned_dominated=dominated, traces=trace_cache.misses, trace_reuses=trace_cache.hits)
     t3 = time.perf_counter()
     out.seconds = {"enumerate": t1 - t0, "step_times": t2 - t1, "estimates": t3 - t2}
     return out
@@ -168,9 +168,9 @@ class Estimator:
         return e
 
 
-def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: float) -> None:
+def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: float) -> tuple[int, int]:
     """Estimate ``order`` (fastest predicted first) but what the memory order prunes; stop ``budget_s`` after the
-    first candidate that fits."""
+    first candidate that fits. Returns how many candidates were pruned as not fitting and as dominated."""
     floors: set = set()
     pruned = dominated = 0
     if out.given in predicted:
@@ -195,7 +195,7 @@ def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: f
         e = run(c)
         if e is not None and e.fits and answer_at is None:
             answer_at = time.perf_counter()
-    out.counts.update(pruned_not_fitting=pruned, pruned_dominated=dominated)
+    return pruned, dominated
 
 
 def _floor(c: cands.Candidate) -> Optional[cands.Candidate]:
