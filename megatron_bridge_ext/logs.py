@@ -41,6 +41,10 @@ KNOWN_HARMLESS_LOGGED = {
     # transformers' PretrainedConfig.torch_dtype property, getter and setter (configuration_utils.py L415, L425),
     # read by Bridge's HF model bridges on a recipe's config: the renaming is Bridge's to do, nothing for the run
     "transformers.configuration_utils": (r".*`torch_dtype` is deprecated! Use `dtype` instead!.*",),
+    # Core's hybrid layer allocation on a pattern without '|' at PP > 1 (hybrid_layer_allocation.py L393-400): the
+    # split it then makes is the one estimated; the plan meets it on every PP x 2 of a hybrid recipe it prices
+    "megatron.core.models.hybrid.hybrid_layer_allocation": (
+        r".*DEPRECATION: Using hybrid_layer_pattern without pipe \('\|'\) separators.*",),
 }
 """Known harmless upstream lines that come through a logger, not ``warnings.warn``, by the logger that logs them
 (a filter on that logger drops them; ``--verbose`` shows them)."""

@@ -23,8 +23,10 @@ step, the predicted step-time change of a calibrated model (:mod:`.levers.stepti
 as is, the published throughput figure where one exists) and its constraints, which come from
 ``MemoryConfig.validate`` (the checks a user gets when applying the flags) and, for a resize, Megatron
 Core's layout rules. An option the estimate cannot predict is recorded with its cost and the estimate's
-reason, without a peak. The first option that fits is the answer (among options of one step with equal
-predicted peaks, the fastest: :func:`order_equal_memory`), as a :class:`MemoryConfig` and as override
+reason, without a peak. Those options are the decision-order table (among options of one step with equal predicted
+peaks, the fastest first: :func:`order_equal_memory`). The answer is the fastest fitting combination of the levers
+reachable from the layout as given (:mod:`.search.reachable`, by the search's rule: no lever that does not lower its
+peak), or CPU offloading where it fits faster (:func:`fastest_answer`), as a :class:`MemoryConfig` and as override
 strings that Bridge's own override
 parser turns into the same config (the PEFT change only where overrides built the PEFT; otherwise a
 note says why not and gives the ``MemoryConfig(...).apply(cfg)`` line).
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_bridge_ext.config import MemoryConfig
-from megatron_bridge_ext.estimate import unmodelled
+from megatron_bridge_ext.estimate import trace_cache, unmodelled
 from megatron_bridge_ext.estimate.bridge import BridgeEstimate
 from megatron_bridge_ext.estimate.memory import NotModelled
 from megatron_bridge_ext.estimate.report import MemoryEstimate
@@ -50,6 +52,7 @@ from megatron_bridge_ext.levers import steptime
 from megatron_bridge_ext.levers.parallelism.cost import moe_shape
 from megatron_bridge_ext.levers.step import Option, State, breakdown
 from megatron_bridge_ext.overrides import PEFT_OBJECT_REASON
+from megatron_bridge_ext.search import reachable
 
 MARGIN = 0.10
 """Share of device memory kept free without expandable segments: a caching allocator that fragments
@@ -61,6 +64,8 @@ estimate leaves out."""
 EQUAL_PEAK_SHARE = 0.005
 """Predicted peaks within this share of each other are equal memory (0.2 GiB at 40 GiB: well under what the
 estimate leaves out, which the margin covers); between such options the plan puts the faster first."""
+OFFLOAD_STEP = 5
+"""CPU offloading's step in the decision order."""
 STEPS = (allocator_advice.options, lora_input_advice.options, recompute_advice.options, parallelism_advice.resize,
          parallelism_advice.offload)
 """The levers' advice in decision order (:data:`megatron_bridge_ext.evidence.LEVERS`), each on top of the ones before."""
@@ -96,6 +101,9 @@ class Plan:
     """The predicted step time of the config as is (None without our estimate)."""
     strategies: list[lora_input_advice.StrategyPeak] = field(default_factory=list)
     """Each LoRA-A input strategy on the config as is, re-estimated (empty where none can act)."""
+    answer: Optional[Option] = None
+    """The fastest option that fits (:func:`fastest_answer`): the levers' fastest fitting combination, or an option
+    of the decision order that fits faster (CPU offloading is no part of the combinations)."""
 
     @property
     def usable_now(self) -> int:
@@ -108,8 +116,8 @@ class Plan:
 
     @property
     def chosen(self) -> Optional[Option]:
-        """The answer: the first option that fits (``answer`` in the text and the JSON)."""
-        return next((o for o in self.options if o.fits), None)
+        """The answer (``answer`` in the text and the JSON)."""
+        return self.answer
 
     def memory_config(self) -> Optional[MemoryConfig]:
         chosen = self.chosen
@@ -130,9 +138,12 @@ class Plan:
                 "gpu": self.gpu.as_dict(), "step_time_s": self.step_time.as_dict() if self.step_time else None,
                 "lora_input_strategies": [p.as_dict() for p in self.strategies],
                 "options": [o.as_dict() for o in self.options], "notes": self.notes,
-                "answer": None if chosen is None else {"step": chosen.step, "label": chosen.label,
-                                                       "memory_config": chosen.flags, "overrides": chosen.overrides,
-                                                       "peft_note": chosen.peft_note}}
+                "answer": None if chosen is None else {"step": chosen.step, "lever": chosen.lever,
+                                                       "label": chosen.label, "memory_config": chosen.flags,
+                                                       "overrides": chosen.overrides, "peft_note": chosen.peft_note,
+                                                       "peak_bytes": chosen.peak_bytes,
+                                                       "step_time_pct": chosen.cost.step_time_pct,
+                                                       "saves": chosen.saves}}
 
 
 def _usable(gpu_memory: int, margin: float) -> int:
@@ -171,13 +182,21 @@ class Planner:
     def add(self, option: Option, state: State, *, peak: Optional[int] = None,
             parts: Optional[dict[str, int]] = None) -> Option:
         """Record ``option`` as reached from ``state`` (its flags, overrides and, when applicable, its estimate)."""
+        self.options.append(self.fill(option, state, peak=peak, parts=parts))
+        return option
+
+    def fill(self, option: Option, state: State, *, peak: Optional[int] = None, parts: Optional[dict[str, int]] = None,
+             flags_on=None) -> Option:
+        """Set ``option``'s flags, overrides and, when applicable, peak and step time from ``state``. The flags'
+        overrides are taken against ``flags_on`` (default: the config as is); ``state.overrides`` follow them."""
+        flags_on = self.cfg if flags_on is None else flags_on
         option.usable_bytes = self.usable()
         option.flags = dict(state.flags)
         option.config = state.cfg
         flags = MemoryConfig(**state.flags) if state.flags else None
-        option.overrides = (flags.overrides(self.cfg, peft_overrides=self.peft_overrides) if flags else []) \
+        option.overrides = (flags.overrides(flags_on, peft_overrides=self.peft_overrides) if flags else []) \
             + list(state.overrides)
-        if flags and flags.peft_needs_python(self.cfg, peft_overrides=self.peft_overrides):
+        if flags and flags.peft_needs_python(flags_on, peft_overrides=self.peft_overrides):
             option.peft_note = (f"peft: overrides cannot change this cfg.peft ({PEFT_OBJECT_REASON}); in the training "
                                 f"script: {_python_line(state.flags)}")
         if option.applicable:
@@ -188,7 +207,6 @@ class Planner:
                                            offload_bytes=(option.cost.pcie_bytes or 0) + _fine_grained_bytes(state.est),
                                            moe=moe_shape(state.cfg.model))
                 option.cost.step_time_pct = steptime.change_pct(self.step_time, after)
-        self.options.append(option)
         return option
 
     def done(self) -> bool:
@@ -199,7 +217,9 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
          expandable_segments: Optional[bool] = None, estimate_options: Optional[dict] = None,
          with_bridge: bool = True, peft_overrides: Optional[list[str]] = None,
          gpu: Optional[steptime.Gpu] = None) -> Plan:
-    """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits.
+    """Estimate ``cfg`` and, if it does not fit ``gpu_memory`` bytes per GPU, walk the levers until one fits and
+    answer with their fastest fitting combination (:mod:`.search.reachable`). The estimates share traces
+    (:mod:`.estimate.trace_cache`): a trace depends on no more than its key.
 
     ``expandable_segments``: whether the run already has them (default: from ``cfg.env_vars``).
     ``estimate_options`` are passed to :func:`megatron_bridge_ext.estimate.estimate`.
@@ -209,6 +229,15 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
     ``gpu``: the device that prices each option's step time (default: the
     :data:`~megatron_bridge_ext.levers.steptime.DEFAULT_GPU` preset).
     """
+    with trace_cache.reuse():
+        return _plan(cfg, gpu_memory=gpu_memory, margin=margin, expandable_margin=expandable_margin,
+                     expandable_segments=expandable_segments, estimate_options=estimate_options,
+                     with_bridge=with_bridge, peft_overrides=peft_overrides, gpu=gpu)
+
+
+def _plan(cfg, *, gpu_memory: int, margin: float, expandable_margin: float, expandable_segments: Optional[bool],
+          estimate_options: Optional[dict], with_bridge: bool, peft_overrides: Optional[list[str]],
+          gpu: Optional[steptime.Gpu]) -> Plan:
     gpu = gpu or steptime.gpu()
     if gpu_memory <= 0:
         raise Refused("plan", [Finding("bad_input", ERROR, "gpu_memory", f"is {gpu_memory}",
@@ -247,7 +276,20 @@ def plan(cfg, *, gpu_memory: int, margin: float = MARGIN, expandable_margin: flo
         if planner.done():
             break
     planner.options[:] = order_equal_memory(planner.options)
+    combined = reachable.answer(planner, cfg, baseline, usable=result.usable_now,
+                                usable_expandable=planner.usable(), expandable_on=expandable_segments)
+    result.answer = fastest_answer(combined, planner.options)
     return result
+
+
+def fastest_answer(combined: Optional[Option], walked: list[Option]) -> Optional[Option]:
+    """The levers' fastest fitting combination, unless CPU offloading (no part of the combinations) fits faster; with
+    no combination that fits (or none priced), the first option of the decision order that fits."""
+    offloads = [o for o in walked if o.fits and o.step == OFFLOAD_STEP and o.cost.step_time_pct is not None]
+    fitting = ([combined] if combined is not None and combined.cost.step_time_pct is not None else []) + offloads
+    if fitting:
+        return min(fitting, key=lambda o: o.cost.step_time_pct)
+    return combined or next((o for o in walked if o.fits), None)
 
 
 def order_equal_memory(options: list[Option]) -> list[Option]:

@@ -29,8 +29,12 @@ misses = 0
 
 @contextlib.contextmanager
 def reuse() -> Iterator[None]:
-    """Keep every stage's build and trace for the estimates inside; counts :data:`hits` and :data:`misses`."""
+    """Keep every stage's build and trace for the estimates inside; counts :data:`hits` and :data:`misses`. Inside
+    another :func:`reuse`, the outer one's traces and counts go on."""
     global _cache, hits, misses
+    if _cache is not None:
+        yield
+        return
     before, _cache, hits, misses = _cache, {}, 0, 0
     try:
         yield

@@ -73,6 +73,8 @@ class Option:
     """Set when the PEFT change is not in ``overrides``: why, and the Python line that makes it."""
     config: Any = field(default=None, repr=False, compare=False)
     """The config this option leads to, as the estimate saw it (not serialised)."""
+    saves: dict[str, int] = field(default_factory=dict)
+    """For a combined answer: the bytes of peak each of its levers saves (its peak without the lever minus its own)."""
 
     @property
     def fits(self) -> bool:
@@ -82,7 +84,8 @@ class Option:
         return {"step": self.step, "lever": self.lever, "label": self.label, "applicable": self.applicable,
                 "reason": self.reason, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
                 "breakdown": self.breakdown, "cost": vars(self.cost), "constraints": [c.to_dict() for c in self.constraints],
-                "memory_config": self.flags, "overrides": self.overrides, "peft_note": self.peft_note}
+                "memory_config": self.flags, "overrides": self.overrides, "peft_note": self.peft_note,
+                "saves": self.saves}
 
 
 def breakdown(est: MemoryEstimate) -> dict[str, int]:

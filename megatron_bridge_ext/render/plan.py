@@ -282,9 +282,13 @@ def _answer(result) -> list[str]:
     if chosen is None:
         return [f"answer: no combination of the levers fits; {_left(result)} are left"]
     flags = ", ".join(f"{k}={v!r}" for k, v in chosen.flags.items())
-    lines = [f"answer: step {chosen.step} ({chosen.label}), peak {gib(chosen.peak_bytes)}, step time {_time(chosen)}",
+    what = f"step {chosen.step}" if chosen.step else "the fastest fitting combination of the levers"
+    lines = [f"answer: {what} ({chosen.label}), peak {gib(chosen.peak_bytes)}, step time {_time(chosen)}",
              f"  MemoryConfig({flags})",
              f"  overrides: {' '.join(chosen.overrides) or '(none)'}"]
+    if chosen.saves:
+        lines.append(_wrap("each lever's saving at the peak (the answer without it): " + "; ".join(
+            f"{lever} {gib(saved)}" for lever, saved in chosen.saves.items()), "  "))
     if chosen.peft_note:
         lines.append(f"  {chosen.peft_note}")
     if chosen.flags.get("expandable_segments"):

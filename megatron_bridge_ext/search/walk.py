@@ -9,7 +9,8 @@ recompute, SP and the distributed optimizer on hold no more memory on any term):
   larger micro-batch of it does.
 
 The first estimated candidate that fits is the fastest that fits (every later one is predicted slower); the walk goes
-on, within ``budget_s``, to fill the front. Estimates share traces (:mod:`..estimate.trace_cache`).
+on, within ``budget_s``, to fill the front (the plain plan, :mod:`.reachable`, stops there: ``budget_s=0``). The answer
+is :func:`.rule.fastest` of what was estimated. Estimates share traces (:mod:`..estimate.trace_cache`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from megatron_bridge_ext.findings import Refused
 from megatron_bridge_ext.levers import steptime
 from megatron_bridge_ext.levers.activation_offload import cost as offload_cost
 from megatron_bridge_ext.levers.parallelism.cost import moe_shape
-from megatron_bridge_ext.search import candidates as cands
+from megatron_bridge_ext.search import candidates as cands, rule
 from megatron_bridge_ext.search.front import pareto
 
 BUDGET_S = 20.0
@@ -60,11 +61,12 @@ class Search:
     counts: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
     layers: int = 0
+    estimator: Optional["Estimator"] = field(default=None, repr=False)
+    """What estimated the candidates (more can be estimated through it, inside the same trace reuse)."""
 
     @property
     def answer(self) -> Optional[Evaluated]:
-        fitting = [e for e in self.evaluated if e.fits]
-        return min(fitting, key=lambda e: (e.step_time_s, e.peak_bytes)) if fitting else None
+        return rule.fastest(self.evaluated, self.given)
 
     @property
     def front(self) -> list[Evaluated]:
@@ -77,10 +79,12 @@ class Search:
 
 
 def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, expandable_on: bool, gpu,
-           estimate_options: dict, budget_s: float = BUDGET_S) -> Search:
+           estimate_options: dict, budget_s: float = BUDGET_S, legal: Optional[list] = None,
+           apply=cands.apply, keep_estimates: bool = False) -> Search:
     """Search every legal candidate of ``cfg``'s workload on ``world`` GPUs (``base_est``: the estimate of ``cfg`` as
-    given, whose settings the step times are moved from)."""
-    from megatron_bridge_ext.estimate import estimate
+    given, whose settings the step times are moved from), or the candidates ``legal`` where given. ``apply`` sets a
+    candidate on a copy of ``cfg``. ``budget_s=0`` stops at the first candidate that fits: the answer.
+    ``keep_estimates``: keep each estimate and config on ``search.estimator`` (the plain plan's answer needs them)."""
     from megatron_bridge_ext.levers.recompute.advice import candidates_for
 
     t0 = time.perf_counter()
@@ -89,84 +93,120 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     moe = moe_shape(cfg.model)
     base = base_est.settings
     given = cands.given(cfg, base.dp)
-    seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe),
-                                      offloads=tuple(cands.offload_sets(cfg.model)))
+    if legal is None:
+        seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe),
+                                          offloads=tuple(cands.offload_sets(cfg.model)))
+    else:
+        seen = len(legal)
     out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
                  counts={"enumerated": seen, "legal": len(legal)}, layers=shape["layers"])
     t1 = time.perf_counter()
-
-    def moe_of(c):
-        return None if moe is None else {**moe, "ep": c.ep, "etp": c.etp}
-
-    def predicted_time(c):
-        s = cands.settings_for(base, c, shape, gb)
-        host = offload_cost.predicted_host_bytes(s, c.offload) if c.offload else 0
-        return steptime.step_time(s, gpu, moe=moe_of(c),
-                                  offload_bytes=offload_cost.step_bytes(host, s.num_microbatches)).total
-
-    predicted = {c: predicted_time(c) for c in legal}
-    order = sorted(legal, key=lambda c: (predicted[c], c != given))
+    predicted = {c: _predicted_time(base, c, shape, gb, gpu, moe) for c in legal}
+    order = rule.walk_order(legal, predicted, given)
     t2 = time.perf_counter()
-    done: dict = {}
-    unfit: list = []
-    floors: set = set()
-    pruned = dominated = 0
-
-    def run(c) -> Optional[Evaluated]:
-        if c in done:
-            return done[c]
-        try:
-            est = estimate(cands.apply(cfg, c), data_parallel_size=c.dp,
-                           num_microbatches=gb // (c.micro_batch * c.dp), **estimate_options)
-        except Refused as refused:
-            out.refused[c] = refused.one_line()
-            done[c] = None
-            return None
-        except Exception as error:  # upstream code under a layout no test ran: one candidate lost, not the search
-            out.refused[c] = f"the estimate failed: {type(error).__name__}: {error}"
-            done[c] = None
-            return None
-        phase = max(est.phases, key=lambda p: p.peak_bytes)
-        s = est.settings
-        st = steptime.step_time(s, gpu, moe=moe_of(c),
-                                offload_bytes=offload_cost.step_bytes(est.offload_host_bytes, s.num_microbatches))
-        e = Evaluated(c, est.peak_bytes, phase.name, st, est.peak_bytes <= usable_expandable,
-                      not expandable_on and usable < est.peak_bytes <= usable_expandable,
-                      s.num_microbatches * steptime.microbatch_flops(s, moe_of(c)))
-        done[c] = e
-        out.evaluated.append(e)
-        if not e.fits:
-            unfit.append(c)
-        return e
-
     with trace_cache.reuse():
-        if given in predicted:
-            run(given)
-        answer_at = None
-        for c in order:
-            if answer_at is not None and time.perf_counter() - answer_at > budget_s:
-                break
-            if any(u.below(c) for u in unfit):
-                pruned += 1
-                continue
-            if any(e.candidate.below(c) and e.step_time_s <= predicted[c] for e in out.evaluated):
-                dominated += 1
-                continue
-            floor = _floor(c)
-            if floor is not None and floor not in floors:
-                floors.add(floor)
-                run(floor)
-                if floor in unfit and floor.below(c):
-                    pruned += 1
-                    continue
-            e = run(c)
-            if e is not None and e.fits and answer_at is None:
-                answer_at = time.perf_counter()
-        out.counts.update(estimated=len(done), not_estimable=len(out.refused), pruned_not_fitting=pruned, pruned_dominated=dominated,
-                          traces=trace_cache.misses, trace_reuses=trace_cache.hits)
+        run = Estimator(cfg, out, gpu=gpu, moe=moe, expandable_on=expandable_on, estimate_options=estimate_options,
+                        apply=apply, keep=keep_estimates)
+        out.estimator = run
+        pruned, dominated = _walk(run, out, order, predicted, budget_s)
+        out.counts.update(estimated=len(run.done), not_estimable=len(out.refused), pruned_not_fitting=pruned,
+                          pruned_dominated=dominated, traces=trace_cache.misses, trace_reuses=trace_cache.hits)
     t3 = time.perf_counter()
     out.seconds = {"enumerate": t1 - t0, "step_times": t2 - t1, "estimates": t3 - t2}
     return out
+
+
+def _moe_of(moe: Optional[dict], c: cands.Candidate) -> Optional[dict]:
+    return None if moe is None else {**moe, "ep": c.ep, "etp": c.etp}
+
+
+def _predicted_time(base, c: cands.Candidate, shape: dict, global_batch: int, gpu, moe: Optional[dict]) -> float:
+    """The step time of ``c`` before it is estimated: the given config's settings moved to it, its offloaded
+    activations (if any) priced from the shapes (:func:`..levers.activation_offload.cost.predicted_host_bytes`)."""
+    s = cands.settings_for(base, c, shape, global_batch)
+    host = offload_cost.predicted_host_bytes(s, c.offload) if c.offload else 0
+    return steptime.step_time(s, gpu, moe=_moe_of(moe, c),
+                              offload_bytes=offload_cost.step_bytes(host, s.num_microbatches)).total
+
+
+class Estimator:
+    """Estimates candidates of one search, each once: an :class:`Evaluated` recorded on the search, or None with the
+    reason in ``search.refused``."""
+
+    def __init__(self, cfg, search: Search, *, gpu, moe: Optional[dict], expandable_on: bool, estimate_options: dict,
+                 apply=cands.apply, keep: bool = False):
+        self.cfg, self.search, self.gpu, self.moe = cfg, search, gpu, moe
+        self.expandable_on, self.estimate_options, self.apply = expandable_on, estimate_options, apply
+        self.done: dict = {}
+        self.unfit: list = []
+        self.keep = keep
+        self.estimates: dict = {}
+        """Each estimated candidate's config and :class:`~megatron_bridge_ext.estimate.report.MemoryEstimate`, kept
+        only with ``keep``."""
+
+    def __call__(self, c: cands.Candidate) -> Optional[Evaluated]:
+        from megatron_bridge_ext.estimate import estimate
+
+        if c in self.done:
+            return self.done[c]
+        out, gb = self.search, self.search.global_batch
+        cfg = self.apply(self.cfg, c)
+        try:
+            est = estimate(cfg, data_parallel_size=c.dp, num_microbatches=gb // (c.micro_batch * c.dp),
+                           **self.estimate_options)
+        except Refused as refused:
+            out.refused[c] = refused.one_line()
+            self.done[c] = None
+            return None
+        except Exception as error:  # upstream code under a layout no test ran: one candidate lost, not the search
+            out.refused[c] = f"the estimate failed: {type(error).__name__}: {error}"
+            self.done[c] = None
+            return None
+        phase = max(est.phases, key=lambda p: p.peak_bytes)
+        s = est.settings
+        moe = _moe_of(self.moe, c)
+        st = steptime.step_time(s, self.gpu, moe=moe,
+                                offload_bytes=offload_cost.step_bytes(est.offload_host_bytes, s.num_microbatches))
+        e = Evaluated(c, est.peak_bytes, phase.name, st, est.peak_bytes <= out.usable_expandable,
+                      not self.expandable_on and out.usable < est.peak_bytes <= out.usable_expandable,
+                      s.num_microbatches * steptime.microbatch_flops(s, moe))
+        self.done[c] = e
+        if self.keep:
+            self.estimates[c] = (cfg, est)
+        out.evaluated.append(e)
+        if not e.fits:
+            self.unfit.append(c)
+        return e
+
+
+def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: float) -> tuple[int, int]:
+    """Estimate ``order`` (fastest predicted first) but what the memory order prunes; stop ``budget_s`` after the
+    first candidate that fits. Returns how many candidates were pruned as not fitting and as dominated."""
+    floors: set = set()
+    pruned = dominated = 0
+    if out.given in predicted:
+        run(out.given)
+    answer_at = None
+    for c in order:
+        if answer_at is not None and time.perf_counter() - answer_at > budget_s:
+            break
+        if any(u.below(c) for u in run.unfit):
+            pruned += 1
+            continue
+        if any(e.candidate.below(c) and e.step_time_s <= predicted[c] for e in out.evaluated):
+            dominated += 1
+            continue
+        floor = _floor(c)
+        if floor is not None and floor not in floors:
+            floors.add(floor)
+            run(floor)
+            if floor in run.unfit and floor.below(c):
+                pruned += 1
+                continue
+        e = run(c)
+        if e is not None and e.fits and answer_at is None:
+            answer_at = time.perf_counter()
+    return pruned, dominated
 
 
 def _floor(c: cands.Candidate) -> Optional[cands.Candidate]:

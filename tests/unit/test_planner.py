@@ -51,6 +51,18 @@ def _plan(cfg, gpu):
     return planner.plan(cfg, gpu_memory=gpu, expandable_segments=False)
 
 
+@pytest.fixture
+def walk_only(monkeypatch):
+    """The decision order alone: the combined answer, which on a device nothing fits walks every combination of the
+    levers, is left out of plans that look at the table only."""
+    monkeypatch.setattr(planner.reachable, "answer", lambda *args, **kwargs: None)
+
+
+def _walked(result):
+    """The first option of the decision order that fits (the table's; the answer may combine levers faster)."""
+    return next((o for o in result.options if o.fits), None)
+
+
 def test_fits_as_is():
     cfg = _cfg()
     result = _plan(cfg, 10 * _peak(_cfg()))
@@ -94,9 +106,16 @@ def test_fragmentation_only_is_fixed_by_expandable_segments():
     result = _plan(_cfg(), gpu)
     assert not result.fits_as_is
     assert [o.step for o in result.options] == [1]
-    assert result.chosen.lever == "allocator" and result.chosen.peak_bytes == peak
-    assert result.memory_config() == MemoryConfig(expandable_segments=True)
-    assert result.overrides() == []
+    assert _walked(result).lever == "allocator"
+    # the answer: the layout as given with expandable segments, and shard_local, the one lever here that is faster
+    # (less traffic) as well as leaner: it lowers the peak, so it stays
+    shard_local = _peak(_cfg(), sequence_parallel_input_strategy="shard_local")
+    answer = result.chosen
+    assert answer.label == "as given, sequence_parallel_input_strategy shard_local" and answer.peak_bytes == shard_local
+    assert answer.saves == {"sequence_parallel_input_strategy shard_local": peak - shard_local}
+    assert answer.cost.step_time_pct < 0
+    assert result.memory_config() == MemoryConfig(expandable_segments=True, sequence_parallel_input_strategy="shard_local")
+    assert not any(o.startswith("model.") for o in result.overrides())
 
 
 def test_needs_the_lora_input_under_sequence_parallelism():
@@ -104,7 +123,7 @@ def test_needs_the_lora_input_under_sequence_parallelism():
     assert shard_local < peak
     result = _plan(_cfg(), _device_for((peak + shard_local) / 2, planner.EXPANDABLE_MARGIN))
     assert [o.step for o in result.options] == [1, 2]
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 2 and chosen.peak_bytes == shard_local
     assert chosen.flags == {"expandable_segments": True, "sequence_parallel_input_strategy": "shard_local"}
     # cfg.peft was set in Python: no override reaches it, and the answer says how to set it instead
@@ -127,7 +146,7 @@ def test_needs_selective_recompute():
     both = _peak(_cfg(), **with_shard_local, recompute_modules=["layernorm", "mlp"])
     assert both < min(alone["layernorm"], alone["mlp"])
     result = _plan(_cfg(), _device_for((both + min(alone["layernorm"], alone["mlp"])) / 2, planner.EXPANDABLE_MARGIN))
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 3 and chosen.flags["recompute_modules"] == ["layernorm", "mlp"]
     assert chosen.peak_bytes == both
     assert [o.step for o in result.options if o.applicable][:2] == [1, 2]
@@ -139,7 +158,7 @@ def test_needs_selective_recompute():
     assert "model.recompute_granularity=selective" in chosen.overrides
 
 
-def test_needs_tp_times_two_when_pp_does_not_help():
+def test_needs_tp_times_two_when_pp_does_not_help(walk_only):
     everything_fails = _plan(_cfg(dp=2), 1)
     by_label = {o.label.split(",")[0]: o for o in everything_fails.options if o.step == 4}
     pp, tp = by_label["PP 1 -> 2"], by_label["TP 2 -> 4"]
@@ -148,7 +167,7 @@ def test_needs_tp_times_two_when_pp_does_not_help():
     assert tp.peak_bytes < min(pp.peak_bytes, best_before)
     result = _plan(_cfg(dp=2), _device_for((tp.peak_bytes + min(pp.peak_bytes, best_before)) / 2,
                                            planner.EXPANDABLE_MARGIN))
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 4 and chosen.label.startswith("TP 2 -> 4")
     assert "model.tensor_model_parallel_size=4" in chosen.overrides
     assert "TP 4->8: -28.4%" in chosen.cost.published
@@ -195,7 +214,7 @@ def _moe_cfg():
     return cfg
 
 
-def test_expert_parallelism_halves_the_expert_weights_first_in_step_4():
+def test_expert_parallelism_halves_the_expert_weights_first_in_step_4(walk_only):
     cfg = _moe_cfg()
     everything_fails = _plan(cfg, 1)
     step4 = [o for o in everything_fails.options if o.step == 4]
@@ -214,10 +233,32 @@ def test_expert_parallelism_halves_the_expert_weights_first_in_step_4():
     assert ep.config.model.expert_model_parallel_size == 2 and ep.config.data_parallel_size == 2  # the dense DP kept
 
     result = _plan(_moe_cfg(), _device_for((ep.peak_bytes + before.peak_bytes) / 2, planner.EXPANDABLE_MARGIN))
-    chosen = result.chosen
+    chosen = _walked(result)
     assert chosen.step == 4 and chosen.label == ep.label
     assert "model.expert_model_parallel_size=2" in chosen.overrides
     assert chosen.cost.collective_bytes == ep.cost.collective_bytes and "EP over TP" in chosen.cost.published
+
+
+def test_the_decision_order_does_not_block_itself_on_moe(walk_only):
+    """At TP 1 with EP 2 and the config's own recompute: TP x 2 turns SP on (Core's MoE layer refuses TP > 1
+    without it) and offloading turns the recompute off (the two exclude each other), so neither is refused for a
+    setting the walk left as it was."""
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=MOE_LAYERS, hidden=HIDDEN, ffn=256, heads=8, kv_heads=4, seq=1024, micro_batch=2,
+                         vocab=128, tp=1, dtype="bfloat16", swiglu=True, experts=EXPERTS, topk=2, moe_ffn=MOE_FFN,
+                         dispatcher="alltoall", ep=2, etp=1)
+    cfg = tiny_config(shape, None)
+    cfg.model.recompute_granularity, cfg.model.recompute_modules = "selective", ["core_attn"]
+    cfg.data_parallel_size, cfg.train.global_batch_size = 4, shape.micro_batch * 4
+    result = _plan(cfg, 1)
+    [tp] = [o for o in result.options if o.label.startswith("TP 1 -> 2")]
+    assert tp.applicable and tp.label.endswith("SP on") and tp.config.model.sequence_parallel is True
+    assert "model.sequence_parallel=true" in tp.overrides
+    [offload] = [o for o in result.options if o.step == 5]
+    assert offload.applicable and offload.label.endswith("(recompute turned off)")
+    assert offload.config.model.recompute_granularity is None
+    assert "model.recompute_granularity=null" in offload.overrides
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,7 +335,7 @@ def _peft(cfg):
     (WITH_LORA, {}, TINY, None),
     (QWEN3_RECIPE, {}, ["model.num_layers=2"], QWEN3_8B),  # Bridge's own recipe, offline from config.json
 ], ids=["peft-flag", "peft-by-overrides", "peft-flag-with-overrides", "recipe-sets-peft", "qwen3-recipe-sets-peft"])
-def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides, hf_config):
+def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, overrides, hf_config, walk_only):
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
     layout = _layout(**layout)
     built, result = _walk_every_lever(layout, overrides, recipe, hf_config)
@@ -314,6 +355,29 @@ def test_every_printed_answer_reproduces_the_planned_config(recipe, layout, over
         assert "++peft.sequence_parallel_input_strategy=shard_local" in printed_peft and lora.peft_note == ""
 
 
+@pytest.mark.parametrize("recipe, layout, overrides", [
+    (VANILLA, {"peft": "lora", "dp": 2}, TINY),
+    (WITH_LORA, {"dp": 2}, TINY),
+], ids=["peft-flag", "recipe-sets-peft"])
+def test_the_combined_answer_pasted_reproduces_the_planned_config(recipe, layout, overrides):
+    """The answer combining levers (a layout change among them, on a device that only the decision order's
+    leanest option fits) as printed, pasted as the user would, gives the config it estimated."""
+    pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
+    from megatron_bridge_ext.estimate import configs
+
+    layout = configs.Layout(tp=2, seq=1024, **layout)
+    built, everything = _walk_every_lever(layout, overrides, recipe, None)
+    leanest = min(o.peak_bytes for o in everything.options if o.applicable)
+    built = configs.build(layout, overrides, recipe=recipe)
+    result = planner.plan(built.cfg, gpu_memory=_device_for(leanest, planner.EXPANDABLE_MARGIN) + 1,
+                          expandable_segments=False, with_bridge=False, peft_overrides=built.peft_overrides)
+    answer = result.chosen
+    assert answer.lever == "fastest combination" and answer.peak_bytes <= answer.usable_bytes
+    pasted = _pasted(layout, overrides, recipe, None, built, answer)
+    assert _peft(pasted) == _peft(answer.config)
+    assert _tree(pasted) == _tree(answer.config)
+
+
 def test_the_old_peft_overrides_change_nothing_on_a_recipe_that_sets_peft():
     """Why the answer gives a Python line there: Bridge restores the recipe's PEFT object over them."""
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
@@ -328,7 +392,7 @@ def test_the_old_peft_overrides_change_nothing_on_a_recipe_that_sets_peft():
     assert process_config_with_overrides(cfg, cli_overrides=OUR_LORA).peft is before
 
 
-def test_peft_flag_and_peft_overrides_build_one_peft():
+def test_peft_flag_and_peft_overrides_build_one_peft(walk_only):
     """--peft lora plus the overrides that switch on our strategy: the plan traces the strategy."""
     pytest.importorskip("hydra", reason="Bridge's override parser needs hydra-core")
     from megatron_bridge_ext.estimate import configs
@@ -369,7 +433,7 @@ def test_sequence_parallelism_a_config_sets_at_tp_1_is_turned_off_as_bridge_turn
     assert any(note.startswith("SP off: the config sets sequence_parallel at TP 1") for note in built.notes)
 
 
-def test_each_option_is_priced_in_step_time_against_the_config_as_is():
+def test_each_option_is_priced_in_step_time_against_the_config_as_is(walk_only):
     """Expandable segments change no time; adding mlp to layernorm recompute adds its forward GEMMs at the H100's
     dense bf16 peak (the default device) times the calibration's efficiency of their size: SwiGLU fc1 h -> 2 ffn/t
     and fc2 ffn/t -> h, 2 FLOPs per multiply-add, on the 4 layers of the one microbatch (global batch = micro-batch
@@ -397,7 +461,7 @@ def _option(step: int, label: str, peak: int, pct: float, *, applicable: bool = 
                   cost=Cost(step_time_pct=pct if applicable else None))
 
 
-def test_equal_memory_options_of_a_step_are_put_fastest_first_and_the_faster_is_the_answer():
+def test_equal_memory_options_of_a_step_are_put_fastest_first():
     gib = 2**30
     options = [_option(3, "recompute a", 10 * gib, 5.0),
                _option(4, "PP x 2", 8 * gib, 12.0), _option(4, "TP x 2", int(8 * gib * (1 + planner.EQUAL_PEAK_SHARE)), 30.0),
@@ -405,10 +469,17 @@ def test_equal_memory_options_of_a_step_are_put_fastest_first_and_the_faster_is_
                _option(5, "offload", 8 * gib, 1.0)]  # equal peak, but a later step: the decision order stays
     ordered = planner.order_equal_memory(options)
     assert [o.label for o in ordered] == ["recompute a", "EP x 2", "PP x 2", "TP x 2", "offload"]
-    plan = planner.Plan(2**40, planner.MARGIN, planner.EXPANDABLE_MARGIN, True, None, None, ordered)
-    assert plan.chosen.label == "recompute a"  # the first step that fits wins, whatever its time
-    assert planner.Plan(2**40, planner.MARGIN, planner.EXPANDABLE_MARGIN, True, None, None,
-                        ordered[1:]).chosen.label == "EP x 2"
+
+
+def test_the_answer_is_the_combination_unless_offloading_fits_faster():
+    gib = 2**30
+    combined = _option(0, "PP 2->4, DP 4->2", 9 * gib, 8.0)
+    walked = [_option(3, "recompute a", 10 * gib, 5.0), _option(5, "offload", 8 * gib, 300.0)]
+    assert planner.fastest_answer(combined, walked) is combined  # an earlier step that fits is no answer of itself
+    quick_offload = _option(5, "offload", 8 * gib, 2.0)
+    assert planner.fastest_answer(combined, walked[:1] + [quick_offload]) is quick_offload
+    assert planner.fastest_answer(None, walked[1:]) is walked[1]  # no combination fits: offloading, which does
+    assert planner.fastest_answer(None, [_option(4, "PP x 2", 8 * gib, 1.0, applicable=False)]) is None
 
 
 def test_options_of_different_memory_or_not_applicable_keep_the_decision_order():

@@ -82,6 +82,10 @@ def _try(planner: Planner, state: State, r: Resize, moe: Optional[dict]) -> Opti
         overrides.append(f"model.expert_tensor_parallel_size={moe['etp']}")
         after = parallelism_cost.moe_shape(cfg.model)
     label = _label(r, s, moe, after) + (f" (ETP kept at {moe['etp']})" if pinned else "")
+    if r.name == "TP" and moe and not cfg.model.sequence_parallel:  # Core's MoE layer refuses TP > 1 without SP
+        cfg.model.sequence_parallel = True
+        overrides.append("model.sequence_parallel=true")
+        label += ", SP on"
     problems = parallelism.doubling_findings(r.name, r.old, s.dp) if r.halves_dp else []
     problems += expert_findings(r, cfg, s, after) if after else []
     problems += parallel_problems(cfg.model, micro_batch=cfg.train.micro_batch_size, peft=cfg.peft)
@@ -138,15 +142,35 @@ def expert_findings(r: Resize, cfg, s: Settings, after: dict) -> list[Finding]:
     return out
 
 
+RECOMPUTE_OFF = ("model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null",
+                 "model.recompute_modules=null")
+"""The overrides that turn a config's own recompute off (CPU offloading excludes it)."""
+
+
 def offload(planner: Planner, state: State) -> State:
-    """Step 5: all layers but one offloaded, on the state before recompute (offloading excludes it)."""
+    """Step 5: all layers but one offloaded, on the state before recompute (offloading excludes it: the config's own
+    recompute is turned off, and the config re-estimated without it)."""
+    from megatron_bridge_ext.estimate.memory import NotModelled
+
     lever = evidence_for("CPU offloading")
+    recompute_off = []
+    if state.cfg.model.recompute_granularity is not None:
+        cfg = copy.deepcopy(state.cfg)
+        m = cfg.model
+        m.recompute_granularity = m.recompute_method = m.recompute_num_layers = m.recompute_modules = None
+        try:
+            state = State(cfg, planner.estimate(cfg), dict(state.flags), list(state.overrides))
+        except NotModelled as refused:
+            planner.add(Option(5, lever["name"], "offload (recompute off)", False,
+                               f"no predicted peak: {refused.one_line()}", cost=Cost(published=lever["cost"])), state)
+            return state
+        recompute_off = list(RECOMPUTE_OFF)
     s = state.est.settings
     layers = s.num_layers
     cfg = copy.deepcopy(state.cfg)
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = True, layers - 1
     constraints = model_errors(cfg)
-    label = f"offload {layers - 1} of {layers} layers (no recompute)"
+    label = f"offload {layers - 1} of {layers} layers ({'recompute turned off' if recompute_off else 'no recompute'})"
     if constraints:
         planner.add(Option(5, lever["name"], label, False, constraints[0].text(),
                            cost=Cost(published=lever["cost"]), constraints=constraints), state)
@@ -160,7 +184,7 @@ def offload(planner: Planner, state: State) -> State:
     transfer = 2 * offloaded_bytes * s.num_microbatches // max(1, round(state.est.in_flight_microbatches))
     cost = Cost(published=lever["cost"], pcie_bytes=transfer, basis=f"formula: {gib(transfer)} to the host and back over PCIe per step; "
                                                 "2 layers' activations stay on the GPU")
-    offloaded = State(cfg, state.est, dict(state.flags), state.overrides + [
+    offloaded = State(cfg, state.est, dict(state.flags), state.overrides + recompute_off + [
         "model.cpu_offloading=true", f"model.cpu_offloading_num_layers={layers - 1}",
         "model.cpu_offloading_activations=true", "model.cpu_offloading_weights=false"])
     planner.add(Option(5, lever["name"], label, True, cost=cost), offloaded, peak=sum(parts.values()), parts=parts)

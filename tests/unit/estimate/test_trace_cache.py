@@ -47,3 +47,14 @@ def test_reused_traces_give_the_figures_of_fresh_ones():
 def test_nothing_is_kept_outside_reuse():
     cfg, dp = _variants()[0]
     assert trace_cache.key(cfg.model, None, 0, None) is None
+
+
+def test_a_reuse_inside_another_goes_on_with_the_outer_traces():
+    """The plan reuses traces over all its estimates, the search inside it among them: the inner reuse neither
+    drops the outer's traces nor keeps its own apart."""
+    with trace_cache.reuse():
+        trace_cache.get_or_trace("stage", lambda: ("outer",))
+        with trace_cache.reuse():
+            assert trace_cache.get_or_trace("stage", lambda: ("inner",)) == ("outer",)
+            trace_cache.get_or_trace("other stage", lambda: ("inner",))
+        assert trace_cache.get_or_trace("other stage", lambda: ("after",)) == ("inner",)

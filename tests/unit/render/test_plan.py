@@ -121,6 +121,18 @@ def test_the_lever_table_and_the_answer_show_the_first_option_that_fits():
     assert "  overrides: model.pipeline_model_parallel_size=2" in text.splitlines()
 
 
+def test_a_combined_answer_says_so_and_what_each_of_its_levers_saves():
+    gpu = 30 * GIB
+    usable = int(gpu * 0.9)
+    walked = hand.option(3, "recompute_modules=['mlp']", usable - 10**9, usable, cost=Cost(step_time_pct=31.4))
+    combined = hand.option(0, "PP 2->4, DP 4->2", usable - 2 * 10**9, usable, cost=Cost(step_time_pct=8.0),
+                           overrides=["model.pipeline_model_parallel_size=4"], saves={"PP 2->4": 3 * GIB})
+    text = render_plan.format_plan(hand.plan(gpu, options=(walked,), chosen=combined))
+    assert _lines(text, "answer: ") == [f"answer: the fastest fitting combination of the levers (PP 2->4, DP 4->2), "
+                                        f"peak {_gib(usable - 2 * 10**9)}, step time +8.0%"]
+    assert "  each lever's saving at the peak (the answer without it): PP 2->4 3.00 GiB" in text.splitlines()
+
+
 def test_bridges_estimate_is_a_table_with_its_difference_from_ours():
     bridge = BridgeEstimate(components=[("weights", 5 * 10**9), ("activations", 20 * 10**9)],
                             total_bytes=25 * 10**9, assumptions=[], caveats=["a caveat"])

@@ -31,8 +31,11 @@ def test_front_is_exactly_the_non_dominated_points():
 
 
 def test_answer_is_fastest_fitting():
-    s = Search(given=None, world=8, global_batch=8, seq=8, usable=50, usable_expandable=50)
-    s.evaluated = [P(70, 1.0, False), P(40, 2.0), P(30, 3.0), P(60, 1.5, False)]
+    from megatron_bridge_ext.search.candidates import Candidate
+
+    given = Candidate(1, 1, None, 1, 1, 1, 8, False, 1, (), True)
+    s = Search(given=given, world=8, global_batch=8, seq=8, usable=50, usable_expandable=50)
+    s.evaluated = [P(70, 1.0, False, given), P(40, 2.0, True, given), P(30, 3.0, True, given), P(60, 1.5, False, given)]
     assert s.answer is s.evaluated[1]
     assert not any(p.fits and p.step_time_s < s.answer.step_time_s for p in s.front)
 
