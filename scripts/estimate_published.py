@@ -38,8 +38,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 8192
@@ -62,13 +61,13 @@ BRIDGE = "NVIDIA-NeMo/Megatron-Bridge@067f987df03b8355b03192d88d70f1709fedf51a"
 """The snapshot of Bridge's repository the levers' figures and line numbers were read from."""
 RECIPES = "megatron.bridge.recipes."
 QWEN3_30B = RECIPES + "qwen.h100.qwen3_moe:qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
-GRAPHS_ON = ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[attn,moe_router,moe_preprocess]",
+GRAPHS_ON = ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=null",
+             "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]",
              "model.use_te_rng_tracker=True", "rng.te_rng_tracker=True"]
 NO_RECOMPUTE = ["model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null"]
 
 
-@dataclass(frozen=True)
-class Case:
+class Case(NamedTuple):
     """One published measurement: its label, its figure in bytes (None where the source states none for it),
     the source's words for it, and the overrides that turn the lever's workload into it."""
 
@@ -78,8 +77,7 @@ class Case:
     overrides: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Lever:
+class Lever(NamedTuple):
     """A lever's published cases on one workload: the recipe the publication ran, its layout, where it was
     published and what it did not state (assumed here and printed)."""
 
@@ -132,7 +130,21 @@ LEVERS = {
         "recipe's full recompute with TE-scoped graphs); the TE RNG tracker on (graphs require it)",
         (Case("CUDA graphs off", None, "no figure published"),
          Case("CUDA graphs on", None, "no extra memory observed in the pre-capture reports; no figure",
-              tuple(GRAPHS_ON))))],
+              tuple(GRAPHS_ON)))),
+        Lever(
+        "GPT-OSS-120B pretraining, Transformer Engine CUDA graphs off and on",
+        f"{BRIDGE} skills/nemo-mbridge-perf-cuda-graphs/card.yaml L222-233 (status blocked: \"OOM on iteration 2 "
+        "while allocating 1.54 GiB\", memory_at_iter1_allocated_gb \"69-70\", memory_at_iter1_reserved_gb "
+        "\"72-73\"), L71-74 (\"with roughly 69-70 GB already allocated on 79 GB H100s\")",
+        "GPT-OSS-120B pretrain, TP2 PP4 EP8 CP1, 4 nodes of H100 80GB (32 GPUs, DP 4), scope "
+        "attn+moe_router+moe_preprocess, impl transformer_engine",
+        RECIPES + "gpt_oss.h100.gpt_oss:gpt_oss_120b_pretrain_64gpu_h100_bf16_config", "gpt-oss-120b",
+        dict(tp=2, pp=4, ep=8, gpus=32), (),
+        "the recipe's sequence 4096, micro-batch 1, bf16, no recompute, its DeepEP dispatcher; the TE RNG tracker on "
+        "(graphs require it); the published 69-70 GB is a range at iteration 1, not a peak, so no difference is taken",
+        (Case("CUDA graphs off", None, "not run"),
+         Case("CUDA graphs on", None, "69-70 GB allocated, 72-73 GB reserved at iteration 1; OOM on iteration 2 "
+              "allocating 1.54 GiB", tuple(GRAPHS_ON))))],
     "recompute": [Lever(
         "Moonlight 16B pretraining, selective recompute sets",
         f"{BRIDGE} skills/nemo-mbridge-perf-activation-recompute/SKILL.md L105-126 (\"Matched H100 Evidence: "
@@ -281,7 +293,7 @@ def _lever_case(lever: Lever, case: Case) -> dict:
     except Refused as refused:
         return {**record, "refused": refused.one_line()}
     return {**record, "estimate_bytes": ours.peak_bytes, "peak_phase": ours.peak_phase.name,
-            "steady_bytes": ours.steady_peak_bytes, "estimate_seconds": time.perf_counter() - start,
+            "steady_bytes": ours.steady_peak_bytes, "phase_peaks": {p.name: p.peak_bytes for p in ours.phases}, "estimate_seconds": time.perf_counter() - start,
             "notes": built.notes, "settings": ours.settings, "estimate": ours.as_dict()}
 
 
@@ -295,10 +307,10 @@ def _change(record: dict, first: dict, key: str) -> str:
 def _lever_row(record: dict, first: dict) -> list[str]:
     published, ours = record["published_bytes"], record["estimate_bytes"]
     if ours is None:
-        return [record["case"], record["stated"], "refused", "-", _change(record, first, "published_bytes"), "-", "-"]
+        return [record["case"], record["stated"], "refused", "-", _change(record, first, "published_bytes"), "-", "-", "-"]
     return [record["case"], record["stated"], f"{_gb(ours)} ({record['peak_phase']})",
             _diff_or_dash(ours, published), _change(record, first, "published_bytes"),
-            _change(record, first, "estimate_bytes"), _gb(record["steady_bytes"])]
+            _change(record, first, "estimate_bytes"), _gb(record["steady_bytes"]), _change(record, first, "steady_bytes")]
 
 
 def _lever(lever: Lever) -> list[dict]:
@@ -312,7 +324,7 @@ def _lever(lever: Lever) -> list[dict]:
           f"tests/data/{lever.hf_config}/config.json, layout {lever.layout}, overrides "
           f"{' '.join(lever.overrides) or 'none'} (each case adds its own)\n")
     print(text_table(["case", "published", "estimate (peak phase)", "estimate - published",
-                      "published change", "estimate change", "estimate steady state"],
+                      "published change", "estimate change", "estimate steady state", "steady-state change"],
                      [_lever_row(r, first) for r in records]))
     for record in records:
         if "refused" in record:
@@ -320,6 +332,9 @@ def _lever(lever: Lever) -> list[dict]:
     done = [r for r in records if r["estimate_bytes"] is not None]
     if done:
         s = done[0]["settings"]
+        print("\nthe estimate's phases (peak of each; the whole-run peak is the largest):")
+        for record in done:
+            print(f"  {record['case']}: " + ", ".join(f"{n} {_gb(b)}" for n, b in record["phase_peaks"].items()))
         print(f"\nsettings the estimate assumed: TP={s.tp} PP={s.pp} DP={s.dp} SP={'on' if s.sequence_parallel else 'off'}, "
               f"seq {s.seq_length}, micro-batch {s.micro_batch}, {s.dtype}, attention {s.attention}, "
               f"{s.transformer_impl}, distributed optimizer {'on' if s.distributed_optimizer else 'off'}; "
