@@ -349,7 +349,16 @@ def _lever(lever: Lever) -> list[dict]:
             if fresh:
                 print(f"  {record['case']}:" + "".join(f"\n  - {a}" for a in fresh))
     print()
-    return [{k: v for k, v in r.items() if k != "settings"} for r in records]
+    return [_lever_record(r) for r in records]
+
+
+def _lever_record(record: dict) -> dict:
+    """What the JSON keeps of a case: the figures, the phases, the components and the assumptions."""
+    kept = {k: v for k, v in record.items() if k not in ("settings", "estimate")}
+    if "estimate" in record:
+        kept["components"] = [{k: c[k] for k in ("kind", "name", "bytes")} for c in record["estimate"]["components"]]
+        kept["assumptions"] = record["estimate"]["assumptions"]
+    return kept
 
 
 def main(argv: Optional[list[str]] = None) -> int:
