@@ -148,7 +148,8 @@ LEVERS = {
     "recompute": [Lever(
         "Moonlight 16B pretraining, selective recompute sets",
         f"{BRIDGE} skills/nemo-mbridge-perf-activation-recompute/SKILL.md L105-126 (\"Matched H100 Evidence: "
-        "Moonlight 16B\", Bridge 600d069b, Core 24bad8e6)",
+        "Moonlight 16B\", Bridge 600d069b, Core 24bad8e6); skills/nemo-mbridge-perf-activation-recompute/card.yaml "
+        "L137-184 (peak_mem_gb)",
         "Moonlight 16B BF16 pretraining recipe, 8 H100 80GB, sequence 4096, MBS 1, GBS 4, TP2 PP1 CP1 EP8, mock "
         "data, 20 steps; peak allocated = the maximum post-optimizer value reported after iteration 2",
         RECIPES + "moonlight.h100.moonlight_16b:moonlight_16b_pretrain_8gpu_h100_bf16_config", "moonlight-16b-a3b",
@@ -162,7 +163,8 @@ LEVERS = {
         Lever(
         "Nemotron 3 Nano pretraining, selective recompute sets",
         f"{BRIDGE} skills/nemo-mbridge-perf-activation-recompute/SKILL.md L139-154 (\"Matched H100 Evidence: "
-        "Nemotron 3 Nano\")",
+        "Nemotron 3 Nano\"); card.yaml L193-234 (peak_mem_gb_after_iteration_1 of [] and moe_act, peak_mem_gb of moe "
+        "and moe, layernorm)",
         "native 16-H100 BF16 performance recipe, sequence 8192, MBS 1, GBS 16, TP1 PP1 CP1 EP8, DP16, expert-DP 2, "
         "HybridEP, grouped GEMM, TE CUDA graphs for attention and Mamba, mock data, 12 steps; rank-0 measured peak",
         RECIPES + "nemotronh.h100.nemotron_3_nano:nemotron_3_nano_pretrain_8gpu_h100_bf16_config",
