@@ -295,8 +295,9 @@ def _lever_case(lever: Lever, case: Case) -> dict:
     except Refused as refused:
         return {**record, "refused": refused.one_line()}
     return {**record, "estimate_bytes": ours.peak_bytes, "peak_phase": ours.peak_phase.name,
-            "steady_bytes": ours.steady_peak_bytes, "phase_peaks": {p.name: p.peak_bytes for p in ours.phases}, "estimate_seconds": time.perf_counter() - start,
-            "notes": built.notes, "settings": ours.settings, "estimate": ours.as_dict()}
+            "steady_bytes": ours.steady_peak_bytes, "phase_peaks": {p.name: p.peak_bytes for p in ours.phases},
+            "estimate_seconds": time.perf_counter() - start, "notes": built.notes, "settings": ours.settings,
+            "estimate": ours.as_dict()}
 
 
 def _change(record: dict, first: dict, key: str) -> str:
@@ -309,10 +310,12 @@ def _change(record: dict, first: dict, key: str) -> str:
 def _lever_row(record: dict, first: dict) -> list[str]:
     published, ours = record["published_bytes"], record["estimate_bytes"]
     if ours is None:
-        return [record["case"], record["stated"], "refused", "-", _change(record, first, "published_bytes"), "-", "-", "-"]
+        return [record["case"], record["stated"], "refused", "-", _change(record, first, "published_bytes"),
+                "-", "-", "-"]
     return [record["case"], record["stated"], f"{_gb(ours)} ({record['peak_phase']})",
             _diff_or_dash(ours, published), _change(record, first, "published_bytes"),
-            _change(record, first, "estimate_bytes"), _gb(record["steady_bytes"]), _change(record, first, "steady_bytes")]
+            _change(record, first, "estimate_bytes"), _gb(record["steady_bytes"]),
+            _change(record, first, "steady_bytes")]
 
 
 def _lever(lever: Lever) -> list[dict]:
@@ -333,25 +336,31 @@ def _lever(lever: Lever) -> list[dict]:
             print(f"\n{record['case']}: refused: {record['refused']}")
     done = [r for r in records if r["estimate_bytes"] is not None]
     if done:
-        s = done[0]["settings"]
-        print("\nthe estimate's phases (peak of each; the whole-run peak is the largest):")
-        for record in done:
-            print(f"  {record['case']}: " + ", ".join(f"{n} {_gb(b)}" for n, b in record["phase_peaks"].items()))
-        print(f"\nsettings the estimate assumed: TP={s.tp} PP={s.pp} DP={s.dp} SP={'on' if s.sequence_parallel else 'off'}, "
-              f"seq {s.seq_length}, micro-batch {s.micro_batch}, {s.dtype}, attention {s.attention}, "
-              f"{s.transformer_impl}, distributed optimizer {'on' if s.distributed_optimizer else 'off'}; "
-              f"build notes: {'; '.join(done[0]['notes']) or 'none'}")
-        print(f"estimate seconds: {', '.join(f'{r['estimate_seconds']:.1f}' for r in done)} ({os.cpu_count()} CPU "
-              f"cores, load average {os.getloadavg()[0]:.1f}: the machine is shared)")
-        seen = set()
-        print("assumptions of the estimate:")
-        for record in done:
-            fresh = [a for a in record["estimate"]["assumptions"] if a not in seen]
-            seen.update(fresh)
-            if fresh:
-                print(f"  {record['case']}:" + "".join(f"\n  - {a}" for a in fresh))
+        _print_details(done)
     print()
     return [_lever_record(r) for r in records]
+
+
+def _print_details(done: list[dict]) -> None:
+    """Each estimated case's phases, the settings the estimate assumed and each case's new assumptions."""
+    s = done[0]["settings"]
+    print("\nthe estimate's phases (peak of each; the whole-run peak is the largest):")
+    for record in done:
+        print(f"  {record['case']}: " + ", ".join(f"{n} {_gb(b)}" for n, b in record["phase_peaks"].items()))
+    print(f"\nsettings the estimate assumed: TP={s.tp} PP={s.pp} DP={s.dp} "
+          f"SP={'on' if s.sequence_parallel else 'off'}, "
+          f"seq {s.seq_length}, micro-batch {s.micro_batch}, {s.dtype}, attention {s.attention}, "
+          f"{s.transformer_impl}, distributed optimizer {'on' if s.distributed_optimizer else 'off'}; "
+          f"build notes: {'; '.join(done[0]['notes']) or 'none'}")
+    print(f"estimate seconds: {', '.join(f'{r['estimate_seconds']:.1f}' for r in done)} ({os.cpu_count()} CPU "
+          f"cores, load average {os.getloadavg()[0]:.1f}: the machine is shared)")
+    seen = set()
+    print("assumptions of the estimate:")
+    for record in done:
+        fresh = [a for a in record["estimate"]["assumptions"] if a not in seen]
+        seen.update(fresh)
+        if fresh:
+            print(f"  {record['case']}:" + "".join(f"\n  - {a}" for a in fresh))
 
 
 def _lever_record(record: dict) -> dict:
