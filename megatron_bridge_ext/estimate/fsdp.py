@@ -300,12 +300,10 @@ def step_state(optimizer, ddp, lay: Layout, *, param_bytes: int):
             "gradients cast to the main weights' dtype (Megatron-FSDP param_and_grad_buffer.py L3369-3373), kept in "
             "dist_main_grad until the next step"))
         kept.append(phases.FP32_GRAD_COPIES)
-    low = sum(1 for b in moments if b < 4) if getattr(optimizer, "use_precision_aware_optimizer", False) else 0
+    low = phases.unscaled_states(optimizer, with_masters=False) \
+        if getattr(optimizer, "use_precision_aware_optimizer", False) else []
     if low:
-        transients.append(Component(
-            TRANSIENT, phases.UNSCALED_STATES, elements * 4 * low,
-            f"formula: {elements:,} elements x 4 B x {low} 16-bit moment(s): Transformer Engine's FusedAdam.step "
-            "unscales them to fp32 (get_unscaled_state) for its kernel"))
+        transients.append(phases.unscaled_component(elements, low))
     return phases.StepState(lay.mains, elements * sum(moments), False, tuple(transients), tuple(kept), (),
                             elements, 0, None)
 

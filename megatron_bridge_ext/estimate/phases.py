@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from megatron_bridge_ext.estimate.fsdp import UNITS as FSDP_UNITS
 from megatron_bridge_ext.estimate.features.activation_offload import KEPT as OFFLOAD_KEPT
 from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
@@ -113,13 +115,9 @@ def step_state(optimizer, shard, rule, *, grad_bytes: int, ddp=None, resume: boo
             "shard_main_param.grad = shard_model_grad.float(); optimizer.py L1097 without the distributed "
             "optimizer); kept until the next zero_grad"))
         kept.append(FP32_GRAD_COPIES)
-    low = [name for name, size in _state_sizes(optimizer, rule, fused_adam_masters) if size < 4]
+    low = unscaled_states(optimizer, with_masters=fused_adam_masters and bool(rule.main_bytes) and not rule.remainders)
     if rule.precision_aware and low:
-        transients.append(Component(
-            TRANSIENT, UNSCALED_STATES, shard.elements * 4 * len(low),
-            f"formula: {shard.elements:,} elements x 4 B x {len(low)} ({', '.join(low)} in 16 bits): Transformer "
-            "Engine's FusedAdam.step unscales each such state to fp32 (get_unscaled_state: state.float()) and keeps "
-            "the copies of a parameter group for its kernel"))
+        transients.append(unscaled_component(shard.elements, low))
     notes = _step_notes(optimizer, ddp)
     return StepState(shard.masters, shard.moments, fused_adam_masters, tuple(transients), tuple(kept), notes,
                      shard.elements, shard.offloaded,
@@ -180,12 +178,29 @@ def te_holds_masters(optimizer) -> bool:
             or bool(getattr(optimizer, "optimizer_cpu_offload", False)))
 
 
-def _state_sizes(optimizer, rule, with_masters: bool) -> list[tuple[str, int]]:
-    names = ["exp_avg", "exp_avg_sq"] if len(rule.moment_bytes) == 2 else ["momentum"]
-    out = list(zip(names, rule.moment_bytes))
-    if with_masters and rule.main_bytes and not rule.remainders:  # remainders are read as they are, not unscaled
-        out.append(("master_param", rule.main_bytes))
-    return out
+def unscaled_states(optimizer, *, with_masters: bool) -> list[str]:
+    """The precision-aware optimizer's states that Transformer Engine's ``FusedAdam.step`` copies to fp32 for its
+    kernel (``get_unscaled_state``, TE v2.17.1 ``pytorch/optimizers/fused_adam.py`` L306-352, called at L666-671):
+    fp16 and FP8 (``torch.uint8``) states always (``.float()``); bf16 ones unless both moments are bf16, where TE
+    v2.14 and later fuse their unscaling into the kernel and pass them as they are (``fuse_unscale``, L218-220,
+    ``skip_unscale``; commit 459e7cf4, "Fuse scaling and unscaling of bf16 momentums into kernels", #2632). fp32
+    states are used in place. ``with_masters``: FusedAdam holds the master weights (remainders are read as they are)."""
+    dtypes = {"exp_avg": getattr(optimizer, "exp_avg_dtype", torch.float32),
+              "exp_avg_sq": getattr(optimizer, "exp_avg_sq_dtype", torch.float32)}
+    if with_masters:
+        dtypes["master_param"] = getattr(optimizer, "main_params_dtype", torch.float32)
+    fused = dtypes["exp_avg"] == dtypes["exp_avg_sq"] == torch.bfloat16
+    return [name for name, dtype in dtypes.items()
+            if dtype in (torch.float16, torch.uint8) or (dtype == torch.bfloat16 and not fused)]
+
+
+def unscaled_component(elements: int, names: list[str]) -> Component:
+    """The step's fp32 copies of the states :func:`unscaled_states` names, for ``elements`` elements of a shard."""
+    return Component(
+        TRANSIENT, UNSCALED_STATES, elements * 4 * len(names),
+        f"formula: {elements:,} elements x 4 B x {len(names)} ({', '.join(names)}): Transformer Engine's "
+        "FusedAdam.step copies each such state to fp32 (get_unscaled_state: state.float()) and keeps the copies of a "
+        "parameter group for its kernel (bf16 moments together are unscaled inside the kernel since TE v2.14)")
 
 
 def _step_notes(optimizer, ddp) -> tuple[str, ...]:

@@ -108,7 +108,8 @@ def test_without_the_decoupled_gradient_the_step_casts_the_bf16_gradient_shard_t
 
 def test_the_precision_aware_optimizer_keeps_bf16_moments_and_unscales_them_without_a_master_copy():
     """Core turns FusedAdam's master weights off over Megatron-FSDP (optimizer/__init__.py L1116-1128) and Bridge
-    turns the decoupled gradient on (training/config.py L1079-1084): no cast copy."""
+    turns the decoupled gradient on (training/config.py L1079-1084): no cast copy. Two bf16 moments are unscaled in
+    TE's kernel (no copy); fp16 moments are copied to fp32 in the step."""
     from megatron_bridge_ext.levers import fsdp as rules
 
     optimizer = types.SimpleNamespace(use_precision_aware_optimizer=True, use_distributed_optimizer=True,
@@ -117,6 +118,9 @@ def test_the_precision_aware_optimizer_keeps_bf16_moments_and_unscales_them_with
     rules.bridge_applies(optimizer, ddp)
     step = fsdp.step_state(optimizer, ddp, _layout(), param_bytes=2)
     assert (step.masters, step.moments) == (1000 * FP32, 1000 * (BF16 + BF16))
+    assert step.transients == ()
+    optimizer.exp_avg_dtype = optimizer.exp_avg_sq_dtype = torch.float16
+    step = fsdp.step_state(optimizer, ddp, _layout(), param_bytes=2)
     assert [(c.name, c.bytes) for c in step.transients] == [(phases.UNSCALED_STATES, 1000 * FP32 * 2)]
 
 

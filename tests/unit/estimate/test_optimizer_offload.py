@@ -141,9 +141,10 @@ def test_no_remainders_where_core_keeps_the_masters():
 
 
 def test_remainders_are_not_unscaled_in_the_step():
-    """FusedAdam reads the int16 remainders as they are (get_unscaled_state returns the state for fp32 masters)."""
+    """FusedAdam reads the int16 remainders as they are (get_unscaled_state returns the state for fp32 masters):
+    with fp16 moments the step copies the two moments to fp32 and nothing for the masters."""
     aware = optimizer_config(use_precision_aware_optimizer=True, store_param_remainders=True,
-                       exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+                             exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
     rule, shard = _shard(aware)
     step = phases.step_state(aware, shard, rule, grad_bytes=4)
     assert [(c.name, c.bytes) for c in step.transients] == [(phases.UNSCALED_STATES, SHARD * 4 * 2)]

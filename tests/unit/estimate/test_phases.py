@@ -47,8 +47,15 @@ def test_the_precision_aware_optimizer_creates_its_masters_in_the_step_and_unsca
                        exp_avg_sq_dtype=torch.bfloat16)
     _, step = _step(aware)
     assert step.masters_in_step
-    # bf16 moments: two fp32 unscaled copies of the shard; the fp32 master needs none; no .float() grad copy
-    assert [(c.name, c.bytes) for c in step.transients] == [(phases.UNSCALED_STATES, SHARD * 4 * 2)]
+    # two bf16 moments: unscaled inside TE's kernel (v2.14+), no copy; the fp32 master needs none; no grad copy
+    assert step.transients == ()
+    # one bf16 and one fp32 moment: the bf16 one is copied to fp32 (TE fuses only a bf16 pair)
+    _, mixed = _step(optimizer_config(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16))
+    assert [(c.name, c.bytes) for c in mixed.transients] == [(phases.UNSCALED_STATES, SHARD * 4)]
+    # fp16 moments and an fp16 master: three fp32 copies
+    _, half = _step(optimizer_config(use_precision_aware_optimizer=True, exp_avg_dtype=torch.float16,
+                                     exp_avg_sq_dtype=torch.float16, main_params_dtype=torch.float16))
+    assert [(c.name, c.bytes) for c in half.transients] == [(phases.UNSCALED_STATES, SHARD * 4 * 3)]
     _, fp32_states = _step(optimizer_config(use_precision_aware_optimizer=True))
     assert fp32_states.transients == ()
 
