@@ -141,6 +141,8 @@ def test_duplicated_linear_keeps_its_input_only_while_its_weight_trains():
     linear = mla.DuplicatedLinear(8, 6, parallel_mode="duplicated", config=config, init_method=None, bias=False,
                                   skip_bias_add=False, is_expert=False)
     assert tuple(linear.weight.shape) == (6, 8)
+    with torch.no_grad():  # init_method None leaves the weight as torch.empty left it: set values to compare against
+        linear.weight.copy_(torch.randn(6, 8))
     x = torch.randn(5, 2, 8, requires_grad=True)
     with SavedActivationMeter(linear) as meter:
         out, bias = linear(x)
