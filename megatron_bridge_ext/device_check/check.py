@@ -93,15 +93,18 @@ class Check:
 BUDGET_S = 420
 """The whole check's wall-clock budget (a device command may run 10 minutes; this leaves room for the
 machine's start and the wheel install). Every part's timeout is cut to what is left of it."""
-_deadline = time.monotonic() + BUDGET_S
+_deadline: float | None = None
+"""When the check's budget ends: set by :func:`main` as it starts; None (a part called on its own) runs each part
+under its own timeout only."""
 
 
 def _run(command: list[str], timeout: int, env: dict | None = None) -> tuple[int, str, str]:
     """(exit status, stdout, stderr); 124 when the part's timeout, or the end of the budget, killed it."""
-    left = int(_deadline - time.monotonic())
-    if left < 5:
-        return 124, "", "not started: the check's budget (--budget) is spent"
-    timeout = min(timeout, left)
+    if _deadline is not None:
+        left = int(_deadline - time.monotonic())
+        if left < 5:
+            return 124, "", "not started: the check's budget (--budget) is spent"
+        timeout = min(timeout, left)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env=env if env is not None else dict(os.environ))

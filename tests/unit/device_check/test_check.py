@@ -177,3 +177,16 @@ def test_mbx_diagnose_on_a_capacity_message_fails_the_verdict(tmp_path):
     status, detail = check.judge_cli([capacity], check.PASS)
     assert status == check.FAIL and "capacity" in detail
     assert check.judge_cli([tmp_path / "none.txt"], check.PASS)[0] == check.FAIL
+
+
+def test_the_budget_counts_from_the_checks_start_not_from_the_import(tmp_path, monkeypatch):
+    """A part called on its own runs under its own timeout however long ago the module was imported; once main()
+    has started the budget and it is spent, a part is not started."""
+    import sys
+    import time
+
+    monkeypatch.setattr(check, "_deadline", None)
+    assert check._run([sys.executable, "-c", "print('ran')"], timeout=60)[:2] == (0, "ran\n")
+    monkeypatch.setattr(check, "_deadline", time.monotonic() - 1)
+    status, _, why = check._run([sys.executable, "-c", "print('ran')"], timeout=60)
+    assert status == 124 and "budget (--budget) is spent" in why
