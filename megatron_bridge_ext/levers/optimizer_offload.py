@@ -100,3 +100,33 @@ def given(optimizer) -> tuple[Optional[float], bool]:
     """The config's own (fraction, overlap); (None, False) with the offload off."""
     share = fraction(optimizer)
     return share, share is not None and bool(getattr(optimizer, "overlap_cpu_optimizer_d2h_h2d", False))
+
+
+PLANNED = SEARCHED[-1]
+"""The share the plain plan offloads: the whole shard (the most it saves; its step-time cost is priced)."""
+
+
+def plan_option(planner, state, step: int, lever: str):
+    """The plan's offloading step's option of the optimizer offloaded (:data:`PLANNED`, overlapped copies) on
+    ``state``: estimated, or not applicable with the rule it breaks or the estimate's refusal."""
+    from megatron_bridge_ext.estimate.memory import NotModelled
+    from megatron_bridge_ext.levers.step import Cost, Option, State
+
+    cfg = copy.deepcopy(state.cfg)
+    apply(cfg.optimizer, PLANNED, True)
+    label = f"offload {PLANNED:g} of the optimizer's shard to the CPU (overlapped copies)"
+    problems = [] if getattr(cfg.optimizer, "optimizer", "adam") == "adam" else [
+        Finding("unsupported_model", ERROR, "optimizer.optimizer", "the plan offloads Adam's states only",
+                "offload with optimizer.optimizer=adam")]
+    grad_16 = not getattr(cfg.ddp, "grad_reduce_in_fp32", False) and state.est.settings.dtype != "float32"
+    problems += findings(cfg.optimizer, cfg.ddp, grad_bytes_16=grad_16)
+    if problems:
+        return planner.add(Option(step, lever, label, False, problems[0].text(), constraints=problems), state)
+    try:
+        est = planner.estimate(cfg)
+    except NotModelled as refused:
+        return planner.add(Option(step, lever, label, False, f"no predicted peak: {refused.one_line()}"), state)
+    cost = Cost(basis="formula: the host's Adam on the offloaded shard at the host's memory bandwidth, its fp32 "
+                      "gradients down and parameters up over the host link, pipelined with the GPU's share")
+    return planner.add(Option(step, lever, label, True, cost=cost),
+                       State(cfg, est, dict(state.flags), state.overrides + overrides(PLANNED, True)))
