@@ -34,7 +34,7 @@ from megatron_bridge_ext.estimate.features import fp8_experts
 from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of,
                                                trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
-from megatron_bridge_ext.levers import fsdp as fsdp_rules
+from megatron_bridge_ext.levers import fsdp as fsdp_rules, optimizer_offload
 from megatron_bridge_ext.levers.activation_offload import constraints as activation_offload_constraints
 from megatron_bridge_ext.levers.parallelism.constraints import (expert_sizes, moe_sequence_parallel_problem,
                                                                 query_group_problem, schedule_findings)
@@ -238,7 +238,8 @@ def _unhonoured(optimizer, ddp, dtype: torch.dtype) -> list[Finding]:
     grad_16 = not getattr(ddp, "grad_reduce_in_fp32", False) and dtype != torch.float32
     return ([Finding("unsupported_model", ERROR, f"{section}.{name}", what, f"estimate with {section}.{name}=false")
              for section, name, what in UNHONOURED if getattr(sections[section], name, False)]
-            + static.optimizer_findings(optimizer) + offload.findings(optimizer, grad_bytes_16=grad_16))
+            + static.optimizer_findings(optimizer)
+            + optimizer_offload.findings(optimizer, ddp, grad_bytes_16=grad_16))
 
 
 def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optional[int],
@@ -1085,7 +1086,8 @@ def _settings(prepared: Prepared, *, attention: str, impl: str, device: str, sta
         peft=_peft_settings(prepared.peft), hybrid=_hybrid_settings(p, stage), reports=prepared.reports, moe=moe,
         mla=_mla_settings(p), tp_comm_overlap=bool(getattr(p, "tp_comm_overlap", False)),
         fsdp=fsdp_rules.strategy(prepared.ddp) if fsdp_rules.enabled(prepared.ddp) else None,
-        moment_bytes=_moment_bytes(prepared))
+        moment_bytes=_moment_bytes(prepared), optimizer_offload=offload.fraction(prepared.optimizer),
+        optimizer_offload_overlap=bool(getattr(prepared.optimizer, "overlap_cpu_optimizer_d2h_h2d", False)))
 
 
 def _moment_bytes(prepared: Prepared) -> int:

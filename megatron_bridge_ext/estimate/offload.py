@@ -24,6 +24,9 @@ order and moves whole parameters to pinned host memory while the moved elements 
 
 ``use_torch_optimizer_for_cpu_offload`` changes nothing in Core 0.19: the class it picks is overwritten for Adam
 and SGD alike right after (``__init__.py`` L513-527).
+
+Its rules (what Core refuses, what is not modelled) are :func:`megatron_bridge_ext.levers.optimizer_offload.findings`,
+shared with the search.
 """
 
 from __future__ import annotations
@@ -31,16 +34,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from megatron_bridge_ext.findings import ERROR, Finding
-
-SETTING = "optimizer.optimizer_cpu_offload"
-
-
-def fraction(optimizer) -> Optional[float]:
-    """``optimizer_offload_fraction`` when the optimizer is offloaded, else None."""
-    if not getattr(optimizer, "optimizer_cpu_offload", False):
-        return None
-    return float(getattr(optimizer, "optimizer_offload_fraction", 0.0) or 0.0)
+from megatron_bridge_ext.levers.optimizer_offload import fraction
 
 
 def host_elements(elements: int, share: float) -> int:
@@ -48,33 +42,6 @@ def host_elements(elements: int, share: float) -> int:
     parameters while fewer than the threshold are moved, ``hybrid_optimizer.py`` L258-276; the cut is taken at the
     element, its parameter boundary unknown here)."""
     return min(elements, math.ceil(round(elements * share, 6)))
-
-
-def findings(optimizer, *, grad_bytes_16: bool) -> list[Finding]:
-    """What Core refuses or the estimate does not model with the offload on (one line each)."""
-    share = fraction(optimizer)
-    if share is None:
-        return []
-    out = []
-    if not 0.0 <= share <= 1.0:
-        out.append(Finding("optimizer_config", ERROR, "optimizer.optimizer_offload_fraction",
-                           f"{share:g} is not a fraction: the hybrid optimizer moves that share of the elements",
-                           "set a value from 0 to 1"))
-    if not getattr(optimizer, "decoupled_weight_decay", True):
-        out.append(Finding("optimizer_config", ERROR, "optimizer.decoupled_weight_decay",
-                           "Core asserts CPU offload only with decoupled weight decay (optimizer/__init__.py L508-510)",
-                           "set decoupled_weight_decay=true"))
-    if not getattr(optimizer, "use_distributed_optimizer", False):
-        out.append(Finding("unsupported_model", ERROR, SETTING,
-                           "CPU offload without the distributed optimizer is not modelled: Float16Optimizer re-points "
-                           "the hybrid optimizer's groups after it split them (optimizer.py L1012-1018)",
-                           "estimate with use_distributed_optimizer=true"))
-    if getattr(optimizer, "use_precision_aware_optimizer", False) and grad_bytes_16:
-        out.append(Finding("unsupported_model", ERROR, SETTING,
-                           "CPU offload with the precision-aware optimizer and a 16-bit gradient buffer is not "
-                           "modelled: its fp32 gradient copies (hybrid_optimizer.py L93) outlive zero_grad",
-                           "estimate with grad_reduce_in_fp32=true"))
-    return out
 
 
 def assumption(optimizer, *, host: int, elements: int) -> Optional[str]:

@@ -243,6 +243,10 @@ class Settings:
     moment_bytes: int = 8
     """Bytes of Adam's two moments per element (8 in fp32; the precision-aware optimizer's dtypes); older JSONs lack
     the key, read as fp32."""
+    optimizer_offload: Optional[float] = None
+    """``optimizer_offload_fraction`` with ``optimizer_cpu_offload`` on, None with it off (older JSONs lack the key)."""
+    optimizer_offload_overlap: bool = False
+    """``overlap_cpu_optimizer_d2h_h2d``: the offloaded optimizer's copies on side streams."""
 
     def to_json(self) -> dict[str, Any]:
         """The flat dict of ``mbx plan --json``: the layout and shapes, the PEFT keys, a hybrid model's, the report

@@ -98,9 +98,6 @@ def _unmodelled(provider, optimizer, ddp) -> list[Finding]:
         out.append(_not_modelled("ddp.fp8_param_gather", "Megatron-FSDP's FP8 parameter buffers (uint8 and "
                                  "transpose buffers, param_and_grad_buffer.py L2624-2680) are not modelled",
                                  "estimate with ddp.fp8_param_gather=false"))
-    if getattr(optimizer, "optimizer_cpu_offload", False):
-        out.append(_not_modelled("optimizer.optimizer_cpu_offload", "CPU offload over Megatron-FSDP's DTensor "
-                                 "shards is not modelled", "estimate with optimizer.optimizer_cpu_offload=false"))
     if getattr(optimizer, "optimizer", "adam") != "adam":
         out.append(_not_modelled("optimizer.optimizer", "only Adam's states over Megatron-FSDP's shards are "
                                  "modelled", "estimate with optimizer.optimizer=adam"))

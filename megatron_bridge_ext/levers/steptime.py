@@ -39,7 +39,9 @@ TFLOP/s/GPU over 107 rows of five GPU kinds, 6.8% on the 47 dense rows; ``script
   reduce-scatters run every microbatch; the assumption is the same overlap: Core prefetches the next layers' gathers
   and reduce-scatters on side streams (``megatron_fsdp.py`` L405-417, ``param_and_grad_buffer.py`` L4380-4520), so
   only what exceeds the step's compute is counted.
-* **optimizer**: Adam's step on the rank's shard at HBM bandwidth (:func:`optimizer_seconds`).
+* **optimizer**: Adam's step on the rank's shard at HBM bandwidth (:func:`optimizer_seconds`); with the optimizer
+  offloaded to the CPU (``optimizer_cpu_offload``) the offloaded share steps on the host instead, its gradients and
+  parameters crossing the host link (:func:`host_optimizer_seconds`).
 * **CPU offloading**: the activation bytes to the host and back over the host link (one direction at a
   time), overlapped with the compute of the other layers (Core copies on a side stream, layer by
   layer): the step pays what exceeds its compute time, and at least one layer's share (the first
@@ -75,6 +77,20 @@ GB300_SHEET = "NVIDIA GB300 NVL72 datasheet (nvidia.com/en-us/data-center/gb300-
 DGX_NETWORK = "DGX H100/H200/B200 datasheets: 8x ConnectX-7 400 Gb/s InfiniBand per node, one per GPU"
 CX8_NETWORK = "ConnectX-8 SuperNIC 800 Gb/s InfiniBand, one per GPU"
 NVL72 = 72
+HOST_MEMORY = {
+    "h100": ("DGX H100 datasheet: 2x Intel Xeon Platinum 8480C, each 8 channels of DDR5-4800 (Intel ark: 307.2 GB/s a "
+             "socket); 614.4 GB/s a node over 8 GPUs", 76.8e9),
+    "h200": ("DGX H200 datasheet: the DGX H100's 2x Xeon Platinum 8480C, DDR5-4800; 614.4 GB/s a node over 8 GPUs",
+             76.8e9),
+    "b200": ("DGX B200 datasheet: 2x Intel Xeon Platinum 8570, each 8 channels of DDR5-5600 (Intel ark: 358.4 GB/s a "
+             "socket); 716.8 GB/s a node over 8 GPUs", 89.6e9),
+    "b300": ("taken as DGX B200's host (2 sockets of 8 DDR5-5600 channels) over 8 GPUs", 89.6e9),
+    "gb200": ("GB200 NVL72 datasheet: one Grace CPU per two GPUs, LPDDR5X up to 512 GB/s (18.4 TB/s a rack of 36 "
+              "Grace, 72 GPUs)", 256e9),
+    "gb300": ("taken as GB200's: one Grace CPU (512 GB/s LPDDR5X) per two GPUs", 256e9),
+}
+"""The host's peak memory bandwidth per GPU and its source, by preset: the peak the datasheets give (the optimizer's
+streaming reads and writes reach a fraction of it; like the other rates, the model takes the peak)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,9 @@ class Gpu:
     source: str
     domain: int = NODE_GPUS
     """GPUs one NVLink domain joins: a node of 8 (DGX/HGX), 72 for a GB200/GB300 NVL72 rack."""
+    host_memory: float = 0.0
+    """The host's memory bandwidth per GPU (bytes/s): the CPUs' peak DRAM bandwidth over the GPUs that share them
+    (:data:`HOST_MEMORY`); what the optimizer step on the CPU reads and writes at."""
 
     def peak(self, fp8: bool = False) -> float:
         return self.fp8_flops if fp8 else self.bf16_flops
@@ -110,26 +129,26 @@ class Gpu:
 GPUS: dict[str, Gpu] = {
     # H100 SXM: BF16 1,979 and FP8 3,958 TFLOPS with sparsity; HBM3 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
     "h100": Gpu("h100", bf16_flops=989.5e12, fp8_flops=1979e12, hbm=3.35e12, nvlink=450e9, ib=50e9, pcie=64e9,
-                source=f"{H100_SHEET}; {DGX_NETWORK}"),
+                source=f"{H100_SHEET}; {DGX_NETWORK}", host_memory=HOST_MEMORY["h100"][1]),
     # H200 SXM: the same tensor cores as H100 SXM; HBM3e 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
     "h200": Gpu("h200", bf16_flops=989.5e12, fp8_flops=1979e12, hbm=4.8e12, nvlink=450e9, ib=50e9, pcie=64e9,
-                source=f"{H200_SHEET}; {DGX_NETWORK}"),
+                source=f"{H200_SHEET}; {DGX_NETWORK}", host_memory=HOST_MEMORY["h200"][1]),
     # HGX B200: FP16/BF16 4.5 and FP8 9 PFLOPS with sparsity per GPU; HBM3e 8 TB/s; NVLink 5 1.8 TB/s;
     # PCIe Gen5 x16 128 GB/s to the host.
     "b200": Gpu("b200", bf16_flops=2.25e15, fp8_flops=4.5e15, hbm=8e12, nvlink=900e9, ib=50e9, pcie=64e9,
-                source=f"{B200_SHEET}; {DGX_NETWORK}"),
+                source=f"{B200_SHEET}; {DGX_NETWORK}", host_memory=HOST_MEMORY["b200"][1]),
     # HGX B300: FP16/BF16 36 and FP8 72 PFLOPS with sparsity per 8 GPUs (its gain over B200 is FP4); HBM3e
     # 8 TB/s; NVLink 5 1.8 TB/s; host link taken as B200's PCIe Gen5 x16.
     "b300": Gpu("b300", bf16_flops=2.25e15, fp8_flops=4.5e15, hbm=8e12, nvlink=900e9, ib=100e9, pcie=64e9,
-                source=f"{B300_SHEET}; {CX8_NETWORK}"),
+                source=f"{B300_SHEET}; {CX8_NETWORK}", host_memory=HOST_MEMORY["b300"][1]),
     # GB200 NVL72: FP16/BF16 360 and FP8 720 PFLOPS with sparsity per 72 GPUs; HBM3e 576 TB/s (8 per GPU); NVLink 5
     # 1.8 TB/s across the rack; NVLink-C2C 900 GB/s to the Grace CPU.
     "gb200": Gpu("gb200", bf16_flops=2.5e15, fp8_flops=5e15, hbm=8e12, nvlink=900e9, ib=50e9, pcie=450e9,
-                 source=f"{GB200_SHEET}; {DGX_NETWORK}", domain=NVL72),
+                 source=f"{GB200_SHEET}; {DGX_NETWORK}", host_memory=HOST_MEMORY["gb200"][1], domain=NVL72),
     # GB300 NVL72: FP16/BF16 360 and FP8 720 PFLOPS with sparsity per 72 GPUs (its gain over GB200 is FP4); HBM3e
     # 8 TB/s per GPU; NVLink 5 1.8 TB/s across the rack; NVLink-C2C 900 GB/s to the Grace CPU.
     "gb300": Gpu("gb300", bf16_flops=2.5e15, fp8_flops=5e15, hbm=8e12, nvlink=900e9, ib=100e9, pcie=450e9,
-                 source=f"{GB300_SHEET}; {CX8_NETWORK}", domain=NVL72),
+                 source=f"{GB300_SHEET}; {CX8_NETWORK}", host_memory=HOST_MEMORY["gb300"][1], domain=NVL72),
 }
 """The presets, each figure from its vendor's public datasheet (the dense rates are half the sparse ones)."""
 DEFAULT_GPU = "h100"
@@ -531,7 +550,35 @@ def optimizer_seconds(s: Settings, device: Gpu, moe: Optional[dict] = None) -> f
         experts = expert_parameters_per_rank(s, moe, ep=moe["ep"], etp=moe["etp"],
                                              moe_layers=stage_layer_kinds(s, moe)[1])
         params += experts / (max(1, expert_dp_size(s, ep=moe["ep"], etp=moe["etp"])) if s.distributed_optimizer else 1)
-    return (OPTIMIZER_BYTES - 2 * (8 - s.moment_bytes)) * params / device.hbm
+    seconds = (OPTIMIZER_BYTES - 2 * (8 - s.moment_bytes)) * params / device.hbm
+    if s.optimizer_offload is None:
+        return seconds
+    return host_optimizer_seconds(params, s.optimizer_offload, seconds, device, overlap=s.optimizer_offload_overlap)
+
+
+HOST_ADAM_BYTES = 28
+"""Host memory bytes torch's fused AdamW (Core's ``CPUAdam``, ``optimizer/__init__.py`` L11, L515-531) moves per
+offloaded element: the fp32 parameter, gradient and two moments read (16), the parameter and moments written (12)."""
+HOST_LINK_BYTES = 4
+"""Bytes per offloaded element each way over the host link: the fp32 gradient of the distributed optimizer's main
+shard down (``hybrid_optimizer.py`` L98-114) and the updated fp32 parameter back up (L117-125)."""
+
+
+def host_optimizer_seconds(params: float, share: float, gpu_seconds: float, device: Gpu, *, overlap: bool) -> float:
+    """The optimizer step with ``share`` of the rank's ``params`` shard elements on the host (Core's
+    ``HybridDeviceOptimizer``); ``gpu_seconds``: the whole shard's step on the GPU, of which the rest steps there.
+
+    The gradients go down (:data:`HOST_LINK_BYTES` each, ``device.pcie``, one direction), the host steps them at
+    ``device.host_memory`` (:data:`HOST_ADAM_BYTES`), the parameters come back up; the GPU's step runs meanwhile (its
+    kernels are queued before the host waits for its copies, ``hybrid_optimizer.py`` L162-174). Without
+    ``overlap_cpu_optimizer_d2h_h2d`` the copies run on the compute stream and one host optimizer steps everything
+    (L208-218): down, then the slower of the two steps, then up. With it, side streams and one host optimizer per
+    parameter (L204-207, L219-221) pipeline them parameter by parameter: the slowest of the four."""
+    host = share * params
+    down = up = HOST_LINK_BYTES * host / device.pcie
+    cpu = HOST_ADAM_BYTES * host / device.host_memory
+    gpu = (1.0 - share) * gpu_seconds
+    return max(down, cpu, gpu, up) if overlap else down + max(cpu, gpu) + up
 
 
 def tp_exposed(s: Settings, tp_seconds: float, linear_seconds: float) -> float:

@@ -8,7 +8,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from megatron_bridge_ext.levers import fsdp
+from megatron_bridge_ext.levers import fsdp, optimizer_offload
 from megatron_bridge_ext.levers.activation_offload.cost import ATTENTION as ATTENTION_OFFLOAD
 from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, expert_sizes, layout_findings, uneven_split
 from megatron_bridge_ext.levers.recompute.advice import INSIDE_MOE
@@ -40,6 +40,10 @@ class Candidate:
     """The precision-aware optimizer with bf16 ``exp_avg`` and ``exp_avg_sq`` (:func:`..levers.fsdp.moment_overrides`)."""
     offload: tuple = ()
     """The ``offload_modules`` of fine-grained activation offloading, ``()`` with it off."""
+    optimizer_offload: Optional[float] = None
+    """The share of the optimizer's shard stepped on the CPU (:mod:`..levers.optimizer_offload`); None: all on the GPU."""
+    optimizer_overlap: bool = False
+    """``overlap_cpu_optimizer_d2h_h2d`` with the optimizer offloaded (the search's candidates turn it on)."""
 
     @property
     def layout(self) -> tuple:
@@ -49,12 +53,13 @@ class Candidate:
     def below(self, other: "Candidate") -> bool:
         """Whether this candidate holds at most ``other``'s memory on every term: the same layout, a micro-batch no
         larger, recompute covering ``other``'s (a superset of selective modules), SP and the distributed optimizer
-        on wherever ``other`` has them."""
+        on wherever ``other`` has them, at least ``other``'s share of the optimizer offloaded."""
         return (self.layout == other.layout and self.micro_batch <= other.micro_batch
                 and covers(self.recompute, other.recompute) and self.sp >= other.sp
                 and self.distributed_optimizer >= other.distributed_optimizer
                 and (self.fsdp, self.bf16_moments) == (other.fsdp, other.bf16_moments)
-                and set(self.offload) >= set(other.offload))
+                and set(self.offload) >= set(other.offload)
+                and (self.optimizer_offload or 0.0) >= (other.optimizer_offload or 0.0))
 
     def overrides(self, layers: int, given: Optional["Candidate"] = None) -> list[str]:
         """Bridge override strings that set this candidate on the given config of ``layers`` layers (``given``: that
@@ -73,7 +78,8 @@ class Candidate:
         offload += [f"model.offload_modules=[{','.join(self.offload)}]"] if self.offload else []
         return (out + split + self._experts_and_recompute() + offload
                 + fsdp.strategy_overrides(self.fsdp, from_fsdp=given is not None and given.fsdp is not None)
-                + fsdp.moment_overrides(self.bf16_moments))
+                + fsdp.moment_overrides(self.bf16_moments)
+                + optimizer_offload.overrides(self.optimizer_offload, self.optimizer_overlap))
 
     def _experts_and_recompute(self) -> list[str]:
         out = []
@@ -98,7 +104,8 @@ class Candidate:
         return (f"TP{self.tp}{' SP' if self.sp else ''} PP{self.pp}{vpp} CP{self.cp}{experts} DP{self.dp} "
                 f"mb{self.micro_batch} {rc}{'' if self.distributed_optimizer else ' no-distopt'}"
                 f"{f' FSDP {self.fsdp}' if self.fsdp else ''}{' bf16-moments' if self.bf16_moments else ''}"
-                f"{' offload ' + '+'.join(self.offload) if self.offload else ''}")
+                f"{' offload ' + '+'.join(self.offload) if self.offload else ''}"
+                f"{f' optimizer-offload {self.optimizer_offload:g}' if self.optimizer_offload is not None else ''}")
 
 
 def covers(a, b) -> bool:
@@ -131,6 +138,7 @@ def apply(cfg, c: Candidate):
     fsdp.apply(out, c.fsdp, c.bf16_moments)
     m.fine_grained_activation_offloading = bool(c.offload)
     m.offload_modules = list(c.offload) if c.offload else None
+    optimizer_offload.apply(out.optimizer, c.optimizer_offload, c.optimizer_overlap)
     out.data_parallel_size = c.dp
     return out
 
@@ -145,7 +153,8 @@ def given(cfg, dp: int) -> Candidate:
                      m.virtual_pipeline_model_parallel_size, m.context_parallel_size or 1, ep, etp, dp,
                      bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1, cfg.train.micro_batch_size, rc,
                      bool(cfg.optimizer.use_distributed_optimizer), *fsdp.given(cfg),
-                     tuple(m.offload_modules or ()) if getattr(m, "fine_grained_activation_offloading", False) else ())
+                     tuple(m.offload_modules or ()) if getattr(m, "fine_grained_activation_offloading", False) else (),
+                     *optimizer_offload.given(cfg.optimizer))
 
 
 def shape_of(model) -> dict:
@@ -175,8 +184,9 @@ def offload_sets(model) -> list[tuple]:
 
 
 def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[str],
-                  offloads: tuple = ((),)) -> tuple[int, list[Candidate]]:
-    """How many combinations were looked at, and the legal ones (:func:`layout_findings` finds nothing)."""
+                  offloads: tuple = ((),), optimizer_offload_allowed: bool = False) -> tuple[int, list[Candidate]]:
+    """How many combinations were looked at, and the legal ones (:func:`layout_findings` finds nothing);
+    ``optimizer_offload_allowed``: :func:`..levers.optimizer_offload.searchable` of the config."""
     seen, legal = 0, []
     rcs = recompute_sets(modules)
     experts = shape.get("experts")
@@ -188,15 +198,26 @@ def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[s
         eps = [e for e in divisors(experts) if e <= tp * cp * dp] if experts else [1]
         for vpp, ep, etp, sp in itertools.product(vpps, eps, sorted({1, tp}) if experts else [tp], (False, True)):
             for mb in divisors(global_batch // dp) if global_batch % dp == 0 else [1]:
-                seen += len(rcs) * len(offloads) * sum(len(fsdp.search_options(shape, do, dp * cp))
+                seen += len(rcs) * len(offloads) * sum(len(_optimizer_options(shape, do, dp * cp,
+                                                                              optimizer_offload_allowed))
                                                        for do in (True, False))
                 if layout_findings(shape, world=world, global_batch=global_batch, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                    ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
                     continue
-                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do, *memory, offload=off)
-                          for rc in rcs for do in (True, False) for memory in fsdp.search_options(shape, do, dp * cp)
+                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do, *memory[:2], offload=off,
+                                    optimizer_offload=memory[2], optimizer_overlap=memory[2] is not None)
+                          for rc in rcs for do in (True, False)
+                          for memory in _optimizer_options(shape, do, dp * cp, optimizer_offload_allowed)
                           for off in offloads]
     return seen, legal
+
+
+def _optimizer_options(shape: dict, distributed: bool, dp_cp: int, offload_allowed: bool) -> list[tuple]:
+    """The (FSDP strategy, bf16 moments, optimizer offload share) triples a candidate may take
+    (:func:`..levers.fsdp.search_options`, :func:`..levers.optimizer_offload.search_options`)."""
+    return [(strategy, moments, share) for strategy, moments in fsdp.search_options(shape, distributed, dp_cp)
+            for share in optimizer_offload.search_options(offload_allowed, distributed_optimizer=distributed,
+                                                          fsdp=strategy, bf16_moments=moments)]
 
 
 def settings_for(base, c: Candidate, shape: dict, global_batch: int):
@@ -213,4 +234,5 @@ def settings_for(base, c: Candidate, shape: dict, global_batch: int):
                    recompute_granularity=FULL if c.recompute == FULL else ("selective" if c.recompute else None),
                    recompute_modules=() if c.recompute == FULL else tuple(c.recompute),
                    distributed_optimizer=c.distributed_optimizer, moe=moe, fsdp=c.fsdp,
-                   moment_bytes=2 + 2 if c.bf16_moments else 4 + 4)
+                   moment_bytes=2 + 2 if c.bf16_moments else 4 + 4, optimizer_offload=c.optimizer_offload,
+                   optimizer_offload_overlap=c.optimizer_overlap)

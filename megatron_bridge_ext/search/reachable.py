@@ -54,7 +54,8 @@ def reachable(given: cands.Candidate, shape: dict, *, global_batch: int, modules
         if layout_findings(shape, world=world, global_batch=global_batch, tp=tp, pp=pp, vpp=given.vpp, cp=given.cp,
                            ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
             continue
-        out += [cands.Candidate(tp, pp, given.vpp, given.cp, ep, etp, dp, sp, mb, rc, given.distributed_optimizer)
+        out += [cands.Candidate(tp, pp, given.vpp, given.cp, ep, etp, dp, sp, mb, rc, given.distributed_optimizer,
+                                optimizer_offload=given.optimizer_offload, optimizer_overlap=given.optimizer_overlap)
                 for rc in rcs]
     return list(dict.fromkeys(out))
 

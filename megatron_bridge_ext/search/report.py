@@ -11,7 +11,8 @@ def changes(given, c) -> str:
     """What candidate ``c`` changes against the config as given, in a few words."""
     names = {"tp": "TP", "pp": "PP", "vpp": "VPP", "cp": "CP", "ep": "EP", "etp": "ETP", "dp": "DP", "sp": "SP",
              "micro_batch": "mb", "recompute": "recompute", "distributed_optimizer": "distopt", "fsdp": "FSDP",
-             "bf16_moments": "bf16 moments", "offload": "offload"}
+             "bf16_moments": "bf16 moments", "offload": "offload", "optimizer_offload": "optimizer offload",
+             "optimizer_overlap": "offload overlap"}
     if given.ep == c.ep == 1:  # no expert parallelism on either side: the expert TP follows TP
         names.pop("etp")
     out = [f"{label} {_v(getattr(given, k), k)}->{_v(getattr(c, k), k)}" for k, label in names.items()
@@ -20,8 +21,8 @@ def changes(given, c) -> str:
 
 
 def _v(value, key: str = "") -> str:
-    if key == "fsdp":
-        return value or "off"
+    if key in ("fsdp", "optimizer_offload"):
+        return "off" if value is None else f"{value:g}" if isinstance(value, float) else value
     if isinstance(value, tuple):
         return "+".join(value) or "none"
     if isinstance(value, bool):

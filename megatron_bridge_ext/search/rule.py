@@ -14,9 +14,9 @@ from typing import Callable, Iterable, Optional
 from megatron_bridge_ext.search.candidates import FULL, Candidate
 
 LEVER_FIELDS = ("tp", "pp", "vpp", "cp", "ep", "etp", "sp", "micro_batch", "distributed_optimizer", "fsdp",
-                "bf16_moments", "offload")
-"""The candidate fields that are one lever each (DP follows TP, PP and CP on the same GPUs); recompute counts per
-module (:func:`_recompute_levers`)."""
+                "bf16_moments", "offload", "optimizer_offload")
+"""The candidate fields that are one lever each (DP follows TP, PP and CP on the same GPUs; the optimizer offload's
+overlap follows its fraction); recompute counts per module (:func:`_recompute_levers`)."""
 
 
 def lever_count(given: Candidate, c: Candidate) -> int:
@@ -74,6 +74,8 @@ def reverts(given: Candidate, c: Candidate) -> list[Candidate]:
             back = replace(back, dp=world // grid)
         if f == "tp" and back.tp == 1:
             back = replace(back, sp=False)
+        if f == "optimizer_offload":
+            back = replace(back, optimizer_overlap=given.optimizer_overlap)
         out.append(back)
     if c.recompute == FULL or given.recompute == FULL:
         if c.recompute != given.recompute:
@@ -112,6 +114,8 @@ def describe_revert(c: Candidate, back: Candidate) -> str:
     names = {"tp": "TP", "pp": "PP", "vpp": "VPP", "cp": "CP", "ep": "EP", "etp": "ETP", "sp": "SP",
              "micro_batch": "micro-batch", "distributed_optimizer": "distributed optimizer"}
     f = next(f for f in LEVER_FIELDS if getattr(c, f) != getattr(back, f))
+    if f == "optimizer_offload":
+        return f"optimizer offload {getattr(back, f) or 'off'}->{getattr(c, f) or 'off'}"
     return f"{names[f]} {_v(getattr(back, f))}->{_v(getattr(c, f))}"
 
 

@@ -6,7 +6,9 @@ recompute, SP and the distributed optimizer on hold no more memory on any term):
 * a candidate above one that does not fit does not fit either (not estimated);
 * a candidate above a faster estimated one is dominated: no less memory for no less time (not estimated);
 * each layout and recompute's floor (micro-batch 1) is estimated when first reached: when it does not fit, no
-  larger micro-batch of it does.
+  larger micro-batch of it does;
+* the optimizer is offloaded to the CPU only where the same candidate without it does not fit: one whose twin fits,
+  or was dominated, is not estimated (the twin is predicted faster, so it was reached first).
 
 The first estimated candidate that fits is the fastest that fits (every later one is predicted slower); the walk goes
 on, within ``budget_s``, to fill the front (the plain plan, :mod:`.reachable`, stops there: ``budget_s=0``). The answer
@@ -21,7 +23,7 @@ from typing import Optional
 
 from megatron_bridge_ext.estimate import trace_cache
 from megatron_bridge_ext.findings import Refused
-from megatron_bridge_ext.levers import steptime
+from megatron_bridge_ext.levers import optimizer_offload, steptime
 from megatron_bridge_ext.levers.activation_offload import cost as offload_cost
 from megatron_bridge_ext.levers.parallelism.cost import moe_shape
 from megatron_bridge_ext.search import candidates as cands, rule
@@ -95,7 +97,9 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     given = cands.given(cfg, base.dp)
     if legal is None:
         seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe),
-                                          offloads=tuple(cands.offload_sets(cfg.model)))
+                                          offloads=tuple(cands.offload_sets(cfg.model)),
+                                          optimizer_offload_allowed=optimizer_offload.searchable(cfg.optimizer,
+                                                                                                 cfg.ddp))
     else:
         seen = len(legal)
     out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
@@ -108,9 +112,10 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
         run = Estimator(cfg, out, gpu=gpu, moe=moe, expandable_on=expandable_on, estimate_options=estimate_options,
                         apply=apply, keep=keep_estimates)
         out.estimator = run
-        pruned, dominated = _walk(run, out, order, predicted, budget_s)
+        pruned, dominated, unneeded = _walk(run, out, order, predicted, budget_s)
         out.counts.update(estimated=len(run.done), not_estimable=len(out.refused), pruned_not_fitting=pruned,
-                          pruned_dominated=dominated, traces=trace_cache.misses, trace_reuses=trace_cache.hits)
+                          pruned_dominated=dominated, pruned_optimizer_offload=unneeded, traces=trace_cache.misses,
+                          trace_reuses=trace_cache.hits)
     t3 = time.perf_counter()
     out.seconds = {"enumerate": t1 - t0, "step_times": t2 - t1, "estimates": t3 - t2}
     return out
@@ -179,11 +184,13 @@ class Estimator:
         return e
 
 
-def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: float) -> tuple[int, int]:
+def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: float) -> tuple[int, int, int]:
     """Estimate ``order`` (fastest predicted first) but what the memory order prunes; stop ``budget_s`` after the
-    first candidate that fits. Returns how many candidates were pruned as not fitting and as dominated."""
+    first candidate that fits. Returns how many candidates were pruned as not fitting, as dominated, and as offloading
+    the optimizer without need (:func:`_offload_unneeded`)."""
     floors: set = set()
-    pruned = dominated = 0
+    skipped: set = set()
+    pruned = dominated = unneeded = 0
     if out.given in predicted:
         run(out.given)
     answer_at = None
@@ -195,6 +202,10 @@ def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: f
             continue
         if any(e.candidate.below(c) and e.step_time_s <= predicted[c] for e in out.evaluated):
             dominated += 1
+            skipped.add(c)
+            continue
+        if _offload_unneeded(c, run.done, skipped, out.given):
+            unneeded += 1
             continue
         floor = _floor(c)
         if floor is not None and floor not in floors:
@@ -206,7 +217,16 @@ def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: f
         e = run(c)
         if e is not None and e.fits and answer_at is None:
             answer_at = time.perf_counter()
-    return pruned, dominated
+    return pruned, dominated, unneeded
+
+
+def _offload_unneeded(c: cands.Candidate, done: dict, skipped: set, given: cands.Candidate) -> bool:
+    """``c`` offloads the optimizer where its twin without the offload fits or was dominated (not the given
+    config, which is estimated as it is)."""
+    if c.optimizer_offload is None or c == given:
+        return False
+    twin = replace(c, optimizer_offload=None, optimizer_overlap=False)
+    return twin in skipped or (done.get(twin) is not None and done[twin].fits)
 
 
 def _floor(c: cands.Candidate) -> Optional[cands.Candidate]:

@@ -176,11 +176,33 @@ def test_needs_tp_times_two_when_pp_does_not_help(walk_only):
 def test_pipeline_parallelism_blocks_cpu_offloading():
     result = _plan(_cfg(pp=2), 1)
     assert result.chosen is None
-    offload = [o for o in result.options if o.step == 5]
+    offload = [o for o in result.options if o.step == 5 and "layers" in o.label]
     assert len(offload) == 1 and not offload[0].applicable
     assert [c.code for c in offload[0].constraints] == ["offload_with_pp"]
     parallel = [o for o in result.options if o.step == 4]
     assert parallel and all(not o.applicable and o.constraints[0].code == "needs_gpus" for o in parallel)
+
+
+def test_the_offloading_step_offers_the_optimizer_offload_with_its_states_on_the_host_and_its_step_time():
+    """Beside activation offloading (refused under PP) the optimizer offloaded whole: Adam's two fp32 moments leave
+    the GPU, the fp32 gradient buffer and main copies stay (DP 1: 4 + 4 of 4 + 4 + 8 bytes an element), and the
+    host's step makes it slower than the same estimate priced without the offload."""
+    from dataclasses import replace
+
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.levers import steptime
+    from megatron_bridge_ext.levers.step import breakdown
+
+    result = _plan(_cfg(pp=2), 1)
+    (option,) = [o for o in result.options if o.step == 5 and "optimizer" in o.label]
+    assert option.applicable and "optimizer.optimizer_offload_fraction=1" in option.overrides
+    before = breakdown(result.baseline)["gradients and optimizer"]
+    assert option.breakdown["gradients and optimizer"] == before * (4 + 4) // (4 + 4 + 8)
+    s = estimate(option.config).settings
+    assert (s.optimizer_offload, s.optimizer_offload_overlap) == (1.0, True)
+    priced = steptime.step_time(s, result.gpu, moe=None)
+    assert priced.optimizer > steptime.step_time(replace(s, optimizer_offload=None), result.gpu).optimizer
+    assert option.cost.step_time_pct == pytest.approx(steptime.change_pct(result.step_time, priced))
 
 
 def test_a_device_size_of_zero_bytes_is_refused_in_bytes():

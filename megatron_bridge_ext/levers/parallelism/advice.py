@@ -12,6 +12,7 @@ from megatron_bridge_ext import evidence
 from megatron_bridge_ext.estimate import te, te_fp8, trace
 from megatron_bridge_ext.estimate.report import gib
 from megatron_bridge_ext.findings import ERROR, Finding
+from megatron_bridge_ext.levers import optimizer_offload
 from megatron_bridge_ext.levers.parallelism import constraints as parallelism, cost as parallelism_cost
 from megatron_bridge_ext.levers.step import Cost, Option, State, breakdown, evidence_for, model_errors
 
@@ -148,7 +149,15 @@ RECOMPUTE_OFF = ("model.recompute_granularity=null", "model.recompute_method=nul
 
 
 def offload(planner: Planner, state: State) -> State:
-    """Step 5: all layers but one offloaded, on the state before recompute (offloading excludes it: the config's own
+    """Step 5: the layers offloaded (:func:`_offload_layers`), and beside them the optimizer offloaded to the CPU on
+    the same state (:func:`..optimizer_offload.plan_option`: it does not exclude recompute)."""
+    layers = _offload_layers(planner, state)
+    optimizer_offload.plan_option(planner, state, 5, evidence_for("CPU offloading")["name"])
+    return layers
+
+
+def _offload_layers(planner: Planner, state: State) -> State:
+    """All layers but one offloaded, on the state before recompute (offloading excludes it: the config's own
     recompute is turned off, and the config re-estimated without it)."""
     from megatron_bridge_ext.estimate.memory import NotModelled
 

@@ -105,20 +105,6 @@ def test_cores_hybrid_optimizer_makes_fp32_copies_on_the_gpu_for_the_kept_16_bit
     assert shard.masters == copies * 4
 
 
-def test_what_core_refuses_and_what_is_not_modelled_with_the_offload_are_named():
-    assert offload.findings(optimizer_config(), grad_bytes_16=True) == []
-    assert offload.findings(_offloaded(0.5), grad_bytes_16=True) == []
-    settings = {f.setting for f in offload.findings(_offloaded(0.5, decoupled_weight_decay=False), grad_bytes_16=False)}
-    assert settings == {"optimizer.decoupled_weight_decay"}
-    plain = offload.findings(_offloaded(0.5, use_distributed_optimizer=False), grad_bytes_16=False)
-    assert [f.setting for f in plain] == [offload.SETTING] and "distributed optimizer" in plain[0].message
-    aware = _offloaded(0.5, use_precision_aware_optimizer=True)
-    assert offload.findings(aware, grad_bytes_16=False) == []
-    assert [f.setting for f in offload.findings(aware, grad_bytes_16=True)] == [offload.SETTING]
-    assert [f.setting for f in offload.findings(_offloaded(1.5), grad_bytes_16=False)] == \
-        ["optimizer.optimizer_offload_fraction"]
-
-
 def test_an_emerging_optimizer_is_refused_by_name():
     assert static.optimizer_findings(optimizer_config()) == []
     assert [f.setting for f in static.optimizer_findings(optimizer_config(optimizer="adaptive_muon"))] == \

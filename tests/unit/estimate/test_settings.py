@@ -25,7 +25,8 @@ LAYOUT_AND_SHAPES = ["tp", "pp", "vpp", "cp", "dp", "sequence_parallel", "seq_le
                      "num_microbatches", "dtype", "fp8", "stage", "layers_on_stage", "hidden", "ffn", "heads",
                      "query_groups", "kv_channels", "num_layers", "gated_linear_unit", "vocab_size",
                      "recompute_granularity", "recompute_modules", "attention", "transformer_impl", "device",
-                     "distributed_optimizer", "tp_comm_overlap", "fsdp", "moment_bytes"]
+                     "distributed_optimizer", "tp_comm_overlap", "fsdp", "moment_bytes", "optimizer_offload",
+                     "optimizer_offload_overlap"]
 FULL_FINE_TUNING = ["peft", "peft_kind"]
 PEFT = ["peft", "peft_kind", "lora_dim", "lora_targets", "sequence_parallel_input_strategy"]
 HYBRID = ["hybrid_layers", "mamba"]
@@ -129,6 +130,12 @@ def test_a_json_from_before_tp_comm_overlap_reads_it_as_off(dense):
 def test_a_json_from_before_fsdp_reads_it_as_ddp_with_fp32_moments(dense):
     flat = {k: v for k, v in dense.settings.to_json().items() if k not in ("fsdp", "moment_bytes")}
     assert (Settings.from_json(flat).fsdp, Settings.from_json(flat).moment_bytes) == (None, 4 + 4)
+
+
+def test_a_json_from_before_the_optimizer_offload_reads_it_as_off(dense):
+    flat = {k: v for k, v in dense.settings.to_json().items() if not k.startswith("optimizer_offload")}
+    assert (Settings.from_json(flat).optimizer_offload, Settings.from_json(flat).optimizer_offload_overlap) == \
+        (None, False)
 
 
 def test_an_unknown_key_is_refused_by_name(dense):

@@ -48,7 +48,6 @@ def test_each_rule_core_or_bridge_enforces_is_one_finding(cfg, model, te, settin
     (_cfg(ddp={"nccl_ub": True}), None, None, "ddp.fsdp_double_buffer"),
     (_cfg(ddp={"fp8_param_gather": True}), None, None, "ddp.fp8_param_gather"),
     (_cfg(), {"fp8": "hybrid"}, None, "model.fp8"),
-    (_cfg(), None, {"optimizer_cpu_offload": True}, "optimizer.optimizer_cpu_offload"),
 ])
 def test_what_the_estimate_does_not_model_with_fsdp_is_named(cfg, model, optimizer, setting):
     assert setting in _settings(cfg, model, optimizer)[1]

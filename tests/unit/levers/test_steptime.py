@@ -386,3 +386,44 @@ def test_bf16_moments_save_their_read_and_write_in_the_optimizer_step():
     saved = 2 * (8 - 4) * steptime.trainable_params(fp32) / steptime.gpu().hbm
     assert steptime.optimizer_seconds(fp32, steptime.gpu()) - steptime.optimizer_seconds(bf16, steptime.gpu()) == \
         pytest.approx(saved)
+
+
+# The hosts' DRAM: DGX H100 two Xeon 8480C, DGX B200 two Xeon 8570, 8 DDR5 channels of 8 bytes each; a Grace CPU's
+# LPDDR5X 512 GB/s for two GPUs of a GB200 NVL72.
+DDR5_CHANNELS, CHANNEL_BYTES, SOCKETS, GRACE = 8, 8, 2, 512e9
+
+
+@pytest.mark.parametrize("name, per_gpu", [
+    ("h100", SOCKETS * DDR5_CHANNELS * 4800e6 * CHANNEL_BYTES / 8),
+    ("b200", SOCKETS * DDR5_CHANNELS * 5600e6 * CHANNEL_BYTES / 8),
+    ("gb200", GRACE / 2)])
+def test_host_memory_is_the_cpus_dram_peak_over_the_gpus_that_share_it(name, per_gpu):
+    assert steptime.gpu(name).host_memory == pytest.approx(per_gpu, rel=1e-12)
+
+
+def _shard_params() -> float:
+    """The trainable parameters of :func:`settings` (layers, embedding and output layer) on one rank of TP 2, DP 2."""
+    return (L * (H * 3 * H + H * H + 2 * H * FFN) + 2 * V * H) // 2 / 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_offloaded_optimizer_steps_its_share_on_the_host_and_crosses_the_host_link(overlap):
+    """Half the shard on the host: 4 B of fp32 gradient down and 4 B of fp32 parameter up over PCIe (one direction,
+    64 GB/s), 28 B of Adam's traffic at the host's 76.8 GB/s; the GPU steps the other half (30 B at HBM) meanwhile.
+    Without the overlap the copies bracket the steps; with it the slowest of the four paces the step."""
+    host = 0.5 * _shard_params()
+    down = up = 4 * host / (PCIE5_BOTH / 2)
+    cpu = 28 * host / (SOCKETS * DDR5_CHANNELS * 4800e6 * CHANNEL_BYTES / 8)
+    gpu = 30 * (_shard_params() - host) / H100_HBM
+    expected = max(down, cpu, gpu, up) if overlap else down + max(cpu, gpu) + up
+    s = settings(dp=2, optimizer_offload=0.5, optimizer_offload_overlap=overlap)
+    assert steptime.step_time(s, H100).optimizer == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_gpu_share_paces_the_offloaded_step_when_the_host_is_fast():
+    """With a host link and host memory far faster than HBM, the step is the GPU's share: a quarter of the shard
+    offloaded leaves three quarters of the plain step."""
+    fast = steptime.gpu("h100", pcie=1e18, host_memory=1e18)
+    plain = steptime.step_time(settings(dp=2), fast).optimizer
+    offloaded = steptime.step_time(settings(dp=2, optimizer_offload=0.25), fast).optimizer
+    assert offloaded == pytest.approx(0.75 * plain, rel=1e-6)

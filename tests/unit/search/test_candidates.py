@@ -67,3 +67,38 @@ def test_the_front_names_the_offload_a_candidate_turns_on():
     from megatron_bridge_ext.search.report import changes
 
     assert changes(_candidate(), _candidate(ATTENTION)) == "offload none->qkv_linear+core_attn+attn_proj"
+
+
+def _optimizer_offloaded(share):
+    return cands.Candidate(tp=2, pp=2, vpp=None, cp=1, ep=1, etp=1, dp=2, sp=True, micro_batch=2, recompute=(),
+                           distributed_optimizer=True, optimizer_offload=share, optimizer_overlap=share is not None)
+
+
+def test_offloading_more_of_the_optimizer_holds_no_more_memory():
+    assert _optimizer_offloaded(1.0).below(_optimizer_offloaded(0.5))
+    assert _optimizer_offloaded(0.5).below(_optimizer_offloaded(None))
+    assert not _optimizer_offloaded(None).below(_optimizer_offloaded(0.5))
+    assert not _optimizer_offloaded(0.5).below(_optimizer_offloaded(1.0))
+
+
+def test_the_optimizer_is_offloaded_only_on_the_plain_distributed_optimizer_and_where_allowed():
+    """Each legal layout with the distributed optimizer, no FSDP and fp32 moments is tried at both searched fractions;
+    no other candidate is, and none at all where the config's optimizer may not be offloaded."""
+    from megatron_bridge_ext.levers.optimizer_offload import SEARCHED
+
+    shape = {"heads": 4, "query_groups": 2, "layers": 4, "seq": 256, "experts": None, "bias": False}
+    _, plain = cands.enumerate_all(shape, world=4, global_batch=8, modules=["core_attn"])
+    _, offloaded = cands.enumerate_all(shape, world=4, global_batch=8, modules=["core_attn"],
+                                       optimizer_offload_allowed=True)
+    hosts = [c for c in offloaded if c.optimizer_offload is not None]
+    eligible = [c for c in plain if c.distributed_optimizer and c.fsdp is None and not c.bf16_moments]
+    assert len(hosts) == len(SEARCHED) * len(eligible) and len(offloaded) == len(plain) + len(hosts)
+    assert all(c.distributed_optimizer and c.fsdp is None and not c.bf16_moments and c.optimizer_overlap for c in hosts)
+    assert {c.optimizer_offload for c in plain} == {None}
+
+
+def test_the_front_names_the_optimizer_offload_a_candidate_turns_on():
+    from megatron_bridge_ext.search.report import changes
+
+    assert changes(_optimizer_offloaded(None), _optimizer_offloaded(0.5)) == \
+        "optimizer offload off->0.5, offload overlap off->on"

@@ -115,6 +115,32 @@ def test_fsdp_and_bf16_moment_overrides_set_what_apply_sets():
         assert cands.given(applied, 4) == c
 
 
+def test_optimizer_offload_overrides_set_what_apply_sets():
+    """The optimizer offloaded at each searched fraction, and not, from a config that offloads a quarter of it without
+    the overlap: Bridge's parser and ``candidates.apply`` set the same optimizer fields."""
+    import copy
+
+    from megatron_bridge_ext.estimate.configs import _with_overrides
+    from megatron_bridge_ext.levers import optimizer_offload
+    from megatron_bridge_ext.search import candidates as cands
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=4, hidden=64, ffn=256, heads=4, kv_heads=2, seq=256, micro_batch=1, vocab=128, tp=1,
+                         sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, None)
+    optimizer_offload.apply(cfg.optimizer, 0.25, False)
+    fields = ("optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")
+    for share in (None, *optimizer_offload.SEARCHED):
+        c = cands.Candidate(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=4, sp=False, micro_batch=1, recompute=(),
+                            distributed_optimizer=True, optimizer_offload=share, optimizer_overlap=share is not None)
+        applied = cands.apply(cfg, c)
+        overridden = _with_overrides(copy.deepcopy(cfg), c.overrides(cfg.model.num_layers))
+        for field in fields:
+            assert getattr(overridden.optimizer, field) == getattr(applied.optimizer, field), (share, field)
+        assert overridden.optimizer.optimizer_cpu_offload is (share is not None)
+        assert cands.given(applied, 4) == c
+
+
 def test_a_candidate_without_fsdp_from_an_fsdp_config_undoes_its_checkpoint_format():
     """From a config on Megatron-FSDP (so on fsdp_dtensor checkpoints, which Bridge requires with it), a candidate
     without it goes back to Megatron's default format, which Bridge takes without FSDP (training/config.py

@@ -80,3 +80,15 @@ def test_drop_idle_keeps_every_lever_that_lowers_the_peak():
     kept, saves = rule.drop_idle(answer, GIVEN, figures.get)
     assert kept is answer
     assert saves == {"PP 2->4": (82 - 58) * GiB, "recompute mlp": (72 - 58) * GiB}
+
+
+def test_the_optimizer_offload_is_one_lever_taken_back_with_its_overlap():
+    from megatron_bridge_ext.search.candidates import Candidate
+    from megatron_bridge_ext.search.rule import describe_revert, lever_count, reverts
+
+    given = Candidate(tp=2, pp=1, vpp=None, cp=1, ep=1, etp=2, dp=4, sp=True, micro_batch=1, recompute=(),
+                      distributed_optimizer=True)
+    offloaded = replace(given, optimizer_offload=0.5, optimizer_overlap=True)
+    assert lever_count(given, offloaded) == 1
+    assert reverts(given, offloaded) == [given]
+    assert describe_revert(offloaded, given) == "optimizer offload off->0.5"

@@ -163,7 +163,7 @@ def test_offloading_moves_every_activation_saved_inside_the_layers_of_an_moe_mod
     planner = Planner(gpu_memory=PEAK, margin=0.0, expandable_margin=0.0, expandable_segments=True,
                       estimate_options={}, cfg=cfg, peft_overrides=None)
     advice.offload(planner, State(cfg, est))
-    [option] = planner.options
+    [option] = [o for o in planner.options if "layers" in o.label]  # beside it: the optimizer offloaded
     before = breakdown(est)
     moved = [k for k, v in option.breakdown.items() if v < before[k]]
     assert {"activations: experts", "activations: moe dispatch"} <= set(moved)
