@@ -55,6 +55,7 @@ def reachable(given: cands.Candidate, shape: dict, *, global_batch: int, modules
                            ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
             continue
         out += [cands.Candidate(tp, pp, given.vpp, given.cp, ep, etp, dp, sp, mb, rc, given.distributed_optimizer,
+                                fsdp=given.fsdp, bf16_moments=given.bf16_moments, offload=given.offload,
                                 optimizer_offload=given.optimizer_offload, optimizer_overlap=given.optimizer_overlap)
                 for rc in rcs]
     return list(dict.fromkeys(out))

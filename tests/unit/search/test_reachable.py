@@ -37,3 +37,14 @@ def test_moe_tp_doubling_comes_with_sequence_parallelism():
     assert {(c.tp, c.sp) for c in out} == {(1, False), (2, True)}
     assert {c.ep for c in out} == {2, 4}
     assert {c.etp for c in out} == {1, 2}
+
+
+def test_the_configs_own_memory_settings_are_kept_in_every_candidate():
+    """Megatron-FSDP, bf16 moments, activation offloading and the optimizer offload of the config as given are not
+    levers of the plain plan: every reachable candidate keeps them (dropping them would answer with a config the
+    user never had, and count their removal as a saving)."""
+    given = replace(GIVEN, fsdp="optim_grads", bf16_moments=True, offload=("core_attn",), optimizer_offload=0.5,
+                    optimizer_overlap=True)
+    out = reachable(given, DENSE, global_batch=8, modules=["core_attn", "mlp"])
+    assert out and {(c.fsdp, c.bf16_moments, c.offload, c.optimizer_offload, c.optimizer_overlap) for c in out} == {
+        ("optim_grads", True, ("core_attn",), 0.5, True)}
