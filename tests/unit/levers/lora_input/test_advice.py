@@ -74,14 +74,15 @@ def test_a_walking_plan_estimates_the_config_with_shard_local_once(monkeypatch):
 
     def counting(cfg, **kwargs):
         seen.append((getattr(cfg.peft, "sequence_parallel_input_strategy", None), cfg.model.recompute_granularity,
-                     cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size))
+                     cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size,
+                     bool(getattr(cfg.optimizer, "optimizer_cpu_offload", False))))
         return real(cfg, **kwargs)
 
     monkeypatch.setattr(estimate_package, "estimate", counting)
     plan = small_plan(gpu_memory=1)
     [step2] = [o for o in plan.options if o.step == 2]
     assert step2.applicable and step2.peak_bytes == plan.strategies[2].peak_bytes
-    assert seen.count(("shard_local", None, 2, 1)) == 1
+    assert seen.count(("shard_local", None, 2, 1, False)) == 1  # the optimizer-offload option is another config
 
 
 def test_full_fine_tuning_is_told_the_lever_is_for_lora_runs_only():
