@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 from typing import Optional
 
@@ -291,7 +292,9 @@ def build_rank_model(provider, peft, *, attention: str, mode: FakeTensorMode, de
 
 
 def _apply_peft(model, peft, *, latent_te: bool):
-    """``peft(model)`` as training does, with its per-adapter log lines held back (a trace is not a run).
+    """``peft(model)`` as training does, with its per-adapter log lines held back (a trace is not a run), and what it
+    prints too: under recompute with only adapters trainable Bridge patches the recompute block and says so with
+    ``print_rank_0`` (``peft/base.py`` L119-120, ``peft/recompute.py`` L113-118), once per traced candidate.
 
     The adapters are created on the CPU (``use_cpu_initialization``), so Megatron's collectives that
     allocate on ``torch.cuda.current_device()`` while they are built (DoRA gathers the adapter weights
@@ -304,7 +307,7 @@ def _apply_peft(model, peft, *, latent_te: bool):
 
     with scoped_patch(bridge_truthful_te_detection.PATCH), current_device("cpu"), _adapter_values_left_unset(), \
             (mla.bridge_lora_view() if latent_te else contextlib.nullcontext()), \
-            _quiet("megatron.bridge", "megatron_bridge_ext.peft"):
+            _quiet("megatron.bridge", "megatron_bridge_ext.peft"), contextlib.redirect_stdout(io.StringIO()):
         out = peft(model, training=True)
     return out[0] if isinstance(out, list) else out
 

@@ -114,7 +114,7 @@ def plan_option(planner, state, step: int, lever: str):
 
     cfg = copy.deepcopy(state.cfg)
     apply(cfg.optimizer, PLANNED, True)
-    label = f"optimizer CPU offload, fraction {PLANNED:g} (overlapped copies)"
+    label = f"optimizer CPU offload (fraction {PLANNED:g}, overlap)"
     problems = [] if getattr(cfg.optimizer, "optimizer", "adam") == "adam" else [
         Finding("unsupported_model", ERROR, "optimizer.optimizer", "the plan offloads Adam's states only",
                 "offload with optimizer.optimizer=adam")]
