@@ -54,9 +54,8 @@ def reachable(given: cands.Candidate, shape: dict, *, global_batch: int, modules
         if layout_findings(shape, world=world, global_batch=global_batch, tp=tp, pp=pp, vpp=given.vpp, cp=given.cp,
                            ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
             continue
-        out += [cands.Candidate(tp, pp, given.vpp, given.cp, ep, etp, dp, sp, mb, rc, given.distributed_optimizer,
-                                fsdp=given.fsdp, bf16_moments=given.bf16_moments, offload=given.offload,
-                                optimizer_offload=given.optimizer_offload, optimizer_overlap=given.optimizer_overlap)
+        # every field these levers do not move (VPP, CP, the optimizer and the memory levers) stays as given
+        out += [replace(given, tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb, recompute=rc)
                 for rc in rcs]
     return list(dict.fromkeys(out))
 
