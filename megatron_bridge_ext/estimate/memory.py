@@ -614,12 +614,15 @@ def _index_shared_prefix(provider, stage: int, layers: list) -> ReducedStage:
     return ReducedStage(layers[:count], sources, numbers[:count])
 
 
-LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading", "fine_grained_activation_offloading")
+LAYER_NUMBER_FIELDS = ("window_attn_skip_freq", "no_rope_freq", "cpu_offloading")
 """Fields under which a dense model's layers differ by their number in what they save (Megatron Core's
 ``TransformerConfig``: a sliding window or RoPE skipped every few layers, layers offloaded to the CPU): such a stage
 is traced whole. FP8 with the first and last layers in bf16 is not one of them: the traced layers save the same, and
 which layers run in FP8 (their weights, TE's contract) is read by each real layer's global number after the trace
-(:func:`global_layer_numbers`), as for an MoE stage."""
+(:func:`global_layer_numbers`), as for an MoE stage. Nor is fine-grained activation offloading: every layer opens
+the same offload groups whatever its number (transformer_layer.py L1439-1456), and which groups the steady state keeps
+on the GPU is read off the real stage's groups, extended from the traced ones (:func:`..features.activation_offload.
+extended`)."""
 
 
 def _uniform_dense(provider) -> bool:

@@ -157,10 +157,13 @@ def given(cfg, dp: int) -> Candidate:
                      *optimizer_offload.given(cfg.optimizer))
 
 
-def shape_of(model) -> dict:
+def shape_of(model, settings=None) -> dict:
+    """The workload's shape the candidates are enumerated from. ``settings``: the given config's estimate settings,
+    whose FP8 is the one Bridge's ``mixed_precision`` sets on the model when it validates the config (a recipe's
+    model may not carry it yet)."""
     return {"heads": model.num_attention_heads, "query_groups": model.num_query_groups or model.num_attention_heads,
             "layers": model.num_layers, "seq": model.seq_length, "experts": getattr(model, "num_moe_experts", None),
-            "bias": bool(getattr(model, "add_bias_linear", False)), "fp8": bool(getattr(model, "fp8", None))}
+            "bias": bool(getattr(model, "add_bias_linear", False)), "fp8": bool(getattr(model, "fp8", None) or getattr(settings, "fp8", None))}
 
 
 def recompute_sets(modules: list[str]) -> list:

@@ -74,7 +74,7 @@ def answer(planner: Planner, cfg, baseline, *, usable: int, usable_expandable: i
 
     s = baseline.settings
     given = cands.given(cfg, s.dp)
-    shape = cands.shape_of(cfg.model)
+    shape = cands.shape_of(cfg.model, s)
     legal = reachable(given, shape, global_batch=cfg.train.global_batch_size,
                       modules=candidates_for(s, moe_shape(cfg.model)))
     shard_local = _shard_local_wanted(cfg)

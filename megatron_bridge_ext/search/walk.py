@@ -91,9 +91,9 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
 
     t0 = time.perf_counter()
     gb = cfg.train.global_batch_size
-    shape = cands.shape_of(cfg.model)
-    moe = moe_shape(cfg.model)
     base = base_est.settings
+    shape = cands.shape_of(cfg.model, base)
+    moe = moe_shape(cfg.model)
     given = cands.given(cfg, base.dp)
     if legal is None:
         seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe),

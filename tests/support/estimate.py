@@ -32,13 +32,14 @@ def adapter_params(hf: dict, tp: int, rank: int) -> int:
     return rank * in_out // tp
 
 
-def assert_reduced_equals_whole(cfg, monkeypatch) -> None:
-    """The estimate traced with a reduced set of layers equals the one that traces every layer, figure for figure."""
+def assert_reduced_equals_whole(cfg, monkeypatch, **options) -> None:
+    """The estimate traced with a reduced set of layers equals the one that traces every layer, figure for figure
+    (``options``: :func:`megatron_bridge_ext.estimate.estimate`'s)."""
     from megatron_bridge_ext.estimate import memory
 
-    fast = memory.estimate(cfg)
+    fast = memory.estimate(cfg, **options)
     monkeypatch.setattr(memory, "traced_layers", lambda provider, stage=0: None)
-    whole = memory.estimate(cfg)
+    whole = memory.estimate(cfg, **options)
     assert fast.stage_peaks == whole.stage_peaks
     assert fast.activations_per_microbatch == whole.activations_per_microbatch
     assert fast.activations_per_layer == whole.activations_per_layer

@@ -46,8 +46,24 @@ def test_the_reduced_trace_of_a_dense_stage_equals_the_whole_trace(monkeypatch, 
     assert_reduced_equals_whole(cfg, monkeypatch)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_dense_stage_with_fine_grained_offloading_is_traced_reduced_and_equals_the_whole_trace(monkeypatch, pp):
+    """Every layer opens the same offload groups, so a stage traced with two layers, its groups extended, keeps and
+    offloads what the whole trace does: the steady state's kept groups (half of each chunk's, fraction 0.5, and the
+    first backward chunk's last of each name) and the group in flight."""
+    from megatron_bridge_ext.estimate.features import activation_offload
+
+    cfg = _dense(6, pipeline_model_parallel_size=pp, fine_grained_activation_offloading=True,
+                 offload_modules=["qkv_linear", "core_attn", "attn_proj"], activation_offload_fraction=0.5,
+                 min_offloaded_tensor_size=0, transformer_impl="transformer_engine")
+    assert memory.traced_layers(cfg.model, 0) is not None
+    est = memory.estimate(cfg, attention="fused", transformer_impl="local")
+    assert {activation_offload.KEPT, activation_offload.IN_FLIGHT_COPY} <= {c.name for c in est.components}
+    assert_reduced_equals_whole(cfg, monkeypatch, attention="fused", transformer_impl="local")
+
+
 @pytest.mark.parametrize("field, value", [("window_attn_skip_freq", 2), ("no_rope_freq", 4),
-                                          ("cpu_offloading", True), ("fine_grained_activation_offloading", True)])
+                                          ("cpu_offloading", True)])
 def test_a_dense_model_whose_layers_differ_by_number_is_traced_whole(field, value):
     provider = SimpleNamespace(**{name: None for name in memory.LAYER_NUMBER_FIELDS})
     assert memory._uniform_dense(provider)

@@ -102,3 +102,17 @@ def test_the_front_names_the_optimizer_offload_a_candidate_turns_on():
 
     assert changes(_optimizer_offloaded(None), _optimizer_offloaded(0.5)) == \
         "optimizer offload off->0.5, offload overlap off->on"
+
+
+def test_fp8_set_by_bridges_mixed_precision_leaves_megatron_fsdp_out_of_the_candidates():
+    """A recipe's model carries no ``fp8`` until Bridge applies ``mixed_precision``; the given config's estimate
+    settings do. The estimate does not model FP8 under Megatron-FSDP, so no FSDP candidate is enumerated for it."""
+    from types import SimpleNamespace
+
+    model = _cfg().model
+    assert model.fp8 is None
+    shape = cands.shape_of(model, SimpleNamespace(fp8="hybrid"))
+    assert shape["fp8"] and not cands.shape_of(model, SimpleNamespace(fp8=None))["fp8"]
+    _, legal = cands.enumerate_all(shape, world=4, global_batch=8, modules=["core_attn"])
+    _, bf16 = cands.enumerate_all(cands.shape_of(model), world=4, global_batch=8, modules=["core_attn"])
+    assert {c.fsdp for c in legal} == {None} and {c.fsdp for c in bf16} > {None}
