@@ -31,7 +31,8 @@ from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, TRANSIENT,
 from megatron_bridge_ext.estimate.settings import (HybridSettings, MlaSettings, MoeSettings, PeftSettings,
                                                    ReportSettings, Settings)
 from megatron_bridge_ext.estimate.features import fp8_experts
-from megatron_bridge_ext.estimate.trace import (CATEGORIES, EXPERTS, LORA_INPUTS, layer_of, moe_layers_of,
+from megatron_bridge_ext.estimate.trace import (CATEGORIES, CHECKPOINT_INPUTS, EXPERTS, LORA_INPUTS, layer_of,
+                                               moe_layers_of,
                                                trace_microbatch)
 from megatron_bridge_ext.findings import ERROR, Finding, Refused
 from megatron_bridge_ext.levers import fsdp as fsdp_rules, optimizer_offload
@@ -583,13 +584,16 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
     is traced as its first layer, then one layer of each kind that follows, in the order they first follow (at
     least :data:`TRACED_LAYERS` layers), and each later layer repeats the last traced layer of its kind. Any
     pipeline split Core accepts is read so (:func:`..build.stage_layer_kinds`: a stage's layers, chunk after chunk
-    under an interleaved split, the embedding and loss where Core builds them); not under full recompute (whose
-    checkpoints the decoder keeps outside the layers).
+    under an interleaved split, the embedding and loss where Core builds them). Under full recompute only with one
+    layer per checkpoint (``uniform``, ``recompute_num_layers=1``), each checkpoint counted as its layer's
+    (:func:`.trace.checkpoints_by_layer`); not with chunks of several layers or the ``block`` method (layers then
+    differ by their number), nor on a hybrid stack.
     """
     hybrid = is_hybrid(provider)
     layers = stage_layer_kinds(provider, stage)
     if (not (getattr(provider, "num_moe_experts", None) or hybrid or _uniform_dense(provider))
-            or len(layers) <= TRACED_LAYERS or provider.recompute_granularity == "full"):
+            or len(layers) <= TRACED_LAYERS or (provider.recompute_granularity == "full"
+                                                and not (_one_layer_checkpoints(provider) and not hybrid))):
         return None
     if features.dsa.index_shared(provider) and not hybrid:
         return _index_shared_prefix(provider, stage, layers)
@@ -597,6 +601,12 @@ def traced_layers(provider, stage: int = 0) -> Optional[ReducedStage]:
     pattern += pattern[-1:] * (TRACED_LAYERS - len(pattern))
     last = {kind: index for index, kind in enumerate(pattern)}
     return ReducedStage(pattern, [0] + [last[kind] for kind in layers[1:]])
+
+
+def _one_layer_checkpoints(provider) -> bool:
+    """Full recompute that checkpoints every layer alone (Core's ``uniform`` method, one layer a chunk: recompute.py
+    L157-165)."""
+    return provider.recompute_method == "uniform" and provider.recompute_num_layers == 1
 
 
 def _index_shared_prefix(provider, stage: int, layers: list) -> ReducedStage:
@@ -653,6 +663,9 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
     layers = len(model.decoder.layers)
     moe_layers = sum(layer_of(name) is not None for name in moe_layers_of(model))  # not MTP's
     if reduced:
+        if traced.by_category_and_layer.get((CHECKPOINT_INPUTS, None)):
+            raise RuntimeError("full recompute's checkpoints were not counted by layer (trace.checkpoints_by_layer): "
+                               "the reduced stage cannot be extended")
         traced = traced.extended(reduced.sources)
         layers = len(reduced.sources)
         moe_layers = sum(is_moe_kind(reduced.pattern[source]) for source in reduced.sources)

@@ -208,6 +208,62 @@ def is_dense_linear(module: str) -> bool:
     return path in LINEARS + MAMBA_LINEARS
 
 
+CHUNK_FORWARD_FILES = ("megatron/core/recompute.py", "megatron/core/transformer/transformer_block.py")
+"""Where Core defines the function each full-recompute chunk checkpoints: ``custom_forward`` of ``custom(start, end)``
+(Core 0.19 ``recompute.py`` L58-121, ``chunk_runner`` L125-144; Core 0.18 in ``transformer_block.py``)."""
+
+
+def chunk_start(function) -> Optional[int]:
+    """The first layer of the full-recompute chunk ``function`` runs (the ``start`` its closure holds), None for any
+    other checkpointed function (selective recompute's, multi-token prediction's)."""
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_name != "custom_forward" or "start" not in code.co_freevars:
+        return None
+    if not code.co_filename.replace("\\", "/").endswith(CHUNK_FORWARD_FILES):
+        return None
+    return function.__closure__[code.co_freevars.index("start")].cell_contents
+
+
+@contextlib.contextmanager
+def checkpoints_by_layer(meter: SavedActivationMeter):
+    """Full recompute's checkpoint of each chunk counted as its first layer's (``decoder.layers.N``, category
+    :data:`CHECKPOINT_INPUTS`), not the decoder's: Core checkpoints a chunk's inputs from the decoder's own forward
+    through ``tensor_parallel.checkpoint`` (or ``te_checkpoint`` under FP8), outside every layer. So a stage traced
+    with a few layers extends to the real stage layer by layer (:meth:`TracedMicrobatch.extended`), and each
+    checkpoint is alive as long as its layer's chunk (:meth:`..pipeline.InFlight.weight`)."""
+    from unittest import mock
+
+    from megatron.core import tensor_parallel
+
+    def attributed(real):
+        def checkpoint(function, *args, **kwargs):
+            start = chunk_start(function)
+            if start is None:
+                return real(function, *args, **kwargs)
+            with meter.acting_as(f"decoder.layers.{start}"):
+                return real(function, *args, **kwargs)
+        return checkpoint
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(tensor_parallel, "checkpoint", attributed(tensor_parallel.checkpoint)))
+        for module in _chunk_runner_modules():
+            if getattr(module, "te_checkpoint", None) is not None:
+                stack.enter_context(mock.patch.object(module, "te_checkpoint", attributed(module.te_checkpoint)))
+        yield
+
+
+def _chunk_runner_modules() -> list:
+    import importlib
+
+    out = []
+    for name in ("megatron.core.recompute", "megatron.core.transformer.transformer_block"):
+        try:
+            out.append(importlib.import_module(name))
+        except ImportError:  # Core before 0.19 has no recompute module
+            pass
+    return out
+
+
 def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
                      device: str, sequence_parallel_tp: int) -> TracedMicrobatch:
     """Run one forward of ``model`` (a GPTModel of one pipeline stage) on fake tensors under the meter.
@@ -228,8 +284,10 @@ def trace_microbatch(model: torch.nn.Module, mode, *, seq: int, micro_batch: int
                                    requires_grad=True)
             model.set_input_tensor(received)
         offload = activation_offload.used(model.config)
+        full = getattr(model.config, "recompute_granularity", None) == "full"
         with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter, \
-                (activation_offload.recording(model) if offload else contextlib.nullcontext()) as recorder:
+                (activation_offload.recording(model) if offload else contextlib.nullcontext()) as recorder, \
+                (checkpoints_by_layer(meter) if full else contextlib.nullcontext()):
             output = model(ids, positions, None, labels=labels)
     result = meter.result()  # while the output keeps the graph and its saved storages alive
     groups = recorder.result(meter.counted) if offload else ()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Iterator, Union
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -77,6 +78,18 @@ class ModuleStack:
         """Name of the innermost running named module, :data:`ROOT` outside all of them."""
         stack = self._stack()
         return stack[-1] if stack else ROOT
+
+    @contextlib.contextmanager
+    def acting_as(self, name: str) -> Iterator[None]:
+        """Attribute what runs inside to ``name``, as if a module of that name were running (work a module's
+        caller does on its behalf, such as the checkpoint that keeps a layer's inputs)."""
+        stack = self._stack()
+        stack.append(name)
+        try:
+            yield
+        finally:
+            while stack and stack.pop() != name:
+                pass
 
     def _stack(self) -> list[str]:
         stack = getattr(self._local, "stack", None)

@@ -167,6 +167,10 @@ class SavedActivationMeter:
             module_categories=dict(self._result.module_categories),
         )
 
+    def acting_as(self, name: str):
+        """Attribute the saves made inside to module ``name`` (:meth:`ModuleStack.acting_as`)."""
+        return self._modules.acting_as(name)
+
     def counted(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` is counted as an activation (saved while active, not a parameter, not released)."""
         seen = self._seen.get(_storage_key(storage))

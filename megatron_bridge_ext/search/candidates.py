@@ -53,11 +53,13 @@ class Candidate:
     def below(self, other: "Candidate") -> bool:
         """Whether this candidate holds at most ``other``'s memory on every term: the same layout, a micro-batch no
         larger, recompute covering ``other``'s (a superset of selective modules), SP and the distributed optimizer
-        on wherever ``other`` has them, at least ``other``'s share of the optimizer offloaded."""
+        on wherever ``other`` has them, the same Megatron-FSDP strategy, bf16 moments wherever ``other`` has them (the
+        precision-aware optimizer's 2 + 2 bytes per element for Adam's 4 + 4, and no fp32 copies in its step:
+        :func:`..estimate.phases.unscaled_states`), at least ``other``'s share of the optimizer offloaded."""
         return (self.layout == other.layout and self.micro_batch <= other.micro_batch
                 and covers(self.recompute, other.recompute) and self.sp >= other.sp
                 and self.distributed_optimizer >= other.distributed_optimizer
-                and (self.fsdp, self.bf16_moments) == (other.fsdp, other.bf16_moments)
+                and self.fsdp == other.fsdp and self.bf16_moments >= other.bf16_moments
                 and set(self.offload) >= set(other.offload)
                 and (self.optimizer_offload or 0.0) >= (other.optimizer_offload or 0.0))
 
@@ -186,12 +188,54 @@ def offload_sets(model) -> list[tuple]:
     return [(), ATTENTION_OFFLOAD]
 
 
-def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[str],
-                  offloads: tuple = ((),), optimizer_offload_allowed: bool = False) -> tuple[int, list[Candidate]]:
-    """How many combinations were looked at, and the legal ones (:func:`layout_findings` finds nothing);
-    ``optimizer_offload_allowed``: :func:`..levers.optimizer_offload.searchable` of the config."""
-    seen, legal = 0, []
-    rcs = recompute_sets(modules)
+@dataclass(frozen=True)
+class Branch:
+    """Candidates of one layout and micro-batch (one recompute set too, a level down), each with one of the
+    recompute sets ``recomputes``, one of the optimizer options ``memory`` (distributed optimizer, Megatron-FSDP
+    strategy, bf16 moments, optimizer offload share: :func:`_optimizer_options`) and one of the activation ``offloads``.
+    The search predicts a lower bound of their step times before any of theirs (:mod:`.walk`), so that a large space
+    is neither built nor timed where the walk never goes."""
+
+    layout: tuple
+    """``(tp, pp, vpp, cp, ep, etp, dp, sp, micro_batch)``."""
+    recomputes: tuple
+    memory: tuple
+    offloads: tuple
+
+    def members(self) -> list[Candidate]:
+        return [Candidate(*self.layout, rc, do, strategy, moments, offload=off, optimizer_offload=share,
+                          optimizer_overlap=share is not None)
+                for rc in self.recomputes for do, strategy, moments, share in self.memory for off in self.offloads]
+
+    def children(self) -> list:
+        """One branch per recompute set, or the candidates once there is one."""
+        if len(self.recomputes) > 1:
+            return [replace(self, recomputes=(rc,)) for rc in self.recomputes]
+        return self.members()
+
+    def size(self) -> int:
+        return len(self.recomputes) * len(self.memory) * len(self.offloads)
+
+    def contains(self, c: Candidate) -> bool:
+        return (c.layout + (c.sp, c.micro_batch) == self.layout and c.recompute in self.recomputes
+                and (c.distributed_optimizer, c.fsdp, c.bf16_moments, c.optimizer_offload) in self.memory
+                and c.offload in self.offloads and c.optimizer_overlap == (c.optimizer_offload is not None))
+
+    def fastest_settings(self) -> Candidate:
+        """The branch's first recompute set (none at the top: :func:`recompute_sets`) on its first optimizer option
+        and no activation offload: what its bound is computed on (:func:`..walk.branch_bound`)."""
+        do, strategy, moments, share = self.memory[0]
+        return Candidate(*self.layout, self.recomputes[0], do, strategy, moments, offload=(),
+                         optimizer_offload=share, optimizer_overlap=share is not None)
+
+
+def enumerate_branches(shape: dict, *, world: int, global_batch: int, modules: list[str], offloads: tuple = ((),),
+                       optimizer_offload_allowed: bool = False) -> tuple[int, list[Branch]]:
+    """How many combinations were looked at, and the legal ones (:func:`layout_findings` finds nothing) as one
+    :class:`Branch` per layout and micro-batch; ``optimizer_offload_allowed``: :func:`..levers.optimizer_offload.
+    searchable` of the config."""
+    seen, out = 0, []
+    rcs = tuple(recompute_sets(modules))
     experts = shape.get("experts")
     for tp, pp, cp in itertools.product(divisors(world), repeat=3):
         if world % (tp * pp * cp) or tp > MAX_TP or cp > MAX_CP:
@@ -199,20 +243,25 @@ def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[s
         dp = world // (tp * pp * cp)
         vpps = [None] + ([v for v in range(2, MAX_VPP + 1)] if pp > 1 else [])
         eps = [e for e in divisors(experts) if e <= tp * cp * dp] if experts else [1]
+        memory = tuple((do, *option) for do in (True, False)
+                       for option in _optimizer_options(shape, do, dp * cp, optimizer_offload_allowed))
+        size = len(rcs) * len(memory) * len(offloads)
         for vpp, ep, etp, sp in itertools.product(vpps, eps, sorted({1, tp}) if experts else [tp], (False, True)):
             for mb in divisors(global_batch // dp) if global_batch % dp == 0 else [1]:
-                seen += len(rcs) * len(offloads) * sum(len(_optimizer_options(shape, do, dp * cp,
-                                                                              optimizer_offload_allowed))
-                                                       for do in (True, False))
+                seen += size
                 if layout_findings(shape, world=world, global_batch=global_batch, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                    ep=ep, etp=etp, dp=dp, sp=sp, micro_batch=mb):
                     continue
-                legal += [Candidate(tp, pp, vpp, cp, ep, etp, dp, sp, mb, rc, do, *memory[:2], offload=off,
-                                    optimizer_offload=memory[2], optimizer_overlap=memory[2] is not None)
-                          for rc in rcs for do in (True, False)
-                          for memory in _optimizer_options(shape, do, dp * cp, optimizer_offload_allowed)
-                          for off in offloads]
-    return seen, legal
+                out.append(Branch((tp, pp, vpp, cp, ep, etp, dp, sp, mb), rcs, memory, tuple(offloads)))
+    return seen, out
+
+
+def enumerate_all(shape: dict, *, world: int, global_batch: int, modules: list[str],
+                  offloads: tuple = ((),), optimizer_offload_allowed: bool = False) -> tuple[int, list[Candidate]]:
+    """How many combinations were looked at, and every legal candidate (:func:`enumerate_branches`' members)."""
+    seen, branches = enumerate_branches(shape, world=world, global_batch=global_batch, modules=modules,
+                                        offloads=offloads, optimizer_offload_allowed=optimizer_offload_allowed)
+    return seen, [c for branch in branches for c in branch.members()]
 
 
 def _optimizer_options(shape: dict, distributed: bool, dp_cp: int, offload_allowed: bool) -> list[tuple]:

@@ -17,9 +17,11 @@ is :func:`.rule.fastest` of what was estimated. Estimates share traces (:mod:`..
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Iterator, Optional
 
 from megatron_bridge_ext.estimate import trace_cache
 from megatron_bridge_ext.findings import Refused
@@ -95,18 +97,25 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     shape = cands.shape_of(cfg.model, base)
     moe = moe_shape(cfg.model)
     given = cands.given(cfg, base.dp)
+    def predict(c: cands.Candidate) -> float:
+        return _predicted_time(base, c, shape, gb, gpu, moe)
+
     if legal is None:
-        seen, legal = cands.enumerate_all(shape, world=world, global_batch=gb, modules=candidates_for(base, moe),
-                                          offloads=tuple(cands.offload_sets(cfg.model)),
-                                          optimizer_offload_allowed=optimizer_offload.searchable(cfg.optimizer,
-                                                                                                 cfg.ddp))
+        seen, branches = cands.enumerate_branches(
+            shape, world=world, global_batch=gb, modules=candidates_for(base, moe),
+            offloads=tuple(cands.offload_sets(cfg.model)),
+            optimizer_offload_allowed=optimizer_offload.searchable(cfg.optimizer, cfg.ddp))
+        out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
+                     counts={"enumerated": seen, "legal": sum(b.size() for b in branches)}, layers=shape["layers"])
+        t1 = time.perf_counter()
+        predicted = {given: predict(given)} if any(b.contains(given) for b in branches) else {}
+        order = lazy_order(branches, predict, lambda b: branch_bound(base, b, shape, gb, gpu, moe), given, predicted)
     else:
-        seen = len(legal)
-    out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
-                 counts={"enumerated": seen, "legal": len(legal)}, layers=shape["layers"])
-    t1 = time.perf_counter()
-    predicted = {c: _predicted_time(base, c, shape, gb, gpu, moe) for c in legal}
-    order = rule.walk_order(legal, predicted, given)
+        out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
+                     counts={"enumerated": len(legal), "legal": len(legal)}, layers=shape["layers"])
+        t1 = time.perf_counter()
+        predicted = {c: predict(c) for c in legal}
+        order = iter(rule.walk_order(legal, predicted, given))
     t2 = time.perf_counter()
     with trace_cache.reuse():
         run = Estimator(cfg, out, gpu=gpu, moe=moe, expandable_on=expandable_on, estimate_options=estimate_options,
@@ -115,10 +124,52 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
         pruned, dominated, unneeded = _walk(run, out, order, predicted, budget_s)
         out.counts.update(estimated=len(run.done), not_estimable=len(out.refused), pruned_not_fitting=pruned,
                           pruned_dominated=dominated, pruned_optimizer_offload=unneeded, traces=trace_cache.misses,
-                          trace_reuses=trace_cache.hits)
+                          trace_reuses=trace_cache.hits, step_times=len(predicted))
     t3 = time.perf_counter()
-    out.seconds = {"enumerate": t1 - t0, "step_times": t2 - t1, "estimates": t3 - t2}
+    out.seconds = {"enumerate": t1 - t0, "order": t2 - t1, "walk": t3 - t2}
     return out
+
+
+def branch_bound(base, branch: cands.Branch, shape: dict, global_batch: int, gpu, moe: Optional[dict]) -> float:
+    """A lower bound of the predicted step time of every candidate of ``branch``: the time of its first recompute
+    set (none, at the top) without the exposed data-parallel and offload copies (each at least 0), with the fastest
+    optimizer step among its optimizer options. Recompute adds work to the compute and takes from the exposed TP and
+    CP communication no more than it adds to the linears and the core it repeats; the optimizer options move only
+    the data-parallel traffic (:func:`..levers.steptime.dp_bytes`) and the optimizer's step."""
+    c = branch.fastest_settings()
+    st = steptime.step_time(cands.settings_for(base, c, shape, global_batch), gpu, moe=_moe_of(moe, c))
+    fastest_step = min(steptime.optimizer_seconds(
+        cands.settings_for(base, replace(c, distributed_optimizer=do, fsdp=strategy, bf16_moments=moments,
+                                         optimizer_offload=share, optimizer_overlap=share is not None),
+                           shape, global_batch), gpu, _moe_of(moe, c))
+        for do, strategy, moments, share in branch.memory)
+    return st.total - st.dp_exposed - st.offload_exposed - st.optimizer + fastest_step
+
+
+def lazy_order(branches: list, predict, bound, given: cands.Candidate, predicted: dict) -> Iterator[cands.Candidate]:
+    """The candidates of ``branches`` in :func:`.rule.walk_order`'s order (fastest predicted first, fewer levers at
+    equal time), each predicted (into ``predicted``) only once every branch whose bound is below its time has been
+    opened: a heap of branches keyed by their ``bound`` and candidates by their time, a branch opened into its
+    children when it comes first."""
+    heap: list = []
+    counter = itertools.count()
+
+    def push(item) -> None:
+        if isinstance(item, cands.Branch):
+            heapq.heappush(heap, (bound(item), -1, next(counter), item))
+        else:
+            predicted[item] = predicted.get(item) or predict(item)
+            heapq.heappush(heap, (predicted[item], rule.lever_count(given, item), next(counter), item))
+
+    for branch in branches:
+        push(branch)
+    while heap:
+        *_, item = heapq.heappop(heap)
+        if isinstance(item, cands.Branch):
+            for child in item.children():
+                push(child)
+        else:
+            yield item
 
 
 def _moe_of(moe: Optional[dict], c: cands.Candidate) -> Optional[dict]:

@@ -31,19 +31,52 @@ def _dense(layers: int, **fields):
     return cfg
 
 
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+"""Full recompute checkpointing each layer alone: each checkpoint counted as its layer's."""
+
+
 @pytest.mark.parametrize("fields", [{}, {"pipeline_model_parallel_size": 2},
                                     {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
-                                    FP8_FIRST_LAST_BF16],
-                         ids=["one-stage", "pp2", "selective-recompute", "fp8-first-last-bf16-pp2"])
+                                    FP8_FIRST_LAST_BF16, FULL, {**FULL, "pipeline_model_parallel_size": 2},
+                                    {**FULL, "pipeline_model_parallel_size": 2,
+                                     "virtual_pipeline_model_parallel_size": 3, "num_layers": 12,
+                                     "microbatch_group_size_per_vp_stage": 2}],
+                         ids=["one-stage", "pp2", "selective-recompute", "fp8-first-last-bf16-pp2", "full-recompute",
+                              "full-recompute-pp2", "full-recompute-pp2-vpp3"])
 def test_the_reduced_trace_of_a_dense_stage_equals_the_whole_trace(monkeypatch, fields):
-    cfg = _dense(6, **fields)
+    layers = fields.get("num_layers", 6)
+    cfg = _dense(layers, **{name: value for name, value in fields.items() if name != "num_layers"})
     stages = cfg.model.pipeline_model_parallel_size
     for stage in range(stages):
         reduced = memory.traced_layers(cfg.model, stage)
-        assert reduced.pattern == [0, 0] and reduced.sources == [0] + [1] * (6 // stages - 1)
+        assert reduced.pattern == [0, 0] and reduced.sources == [0] + [1] * (layers // stages - 1)
     if fields is FP8_FIRST_LAST_BF16:  # the FP8 layers are modelled, not ignored
         assert any("FP8" in c.name for c in memory.estimate(cfg).components)
     assert_reduced_equals_whole(cfg, monkeypatch)
+
+
+@pytest.mark.parametrize("fields", [{"recompute_method": "uniform", "recompute_num_layers": 2},
+                                    {"recompute_method": "block", "recompute_num_layers": 1}],
+                         ids=["two-layer-chunks", "block"])
+def test_full_recompute_of_chunks_of_several_layers_or_of_the_first_layers_is_traced_whole(fields):
+    """Checkpoints that hold a chunk of layers, or only the first layers' (``block``), differ by the layer's number."""
+    cfg = _dense(6, recompute_granularity="full", **fields)
+    assert memory.traced_layers(cfg.model, 0) is None
+
+
+def test_each_full_recompute_checkpoint_is_counted_as_its_layers_not_the_decoders():
+    """Core checkpoints each chunk's inputs from the decoder's forward; the trace counts them as the chunk's first
+    layer's: every layer after the first keeps its input hidden states [s / TP, b, h] (SP and Core's
+    distribute_saved_activations off) and nothing is left outside the layers in that category."""
+    from megatron_bridge_ext.estimate.trace import CHECKPOINT_INPUTS
+
+    cfg = _dense(6, **FULL)
+    m = cfg.model
+    est = memory.estimate(cfg)
+    hidden = m.seq_length // m.tensor_model_parallel_size * cfg.train.micro_batch_size * m.hidden_size * 2
+    assert m.sequence_parallel and not m.distribute_saved_activations
+    assert est.activations_per_layer == {0: est.activations_per_layer[0], **{layer: hidden for layer in range(1, 6)}}
+    assert est.activations_per_microbatch[CHECKPOINT_INPUTS] >= 6 * hidden
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -32,3 +32,75 @@ def test_neither_a_candidate_without_the_offload_nor_the_config_as_given_is_skip
     fitting = {_c(): types.SimpleNamespace(fits=True)}
     assert not _offload_unneeded(_c(), fitting, set(), given=None)
     assert not _offload_unneeded(_c(0.5), fitting, set(), given=_c(0.5))
+
+
+@pytest.fixture(scope="module")
+def space():
+    """A tiny dense model's estimate and every legal candidate on 8 GPUs with every lever the search has."""
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.levers.activation_offload.cost import ATTENTION
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=8, hidden=256, ffn=1024, heads=8, kv_heads=4, seq=1024, micro_batch=1, vocab=512,
+                         tp=1, sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, None)
+    cfg.data_parallel_size, cfg.train.global_batch_size = 1, 16
+    base = estimate(cfg).settings
+    workload = cands.shape_of(cfg.model, base)
+    _, branches = cands.enumerate_branches(workload, world=8, global_batch=16, modules=["core_attn", "mlp", "layernorm"],
+                                           offloads=((), ATTENTION), optimizer_offload_allowed=True)
+    return base, workload, branches
+
+
+def _predict(base, workload, c):
+    from megatron_bridge_ext.levers import steptime
+    from megatron_bridge_ext.search.walk import _predicted_time
+
+    return _predicted_time(base, c, workload, 16, steptime.gpu(), None)
+
+
+def test_no_candidate_is_predicted_faster_than_the_bound_of_a_branch_it_is_in(space):
+    """The lazy walk order rests on it: every candidate's predicted step time is at least its layout's bound and its
+    layout-and-recompute branch's."""
+    from megatron_bridge_ext.levers import steptime
+    from megatron_bridge_ext.search.walk import branch_bound
+
+    base, workload, branches = space
+    checked = 0
+    for branch in branches:
+        top = branch_bound(base, branch, workload, 16, steptime.gpu(), None)
+        for child in branch.children():
+            below = branch_bound(base, child, workload, 16, steptime.gpu(), None)
+            for c in child.members():
+                t = _predict(base, workload, c)
+                assert t >= top * (1 - 1e-12) and t >= below * (1 - 1e-12), c.describe()
+                checked += 1
+    assert checked == sum(b.size() for b in branches) > 1000
+
+
+def test_the_lazy_order_is_the_walk_order_and_predicts_only_what_it_reaches(space):
+    """Every legal candidate comes out once, fastest predicted first and fewer levers first at equal time, as
+    ``rule.walk_order`` sorts them; taking the first few predicts a small part of the space."""
+    import itertools
+
+    from megatron_bridge_ext.levers import steptime
+    from megatron_bridge_ext.search import rule
+    from megatron_bridge_ext.search.walk import branch_bound, lazy_order
+
+    base, workload, branches = space
+    every = [c for b in branches for c in b.members()]
+    given = every[0]
+
+    def bound(branch):
+        return branch_bound(base, branch, workload, 16, steptime.gpu(), None)
+
+    predicted: dict = {}
+    order = list(lazy_order(branches, lambda c: _predict(base, workload, c), bound, given, predicted))
+    assert sorted(order, key=lambda c: c.describe()) == sorted(every, key=lambda c: c.describe())
+    keys = [(predicted[c], rule.lever_count(given, c)) for c in order]
+    assert keys == sorted(keys)
+    expected = {c: _predict(base, workload, c) for c in every}
+    assert [expected[c] for c in order] == [expected[c] for c in rule.walk_order(every, expected, given)]
+    few: dict = {}
+    list(itertools.islice(lazy_order(branches, lambda c: _predict(base, workload, c), bound, given, few), 10))
+    assert len(few) < len(every) / 4

@@ -36,9 +36,12 @@ def _estimate(shape, **overrides):
 
 def _measured(shape, **overrides) -> dict:
     """One forward of Core's real tiny GPTModel with its real MTP block (local backend) on CPU tensors, in a one-rank
-    world, under the saved-tensor meter classified as the estimate classifies; backward runs afterwards."""
+    world, under the saved-tensor meter classified as the estimate classifies (full recompute's checkpoints counted by
+    their layer, :func:`~megatron_bridge_ext.estimate.trace.checkpoints_by_layer`); backward runs afterwards."""
+    import contextlib
+
     from megatron_bridge_ext.estimate.fake import fake_parallel_world
-    from megatron_bridge_ext.estimate.trace import classifier, moe_layers_of, split
+    from megatron_bridge_ext.estimate.trace import checkpoints_by_layer, classifier, moe_layers_of, split
     from megatron_bridge_ext.measure import SavedActivationMeter
     from megatron_bridge_ext.testing import tiny_model
 
@@ -46,7 +49,9 @@ def _measured(shape, **overrides) -> dict:
         model = tiny_model.build_gpt(shape, **overrides)
         assert len(model.mtp.layers) == shape.mtp
         batch = {name: tensor.contiguous() for name, tensor in tiny_model.synthetic_batch(shape).items()}
-        with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
+        full = overrides.get("recompute_granularity") == "full"
+        with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter, \
+                (checkpoints_by_layer(meter) if full else contextlib.nullcontext()):
             loss = tiny_model.loss_of(model, batch)
         loss.backward()
     result = meter.result()
