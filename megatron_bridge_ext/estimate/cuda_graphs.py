@@ -21,7 +21,7 @@ cuda_graphs.py L2592-2595; TE read at tag v2.18, commit 27486e03cfc1fa41f6932dce
   TE the same, graph.py L255-324), so each signature holds as many sets as the schedule's order (Core's
   ``get_schedule_table`` and ``convert_schedule_table_to_order``, cuda_graphs.py L2493-2530, L2800-2823; one
   microbatch without pipeline parallelism, L2505-2511) has its samples between forward and backward at most;
-* the rotary table, one for all samples (``rotary_pos_emb_cache``, cuda_graphs.py L2309-2320): [s / CP, 1, 1, d]
+* the rotary table, one for all samples (``rotary_pos_emb_cache``, cuda_graphs.py L2306-2320): [s / CP, 1, 1, d]
   fp32, d the rotary dimension (rotary_pos_embedding.py L150-206), when a captured callable has attention and the
   model RoPE (not MLA);
 * one set of output gradients per signature of the outputs that require grad (``static_grad_outputs_dict``,
@@ -29,23 +29,23 @@ cuda_graphs.py L2592-2595; TE read at tag v2.18, commit 27486e03cfc1fa41f6932dce
   (``moe_router``) returns the pre-MLP norm's output, the router's probabilities [s x b, experts] (the router's
   dtype), the residual and the shared experts' output (transformer_layer.py L938-955, moe_utils.py L1485-1488);
   its routing map needs no gradient;
-* the input gradient of the last captured backward (graph.py L719-750 weak-reference the static outputs after
+* the input gradient of the last captured backward (graph.py L715-747 weak-reference the static outputs after
   their backward and every other input gradient): one [s, b, h] bf16.
 
 ``local`` (Core's ``CudaGraphManager``): every buffer a runner allocates in the pool is marked
 ``is_from_global_mempool`` (``alloc_tensor_from_graph_mempool``, L279-290; outputs L1341-1351, input gradients
-L1522-1527) and weak-referenced after its backward graph (L1375-1383, L1536-1541; ``make_weakref`` L395-425,
-through Transformer Engine, L578-585 when it is missing). A runner's input that is another graph's output is that
-buffer (``_resolve_input_buffer``, L1209-1243), an output gradient the next graph's input gradient (L1405-1420); an
-input from eager code is cloned into the pool (``clone_inputs=True``, L615, L1231-1251) and, saved for backward, is
-kept until the backward capture. So the pool holds, beyond the eager step, one clone [s, b, h] per runner whose
-input comes from eager code (the first captured layer of a chunk or after an uneager gap; with the MoE router scopes
-the router graph's input and the post-process graph's expert output, ``transition_cudagraph_scope``,
-transformer_layer.py L1580-1586, L1647-1721) per microbatch in flight: one runner per layer reused by every
-microbatch without pipeline parallelism, one per microbatch of the recorded step with it (``get_cudagraph_runner``,
-L1867-1932). Upper bound: the first chunk of the first stage, whose eager input (the embedding's output) is freed
-after the copy; and a partial scope (``attn``, ``mlp``) counted as a clone per captured layer even where two
-captured parts hand over directly.
+L1522-1527) and weak-referenced after its backward graph (L1367, L1544-1547; ``make_weakref`` L395-425, through
+Transformer Engine's ``make_weak_ref``: without Transformer Engine nothing is, L578-585, and this count is low). A
+runner's input that is another graph's output is that buffer (``_resolve_input_buffer``, L1209-1243), an output
+gradient the next graph's input gradient (L1405-1420); an input from eager code is cloned into the pool
+(``clone_inputs=True``, L615, L1231-1251) and, saved for backward, kept until the backward capture. So the pool
+holds, beyond the eager step, one clone [s, b, h] per runner whose input comes from eager code (the first captured
+layer of a chunk or one after a layer that runs eagerly; with the MoE router scopes the router graph's input and
+the post-process graph's expert output, ``transition_cudagraph_scope``, transformer_layer.py L1580-1586,
+L1647-1721) per microbatch in flight: one runner per layer reused by every microbatch without pipeline parallelism,
+one per microbatch of the recorded step with it (``get_cudagraph_runner``, L1867-1932). Upper bound: on the first
+chunk of the first stage, whose eager input (the embedding's output) is freed after the copy; and under a partial
+scope (``attn``, ``mlp``), counted as a clone per captured layer even where two captured parts hand over directly.
 
 ``full_iteration``: one graph for the forward and backward; its inputs are the step's batch, nothing per layer.
 
@@ -125,12 +125,6 @@ def graphed(kind, scopes: set) -> Optional[Graphed]:
         return None
     return Graphed(attention=attention and "attn" in scopes, router=moe and bool(scopes & ROUTER_SCOPES),
                    whole=scopes >= own - ROUTER_SCOPES and not (moe and scopes & ROUTER_SCOPES))
-
-
-def captured_layers(model, kinds: list) -> int:
-    """The stage's layers (``kinds``) with a graph (:func:`graphed`)."""
-    scopes = _scopes(model)
-    return sum(graphed(kind, scopes) is not None for kind in kinds)
 
 
 @dataclass(frozen=True)
