@@ -51,7 +51,9 @@ scope (``attn``, ``mlp``), counted as a clone per captured layer even where two 
 
 Left out: the parameter-gradient slots of the last captured backward (dummies under gradient-accumulation fusion);
 ``moe_preprocess`` counted at ``moe_router``'s shapes (the permuted tokens' shape depends on the dispatcher); the
-local rotary table's clone. The pool's reserved but free memory is outside the allocated figures the phases give.
+input sets of the multi-token-prediction layers Core's TE helper captures too (cuda_graphs.py L2174-2179: only the
+decoder's layers are counted); the local rotary table's clone. The pool's reserved but free memory is outside the
+allocated figures the phases give.
 """
 
 from __future__ import annotations
