@@ -52,7 +52,8 @@ scope (``attn``, ``mlp``), counted as a clone per captured layer even where two 
 Left out: the parameter-gradient slots of the last captured backward (dummies under gradient-accumulation fusion);
 ``moe_preprocess`` counted at ``moe_router``'s shapes (the permuted tokens' shape depends on the dispatcher); the
 input sets of the multi-token-prediction layers Core's TE helper captures too (cuda_graphs.py L2174-2179: only the
-decoder's layers are counted); the local rotary table's clone. The pool's reserved but free memory is outside the
+decoder's layers are counted); with ``overlap_moe_expert_parallel_comm`` Core captures every microbatch and
+orders the layers apart (L2504-2511, L2537-2548), counted here as without it; the local rotary table's clone. The pool's reserved but free memory is outside the
 allocated figures the phases give.
 """
 
@@ -267,7 +268,8 @@ def static_buffers(provider, *, impl: str, shapes: Shapes, kinds: list, layer_ch
         return None
     parts = te_parts(captured, schedule, shapes, model_of(provider, shapes.element)) \
         if impl == "transformer_engine" else local_parts(layers, schedule, shapes)
-    exact = "formula" if impl == "transformer_engine" else "formula (upper bound on the first chunk of stage 0)"
+    exact = "formula" if impl == "transformer_engine" else \
+        "formula (an upper bound on stage 0's first chunk and under partial scopes)"
     return Component(BUFFERS, STATIC_BUFFERS, sum(b for _, b in parts),
                      f"{exact}: {len(captured)} captured layer(s) of {len(kinds)} ({impl}): "
                      + ", ".join(f"{name} {b}" for name, b in parts) + " B (estimate.cuda_graphs)")
