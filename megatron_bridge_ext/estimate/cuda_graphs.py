@@ -52,9 +52,9 @@ scope (``attn``, ``mlp``), counted as a clone per captured layer even where two 
 Left out: the parameter-gradient slots of the last captured backward (dummies under gradient-accumulation fusion);
 ``moe_preprocess`` counted at ``moe_router``'s shapes (the permuted tokens' shape depends on the dispatcher); the
 input sets of the multi-token-prediction layers Core's TE helper captures too (cuda_graphs.py L2174-2179: only the
-decoder's layers are counted); with ``overlap_moe_expert_parallel_comm`` Core captures every microbatch and
-orders the layers apart (L2504-2511, L2537-2548), counted here as without it; the local rotary table's clone. The pool's reserved but free memory is outside the
-allocated figures the phases give.
+decoder's layers are counted); with ``overlap_moe_expert_parallel_comm`` Core captures every microbatch and orders
+the layers apart (L2504-2511, L2537-2548), counted here as without it; the local rotary table's clone. The pool's
+reserved but free memory is outside the allocated figures the phases give.
 """
 
 from __future__ import annotations
