@@ -685,6 +685,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         if fp8_acts is not None and experts is not None:
             fp8_acts = te_fp8.with_experts(fp8_acts, EXPERTS, experts)
     components += _activations(traced, in_flight, contract, fp8_acts)
+    graphs = _graph_buffers(provider, prepared, stage, in_flight, element=element, sp=sp)
     in_flight = in_flight.mean
     components += features.activation_offload.components(traced.offload_groups, provider, in_flight)
     tokens = prepared.local_seq // tp if sp else prepared.local_seq
@@ -693,10 +694,6 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         components.append(te.te_component(contract, in_flight, shard_shape=shard_shape))
     if fp8_acts is not None and fp8_acts.lora_shards:
         components.append(te_fp8.lora_component(fp8_acts, in_flight, fp8, shard_shape=shard_shape))
-    graphs = cuda_graphs.static_buffers(provider, impl=prepared.graph_impl, tokens=tokens,
-                                        micro_batch=prepared.micro_batch, element=element,
-                                        kinds=stage_layer_kinds(provider, stage),
-                                        in_flight=in_flight, num_microbatches=prepared.num_microbatches)
     if traced.persistent_buffer_bytes:
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
@@ -883,6 +880,22 @@ def _fp8_shapes(provider, prepared: Prepared, sp: bool) -> te_fp8.Shapes:
     return te_fp8.Shapes(seq=prepared.local_seq, micro_batch=prepared.micro_batch, hidden=provider.hidden_size,
                          proj_in=provider.num_attention_heads * provider.kv_channels // tp,
                          ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp, mamba_inner=mamba_inner)
+
+
+def _graph_buffers(provider, prepared: Prepared, stage: int, in_flight: pipeline.InFlight, *, element: int,
+                   sp: bool) -> Optional[Component]:
+    """The static buffers of the config's captured CUDA graphs on ``stage`` (:mod:`.cuda_graphs`)."""
+    tp, pp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size
+    shapes = cuda_graphs.Shapes(tokens=prepared.local_seq // tp if sp else prepared.local_seq,
+                                micro_batch=prepared.micro_batch, hidden=provider.hidden_size, element=element,
+                                seq=prepared.seq, cp=provider.context_parallel_size or 1)
+    vpp = len(in_flight.forwards)
+    schedule = cuda_graphs.Schedule(pp=pp, vpp=vpp, stage=stage, num_microbatches=prepared.num_microbatches,
+                                    group=getattr(provider, "microbatch_group_size_per_vp_stage", None) or pp,
+                                    chunk_forwards=in_flight.forwards)
+    return cuda_graphs.static_buffers(provider, impl=prepared.graph_impl, shapes=shapes,
+                                      kinds=stage_layer_kinds(provider, stage), layer_chunks=in_flight.layer_chunks,
+                                      schedule=schedule)
 
 
 def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipeline.InFlight:

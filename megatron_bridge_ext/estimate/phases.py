@@ -28,8 +28,9 @@ and the figures users compare come from different ones:
 * **the steady state** (iteration 2 on): moments and a step's activations together (:mod:`.memory`'s peak);
 * **CUDA-graph capture**: Bridge captures TE's graphs once ``cuda_graph_warmup_steps`` iterations are done
   (``training/train.py`` L429-441; Core's local graphs are recorded and created after as many warmup steps), so
-  from the iteration after the steady state holds the graphs' static buffers too (:mod:`.cuda_graphs`, an upper
-  bound); their pool's intermediates are the traced activations, allocated there instead.
+  from the iteration after the steady state holds the static buffers the graphs keep too (:mod:`.cuda_graphs`:
+  TE's static inputs per the schedule's reuse, one set of output gradients, the last input gradient; the local
+  runners' clones of eager inputs); their pool's intermediates are the traced activations, allocated there instead.
 
 Each phase's peak is its live components plus its transients (the largest one for forward/backward, whose
 transients come one after another; their sum for the step, whose copies are alive together).
@@ -245,7 +246,7 @@ def _graphs(est) -> list[Phase]:
     if buffers is None:
         return []
     return [_phase(CUDA_GRAPHS, list(est.components) + [buffers], est.step, transients_together=False,
-                   basis="the steady state + the captured graphs' static buffers (an upper bound); their pool's "
+                   basis="the steady state + the static buffers the captured graphs hold; their pool's "
                          "intermediates are the activations above (estimate.cuda_graphs)")]
 
 
@@ -319,7 +320,7 @@ def cuda_graph_note(provider) -> Optional[str]:
     if impl == "none":
         return None
     warmup = getattr(provider, "cuda_graph_warmup_steps", 0) or 0
-    counted = ("its static buffers are the '" + CUDA_GRAPHS + "' phase (an upper bound), its intermediates the "
+    counted = ("the static buffers its graphs hold are the '" + CUDA_GRAPHS + "' phase, its intermediates the "
                "traced activations" if impl in ("local", "transformer_engine") else
                "a full-iteration graph's pool holds the step's own allocations, the traced ones")
     return (f"{CUDA_GRAPHS}: cuda_graph_impl={impl!r} captures once cuda_graph_warmup_steps={warmup} iteration(s) "
