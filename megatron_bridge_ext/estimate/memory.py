@@ -1165,7 +1165,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
                  features.latent_moe.assumption(prepared.provider), features.token_dropping.assumption(prepared.provider),
                  features.context_parallel.assumption(prepared.provider),
                  features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype)),
-                 features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared))]
+                 features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared)),
+                 features.paged_stash.assumption(prepared.provider)]
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
     return out + [text for text in described if text] + kernels + prepared.notes
 

@@ -183,3 +183,12 @@ def test_assumption_names_the_buffers_and_what_it_leaves_unsized_across_domains(
     within = hybridep.hybridep_buffer(tokens=4096, hidden=2048, group=8, local_experts=8)
     assert f"{within.total / 2**30:.2f} GiB" in _named(8) and "RDMA" not in _named(8)
     assert "2 NVLink domains" in _named(16) and "not sized" in _named(16)
+
+
+def test_the_rank_budget_is_refused_by_name():
+    """``moe_expert_rank_capacity_factor`` pads the experts' input to HybridEP's static budget (token_dispatcher.py
+    L1090-1099), which the traced local experts cannot split; without it HybridEP is modelled."""
+    model = SimpleNamespace(**vars(_model("hybridep")), moe_expert_rank_capacity_factor=1.5)
+    [finding] = dispatcher.findings(model)
+    assert finding.setting == "model.moe_expert_rank_capacity_factor"
+    assert dispatcher.findings(SimpleNamespace(**vars(_model("hybridep")), moe_expert_rank_capacity_factor=None)) == []
