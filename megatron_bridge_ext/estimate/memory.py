@@ -504,6 +504,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     best = max(results, key=lambda r: r.peak_bytes)
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
     best.stage_phase_peaks = {r.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in r.phases} for r in results}
+    best.stage_graph_pools = {r.stage: phases.graph_pool(r) for r in results}
     best.seconds = time.perf_counter() - start
     return best
 
