@@ -504,6 +504,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     best = max(results, key=lambda r: r.peak_bytes)
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
     best.stage_phase_peaks = {r.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in r.phases} for r in results}
+    best.stage_graph_pools = {r.stage: phases.graph_pool(r) for r in results}
     best.seconds = time.perf_counter() - start
     return best
 
@@ -1181,7 +1182,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
                  features.latent_moe.assumption(prepared.provider), features.token_dropping.assumption(prepared.provider),
                  features.context_parallel.assumption(prepared.provider),
                  features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype)),
-                 features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared))]
+                 features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared)),
+                 features.paged_stash.assumption(prepared.provider)]
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
     return out + [text for text in described if text] + kernels + prepared.notes
 

@@ -46,7 +46,7 @@ import torch
 
 from megatron_bridge_ext.estimate.fsdp import UNITS as FSDP_UNITS
 from megatron_bridge_ext.estimate.features.activation_offload import KEPT as OFFLOAD_KEPT
-from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
+from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, TRANSIENT, Component
 from megatron_bridge_ext.estimate.settings import Settings
 
 RESUME = "resume: optimizer state loaded"
@@ -248,6 +248,27 @@ def _graphs(est) -> list[Phase]:
     return [_phase(CUDA_GRAPHS, list(est.components) + [buffers], est.step, transients_together=False,
                    basis="the steady state + the static buffers the captured graphs hold; their pool's "
                          "intermediates are the activations above (estimate.cuda_graphs)")]
+
+
+@dataclass(frozen=True)
+class GraphPool:
+    """The capture phase's prediction of one stage's CUDA-graph private pool (:mod:`.cuda_graphs`): the captured
+    graphs' static buffers (an upper bound) and the captured regions' intermediates, which a replay allocates in the
+    pool: the activations in flight, counted whole (the embedding's and the loss's, run outside the graphs, too); the
+    regions' transients are not counted."""
+
+    static_bytes: int
+    intermediate_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.static_bytes + self.intermediate_bytes
+
+
+def graph_pool(est) -> Optional[GraphPool]:
+    """The pool :class:`GraphPool` predicts for ``est``, None without per-layer graphs (no capture phase)."""
+    buffers = getattr(est, "graph_buffers", None)
+    return None if buffers is None else GraphPool(buffers.bytes, est.total(ACTIVATIONS))
 
 
 def _warmup(components) -> list[Component]:

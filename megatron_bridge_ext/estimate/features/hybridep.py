@@ -32,6 +32,7 @@ import torch
 
 from megatron_bridge_ext.estimate.features.flex import CombineSaves
 from megatron_bridge_ext.estimate.routing import RoutedLoad, _host_tensor
+from megatron_bridge_ext.findings import ERROR, Finding
 from megatron_bridge_ext.sizes import GIB
 
 HYBRIDEP = "hybridep"
@@ -54,6 +55,21 @@ SYNC_BYTES = 2 * (2 * 4 + 2 * 4 + 4 + 4)
 def used(model) -> bool:
     flex = getattr(model, "moe_token_dispatcher_type", None) == "flex"
     return bool(getattr(model, "num_moe_experts", None)) and flex and model.moe_flex_dispatcher_backend == HYBRIDEP
+
+
+def findings(model) -> list[Finding]:
+    """HybridEP's static rank budget (``moe_expert_rank_capacity_factor``): Core sizes the experts' input to
+    ``tokens x top-k x factor`` rows, rounded up to the quantisation alignment (token_dispatcher.py L1090-1099), which
+    only the TE op fuser's experts take (transformer_config.py L1701-1706); the traced local experts split the rows by
+    the tokens each expert received (experts.py L1353), which do not fill the budget."""
+    if getattr(model, "moe_expert_rank_capacity_factor", None) is None:
+        return []
+    return [Finding("unsupported_model", ERROR, "model.moe_expert_rank_capacity_factor",
+                    "HybridEP's static rank budget is not modelled by the estimate: the experts' input is padded to "
+                    "tokens x top-k x moe_expert_rank_capacity_factor rows (token_dispatcher.py L1090-1099), which "
+                    "only the TE op fuser's grouped experts take, and the estimate traces the local spec's experts",
+                    "estimate with moe_expert_rank_capacity_factor unset (and moe_paged_stash=False, which needs it), "
+                    "then scale the experts' activations by the factor")]
 
 
 def ranks(model) -> int:

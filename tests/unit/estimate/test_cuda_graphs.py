@@ -151,3 +151,15 @@ def test_bridge_reports_the_capture_phase_from_the_iteration_after_the_warmup(ca
     assert reports[3].phase == phases.STEADY
     assert reports[4].phase == phases.CUDA_GRAPHS and reports[4].unmodelled is None
     assert reports[4].allocated_bytes - reports[3].allocated_bytes == TINY_BUFFERS  # the buffers outlive the step
+
+
+def test_the_predicted_pool_is_the_static_buffers_and_the_activations_in_flight(captured):
+    """The pool diagnose sets a run's private pools beside: the static buffers plus the captured regions'
+    intermediates, counted as the traced activations per microbatch times the microbatches in flight; none without
+    per-layer graphs."""
+    import dataclasses
+
+    pool = captured.stage_graph_pools[0]
+    assert pool.static_bytes == TINY_BUFFERS
+    assert pool.intermediate_bytes == sum(captured.activations_per_microbatch.values()) * captured.in_flight_microbatches
+    assert phases.graph_pool(dataclasses.replace(captured, graph_buffers=None)) is None

@@ -183,3 +183,27 @@ def test_assumption_names_the_buffers_and_what_it_leaves_unsized_across_domains(
     within = hybridep.hybridep_buffer(tokens=4096, hidden=2048, group=8, local_experts=8)
     assert f"{within.total / 2**30:.2f} GiB" in _named(8) and "RDMA" not in _named(8)
     assert "2 NVLink domains" in _named(16) and "not sized" in _named(16)
+
+
+def test_the_rank_budget_is_refused_by_name():
+    """``moe_expert_rank_capacity_factor`` pads the experts' input to HybridEP's static budget (token_dispatcher.py
+    L1090-1099), which the traced local experts cannot split; without it HybridEP is modelled."""
+    model = SimpleNamespace(**vars(_model("hybridep")), moe_expert_rank_capacity_factor=1.5)
+    [finding] = dispatcher.findings(model)
+    assert finding.setting == "model.moe_expert_rank_capacity_factor"
+    assert dispatcher.findings(SimpleNamespace(**vars(_model("hybridep")), moe_expert_rank_capacity_factor=None)) == []
+
+
+def test_a_stash_config_is_refused_for_the_rank_budget_not_traced_into_a_crash():
+    """The tiny MoE model on HybridEP with the paged stash and the rank budget it needs (bf16 experts under the TE op
+    fuser, transformer_config.py L1692-1706, L1904-1911): one refusal, the budget's; the stash, which takes nothing
+    here, is not refused."""
+    from megatron_bridge_ext.estimate import memory
+    from megatron_bridge_ext.findings import Refused
+    from tests.unit.estimate.test_estimate_moe import _tiny
+
+    extra = ("model.moe_flex_dispatcher_backend=hybridep", "model.moe_expert_rank_capacity_factor=1.5",
+             "model.use_transformer_engine_op_fuser=true", "model.moe_paged_stash=true")
+    with pytest.raises(Refused) as refused:
+        memory.estimate(_tiny(tp=1, ep=EP, dp=4, layers=LAYERS, peft="none", dispatcher="flex", extra=extra))
+    assert [f.setting for f in refused.value.findings] == ["model.moe_expert_rank_capacity_factor"]
