@@ -1051,7 +1051,10 @@ def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
         f"saving its own tokens' GEMM and activation inputs) with Core's {provider.moe_token_dispatcher_type} "
         "dispatcher; a grouped GEMM (TEGroupedMLP on Transformer Engine) keeps the same GEMM inputs concatenated, "
         "while its fused activation may keep a different set (not modelled); moe_act recompute as TEGroupedMLP "
-        "applies it (estimate.features.moe_act)",
+        "applies it (estimate.features.moe_act)" + (
+            "; with the experts' groups offloaded, run as TEGroupedMLP: Core's forward on the local experts' weights, "
+            "fc1's input and the activation's inputs whole in one group each per layer "
+            "(estimate.features.expert_offload)" if features.expert_offload.used(provider) else ""),
     ]
 
 
