@@ -200,7 +200,7 @@ def _expert_part(module: str) -> str:
     return "activation" if parts[-2] == "local_experts" else parts[-1]
 
 
-def _measured_experts(offload: bool):
+def _measured_experts(offload: bool, **extra):
     """One forward and backward of Core's real tiny MoE GPTModel (local spec, SequentialMLP experts) on CPU under the
     meter; with ``offload`` under :func:`activation_offload.recording`, every tensor admitted. Returns the meter's
     result, the groups and the parameters' gradients."""
@@ -212,6 +212,7 @@ def _measured_experts(offload: bool):
 
     shape = _moe_shape()
     fields = dict(EXPERT_GROUPS, min_offloaded_tensor_size=0) if offload else dict(bias_activation_fusion=True)
+    fields.update(extra)
     with fake_parallel_world(tp=1, pp=1, cp=1, rank=0, device="cpu"):
         model = tiny_model.build_gpt(shape, **fields)
         batch = {name: tensor.contiguous() for name, tensor in tiny_model.synthetic_batch(shape).items()}
@@ -247,6 +248,17 @@ def test_the_experts_groups_bytes_follow_from_the_routed_tokens():
     [routed, 1] in fp32 (fused_bias_swiglu.py L191-199)."""
     _, groups, _ = _measured_experts(offload=True)
     assert [g.host_bytes for g in groups] == [ROUTED * H * E, ROUTED * (2 * MOE_FFN + 1) * E] * LAYERS
+
+
+def test_under_moe_act_recompute_the_group_holds_the_checkpoints_inputs_and_fc2s_input_is_released():
+    """TEGroupedMLP checkpoints the activation inside the moe_act group (experts.py L880-886): the group holds the
+    checkpoint's inputs, fc1's output [routed, 2 x ffn] and the probabilities, and fc2's input, the checkpoint's
+    output, is released (L892-893): nothing of the experts stays."""
+    plain, _, _ = _measured_experts(offload=False)
+    offloaded, groups, _ = _measured_experts(offload=True, recompute_granularity="selective",
+                                             recompute_modules=["moe_act"])
+    assert [g.host_bytes for g in groups] == [ROUTED * H * E, ROUTED * (2 * MOE_FFN + 1) * E] * LAYERS
+    assert offloaded.by_category == {"other": plain.by_category["other"]}
 
 
 def _moe_estimate(**fields):
