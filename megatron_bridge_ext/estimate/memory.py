@@ -270,6 +270,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
+                    + features.expert_offload.peft_findings(provider, cfg.peft)
                     + _unhonoured(optimizer, ddp, _training_dtype(provider)) + fsdp_unmodelled) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)

@@ -69,6 +69,23 @@ def findings(model) -> list[Finding]:
     return out
 
 
+def peft_findings(model, peft) -> list[Finding]:
+    """Adapters on the experts' linears (a ``target_modules`` entry naming ``linear_fc1``/``linear_fc2``, the experts
+    or a wildcard) with their groups offloaded: the stand-in runs the experts' base weights only, and TE's grouped
+    linears with frozen weights save no input (module/grouped_linear.py L636-637), a variant not traced."""
+    if peft is None or not used(model):
+        return []
+    targets = [t for t in getattr(peft, "target_modules", None) or []
+               if any(part in t for part in ("linear_fc1", "linear_fc2", "expert", "*"))]
+    if not targets:
+        return []
+    return [Finding("unsupported_model", ERROR, "peft.target_modules",
+                    f"adapters on the routed experts' linears ({', '.join(targets)}) with {sorted(_offloaded(model))} "
+                    "offloaded are not modelled by the estimate (the experts then run TE's grouped linears on "
+                    "frozen weights beside the adapters)",
+                    "estimate without the experts' groups in offload_modules, or with adapters off the experts")]
+
+
 class _GroupedGemm(torch.autograd.Function):
     """One GEMM per expert on its rows of ``inp`` (``params``: the experts' weights, then their biases when
     ``with_bias``); saves for backward what TE's ``_GroupedLinear`` saves in bf16 (module/grouped_linear.py L550,

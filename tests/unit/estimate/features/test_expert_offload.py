@@ -39,6 +39,18 @@ def test_fp8_and_the_fused_group_mlp_are_refused_by_name(fields, refused):
     assert bool(expert_offload.findings(_model(**fields))) == refused
 
 
+@pytest.mark.parametrize("targets, refused", [
+    (["linear_qkv", "linear_proj"], False),
+    (["linear_qkv", "linear_fc1"], True),
+    (["*.experts.*"], True),
+])
+def test_adapters_on_the_experts_linears_are_refused_by_name(targets, refused):
+    peft = SimpleNamespace(target_modules=targets)
+    assert bool(expert_offload.peft_findings(_model(), peft)) == refused
+    assert expert_offload.peft_findings(_model(moe_grouped_gemm=False), peft) == []
+    assert expert_offload.peft_findings(_model(), None) == []
+
+
 def _saved(save_original_input: bool, skip_bias_add: bool = False):
     """What the stand-in saves for backward, and its output, on experts of ``ROWS`` rows each."""
     linears = [torch.nn.Linear(HIDDEN, OUT) for _ in ROWS]
