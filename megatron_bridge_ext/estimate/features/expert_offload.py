@@ -2,8 +2,9 @@
 
 Core opens those groups only in ``TEGroupedMLP`` (``transformer/moe/experts.py``, "experts.py" below), which the
 Transformer Engine spec builds when ``moe_grouped_gemm`` is set (``extensions/transformer_engine_spec_provider.py``
-L75-85; without it the TE spec builds ``SequentialMLP``, whose experts open no group). Its forward (experts.py
-L793-900) runs on all the local experts' tokens at once:
+L75-85; without it the TE spec builds ``SequentialMLP``, whose experts open no group; with
+``use_transformer_engine_op_fuser`` its forward runs TE's fused op and opens only ``fused_group_mlp``, L753-763). Its
+forward (experts.py L793-900) runs on all the local experts' tokens at once:
 
 * ``expert_fc1`` (L792-803): the group around ``linear_fc1``, a TE ``GroupedLinear``; Core has it keep its original
   input for backward (``set_save_original_input``, L278-283, but for MXFP8 and NVFP4), so TE saves the whole input
@@ -43,8 +44,10 @@ def _offloaded(model) -> set:
 
 
 def used(model) -> bool:
-    """The experts open Core's groups: ``expert_fc1`` or ``moe_act`` offloaded on grouped-GEMM experts."""
-    return bool(_offloaded(model) & set(GROUPS)) and bool(getattr(model, "moe_grouped_gemm", False))
+    """The experts open Core's groups: ``expert_fc1`` or ``moe_act`` offloaded on grouped-GEMM experts, not fused by
+    Transformer Engine's op fuser (whose forward opens only ``fused_group_mlp``, experts.py L753-763)."""
+    return (bool(_offloaded(model) & set(GROUPS)) and bool(getattr(model, "moe_grouped_gemm", False))
+            and not getattr(model, "use_transformer_engine_op_fuser", False))
 
 
 def findings(model) -> list[Finding]:
@@ -57,10 +60,9 @@ def findings(model) -> list[Finding]:
         out.append(Finding("unsupported_model", ERROR, "model.offload_modules",
                            "offloading fused_group_mlp is not modelled by the estimate: the group holds what "
                            "Transformer Engine's fused grouped MLP op saves (moe/experts.py L617-716)",
-                           "estimate with expert_fc1 and moe_act offloaded instead"))
+                           "estimate without fused_group_mlp"))
     experts = sorted(offloaded & set(GROUPS))
-    if experts and getattr(model, "moe_grouped_gemm", False) and (getattr(model, "fp8", None)
-                                                                   or getattr(model, "fp4", None)):
+    if used(model) and (getattr(model, "fp8", None) or getattr(model, "fp4", None)):
         out.append(Finding("unsupported_model", ERROR, "model.offload_modules",
                            f"offloading {experts} under FP8/FP4 is not modelled by the estimate: Transformer "
                            "Engine's grouped linears then pad and quantise the experts' inputs, and Core has "

@@ -26,6 +26,7 @@ def test_the_groups_are_traced_only_on_grouped_gemm_experts():
     assert not expert_offload.used(_model(moe_grouped_gemm=False))
     assert not expert_offload.used(_model(offload_modules=["core_attn"]))
     assert not expert_offload.used(_model(num_moe_experts=None))
+    assert not expert_offload.used(_model(use_transformer_engine_op_fuser=True))  # its forward opens neither
 
 
 @pytest.mark.parametrize("fields, refused", [
