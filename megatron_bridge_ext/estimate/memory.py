@@ -270,6 +270,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
+                    + features.expert_offload.peft_findings(provider, cfg.peft)
                     + _unhonoured(optimizer, ddp, _training_dtype(provider)) + fsdp_unmodelled) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
@@ -1068,7 +1069,10 @@ def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
         f"saving its own tokens' GEMM and activation inputs) with Core's {provider.moe_token_dispatcher_type} "
         "dispatcher; a grouped GEMM (TEGroupedMLP on Transformer Engine) keeps the same GEMM inputs concatenated, "
         "while its fused activation may keep a different set (not modelled); moe_act recompute as TEGroupedMLP "
-        "applies it (estimate.features.moe_act)",
+        "applies it (estimate.features.moe_act)" + (
+            "; with the experts' groups offloaded, run as TEGroupedMLP: Core's forward on the local experts' weights, "
+            "fc1's input and the activation's inputs whole in one group each per layer "
+            "(estimate.features.expert_offload)" if features.expert_offload.used(provider) else ""),
     ]
 
 
