@@ -57,19 +57,25 @@ def used(model) -> bool:
     return bool(getattr(model, "num_moe_experts", None)) and flex and model.moe_flex_dispatcher_backend == HYBRIDEP
 
 
+def budget(model) -> Optional[float]:
+    """HybridEP's static rank budget, ``moe_expert_rank_capacity_factor`` (None: HybridEP sizes the experts' input to
+    the rows it received, token_dispatcher.py L1166-1169)."""
+    return getattr(model, "moe_expert_rank_capacity_factor", None)
+
+
 def findings(model) -> list[Finding]:
-    """HybridEP's static rank budget (``moe_expert_rank_capacity_factor``): Core sizes the experts' input to
-    ``tokens x top-k x factor`` rows, rounded up to the quantisation alignment (token_dispatcher.py L1090-1099), which
-    only the TE op fuser's experts take (transformer_config.py L1701-1706); the traced local experts split the rows by
-    the tokens each expert received (experts.py L1353), which do not fill the budget."""
-    if getattr(model, "moe_expert_rank_capacity_factor", None) is None:
+    """The rank budget on FP8 or FP4 experts: TE quantises the budget's rows as one grouped tensor
+    (``tex.group_quantize``, TE d0067d0d ``ops/basic/grouped_linear.py`` L1372-1378), or splits them by the counts,
+    which do not fill it (``tex.split_quantize``, L1222-1244), where the FP8 experts' contract (:mod:`.fp8_experts`)
+    counts each expert's routed rows."""
+    if budget(model) is None or not (getattr(model, "fp8", None) or getattr(model, "fp4", None)):
         return []
     return [Finding("unsupported_model", ERROR, "model.moe_expert_rank_capacity_factor",
-                    "HybridEP's static rank budget is not modelled by the estimate: the experts' input is padded to "
-                    "tokens x top-k x moe_expert_rank_capacity_factor rows (token_dispatcher.py L1090-1099), which "
-                    "only the TE op fuser's grouped experts take, and the estimate traces the local spec's experts",
-                    "estimate with moe_expert_rank_capacity_factor unset (and moe_paged_stash=False, which needs it), "
-                    "then scale the experts' activations by the factor")]
+                    "HybridEP's rank budget on FP8/FP4 experts is not modelled by the estimate: TE's op fuser "
+                    "quantises the budget's rows (TE d0067d0d ops/basic/grouped_linear.py L1372-1378), the estimate's "
+                    "FP8 experts count the routed rows",
+                    "estimate with the experts in bf16 (the budget's rows are modelled there), then add the FP8 "
+                    "inputs' difference")]
 
 
 def ranks(model) -> int:
@@ -148,11 +154,19 @@ def _as_handle(layout: Layout, tensors: tuple, non_blocking: bool) -> tuple:
             layout.tokens, None, overflow)
 
 
-def _permuted_counts(each: int, layout: Layout, pad_multiple: Optional[int]) -> list[int]:
+def _permuted_counts(each: int, layout: Layout, pad_multiple: Optional[int], limit: Optional[int]) -> list[int]:
     """Rows per local expert: ``each`` from every rank, padded to ``pad_multiple`` (``pad_tokens_per_expert``,
-    executor.cu L148-163)."""
+    executor.cu L148-163). Under a permuted-token ``limit`` (Core's rank budget) HybridEP's scan keeps each expert's
+    rows only where the padded rows of the experts before it leave room, in expert order, and drops the rest
+    (``metadata_preprocessing``, hybrid_ep_backend.cuh L5194-5220; built in when a limit is passed, compiler.cu
+    L132-134)."""
     rows = each * layout.ranks
-    return [_align(rows, pad_multiple) if pad_multiple else rows] * layout.local_experts
+
+    def padded(n: int) -> int:
+        return _align(n, pad_multiple) if pad_multiple else n
+
+    return [padded(rows if limit is None else max(0, min(rows, limit - before)))
+            for before in range(0, layout.local_experts * padded(rows), padded(rows))]
 
 
 def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
@@ -160,10 +174,12 @@ def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
                            num_sms_combine_api=None, num_blocks_permute=None, num_blocks_unpermute=None, fused=False,
                            num_permuted_tokens=None, pad_multiple=None, num_sms_preprocessing_api=108):
         """Core's ``hybrid_ep_dispatch`` (fused_a2a.py L519-583) on the stated load: ``routing_map`` holds each
-        expert once per expert-TP rank, so a token's top-k counts as many times."""
+        expert once per expert-TP rank, so a token's top-k counts as many times. Given ``num_permuted_tokens`` (the
+        rank budget, or drop-and-pad's capacity), the experts' rows are that many, whatever the counts fill
+        (``local_expert_output_token``, hybrid_ep.cu L312-314)."""
         layout = Layout(x.shape[0], group.size(), num_local_experts)
         each = load.per_expert(x.shape[0], topk * routing_map.shape[1] // experts, routing_map.shape[1])
-        counts = _permuted_counts(each, layout, pad_multiple)
+        counts = _permuted_counts(each, layout, pad_multiple, num_permuted_tokens)
         permuted = sum(counts) if num_permuted_tokens is None else num_permuted_tokens
         load.routed_tokens.append(permuted)
         non_blocking = num_permuted_tokens is not None
@@ -178,20 +194,43 @@ def _hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False
     return CombineSaves.apply(x, handle[-3], *(t for t in handle if isinstance(t, torch.Tensor)))
 
 
+def _budget_rows_forward(forward):
+    """``SequentialMLP.forward`` on all the rows HybridEP hands the experts under the rank budget.
+
+    Core hands ``TEGroupedMLP`` the budget's rows whole with the counts (HybridEP pads nothing else: quantisation
+    padding is skipped, experts.py L637-638), and its fused forward gives them whole to TE's op fuser (L702-708).
+    TE's grouped-tensor path (the only one whose splits need not fill the input: the legacy one splits it by the
+    counts with ``torch.split``, TE d0067d0d ``ops/basic/grouped_linear.py`` L1246) multiplies only the counts'
+    rows (``first_dims``) but wraps and saves the whole input (L1381-1389, L1479) and allocates the whole
+    output (L1416-1426); the scaled SwiGLU saves its whole input and scales (``ops/basic/swiglu.py`` L552-555), so
+    fc1's input and output and fc2's input keep the budget's rows, counted or not. The traced local experts split
+    the rows by the counts (experts.py L1352-1354): the rows beyond the counts go to the last expert, so the traced
+    experts keep as many rows as TE does."""
+
+    def budget_rows(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        counts = tokens_per_expert.tolist()
+        counts[-1] += permuted_local_hidden_states.shape[0] - sum(counts)
+        return forward(self, permuted_local_hidden_states, _host_tensor(counts), permuted_probs)
+
+    return budget_rows
+
+
 @contextlib.contextmanager
 def hybridep_kernels(load: RoutedLoad, model) -> Iterator[None]:
     """Build and trace ``_HybridEPManager`` with the stand-ins above (Core checks for HybridEP when it builds the
-    manager, token_dispatcher.py L1047-1051); restores Core on exit."""
-    from megatron.core.transformer.moe import token_dispatcher as td
+    manager, token_dispatcher.py L1047-1051), and under the rank budget the local experts on its rows
+    (:func:`_budget_rows_forward`); restores Core on exit."""
+    from unittest import mock
 
-    saved = [(name, getattr(td, name)) for name in ("hybrid_ep_dispatch", "hybrid_ep_combine")]
-    td.hybrid_ep_dispatch = _hybrid_ep_dispatch(load, model.moe_router_topk, model.num_moe_experts)
-    td.hybrid_ep_combine = _hybrid_ep_combine
-    try:
+    from megatron.core.transformer.moe import token_dispatcher as td
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    with mock.patch.object(td, "hybrid_ep_dispatch", _hybrid_ep_dispatch(load, model.moe_router_topk,
+                                                                           model.num_moe_experts)), \
+            mock.patch.object(td, "hybrid_ep_combine", _hybrid_ep_combine), \
+            (mock.patch.object(SequentialMLP, "forward", _budget_rows_forward(SequentialMLP.forward))
+             if budget(model) is not None else contextlib.nullcontext()):
         yield
-    finally:
-        for name, value in saved:
-            setattr(td, name, value)
 
 
 @dataclass(frozen=True)
