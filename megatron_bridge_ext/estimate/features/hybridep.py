@@ -165,8 +165,8 @@ def _permuted_counts(each: int, layout: Layout, pad_multiple: Optional[int], lim
     def padded(n: int) -> int:
         return _align(n, pad_multiple) if pad_multiple else n
 
-    return [padded(rows if limit is None else max(0, min(rows, limit - before)))
-            for before in range(0, layout.local_experts * padded(rows), padded(rows))]
+    return [padded(rows if limit is None else max(0, min(rows, limit - expert * padded(rows))))
+            for expert in range(layout.local_experts)]
 
 
 def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
