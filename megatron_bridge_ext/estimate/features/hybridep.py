@@ -11,6 +11,13 @@ get its output as it is (``get_permuted_hidden_states_by_experts``, L1203-1204, 
 tensors (:func:`handle_shapes`). The rows the experts receive are the stated load's (:class:`..routing.RoutedLoad`):
 one per (token, local expert) pair, as HybridEP permutes per expert.
 
+Under HybridEP's static rank budget (``moe_expert_rank_capacity_factor``, which the MoE paged stash needs) Core passes
+``tokens x top-k x factor`` rounded up to the alignment (L1095-1102) as HybridEP's permuted-token count: the experts
+get that many rows, the counts fill what the load routes (dropping past the budget as HybridEP's scan does), and the
+rows beyond the counts are kept by the experts as TE's op fuser keeps them (:func:`_budget_rows_forward`). Only the
+experts' activations grow with the budget; the handle is the tokens' (it adds the dispatched-token count on the
+device) and HybridEP's own buffers are sized by the tokens per rank, not the budget (:func:`hybridep_buffer`).
+
 HybridEP's buffers (:func:`hybridep_buffer`) are allocated by HybridEP itself, ``cuMemCreate`` (fabric handles) or
 ``cudaMalloc``, outside PyTorch's caching allocator: the estimate names them in its assumptions
 (:func:`assumption`) for the margin to cover, not as a component.
@@ -278,8 +285,11 @@ def assumption(model, *, tokens: int) -> Optional[str]:
                              preprocessing_blocks=blocks)
     internode = (f"; across its {group // NVL_DOMAIN} NVLink domains HybridEP's RDMA buffers (HYBRID_EP_MULTINODE "
                  "builds) come on top, not sized" if group > NVL_DOMAIN else "")
+    rows = (f"the rank budget's rows, tokens x top-k x {budget(model)} rounded up (token_dispatcher.py "
+            "L1095-1102), kept whole by the experts as TE's op fuser keeps them" if budget(model) is not None
+            else "one row per (token, local expert) pair")
     return (f"flex dispatcher on HybridEP: stand-ins for its dispatch and combine keep the handle's tensors "
-            f"(DeepEP hybrid-ep 94a9f8f), one row per (token, local expert) pair (estimate.features.hybridep); "
+            f"(DeepEP hybrid-ep 94a9f8f), {rows} (estimate.features.hybridep); "
             f"HybridEP's buffers for the group of {group} (NVLink domains of {NVL_DOMAIN} assumed) are outside "
             f"PyTorch's allocator, so neither in this estimate nor in torch's max_memory_allocated, yet on the "
             f"device: {buffer.total / GIB:.2f} GiB by HybridEP's allocator and cudaMalloc (expert buffers "

@@ -275,3 +275,5 @@ def test_a_stash_config_is_estimated_with_the_experts_on_the_budgets_rows():
         LAYERS * I32
     assert stashed.settings.moe.routed_tokens_per_layer == rows
     assert any("0 B for the stash" in line for line in stashed.assumptions)
+    (line,) = [a for a in stashed.assumptions if a.startswith("flex dispatcher on HybridEP")]
+    assert f"rank budget's rows, tokens x top-k x {FACTOR}" in line and "one row per" not in line
