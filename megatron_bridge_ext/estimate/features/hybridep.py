@@ -70,6 +70,16 @@ def budget(model) -> Optional[float]:
     return getattr(model, "moe_expert_rank_capacity_factor", None)
 
 
+def budget_rows(model, tokens: int) -> int:
+    """The rows Core's budget gives the experts for ``tokens`` per rank: tokens x top-k x factor, rounded up to the
+    quantisation alignment, 256 under the TE op fuser the budget needs (token_dispatcher.py L1090-1102, Core's own
+    ``get_align_size_for_quantization``, moe_utils.py L1397-1414)."""
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    rows = int(tokens * model.moe_router_topk * budget(model))
+    return _align(rows, get_align_size_for_quantization(model) or 1)
+
+
 def findings(model) -> list[Finding]:
     """The rank budget on FP8 or FP4 experts: TE quantises the budget's rows as one grouped tensor
     (``tex.group_quantize``, TE d0067d0d ``ops/basic/grouped_linear.py`` L1372-1378), or splits them by the counts,
@@ -176,19 +186,20 @@ def _permuted_counts(each: int, layout: Layout, pad_multiple: Optional[int], lim
             for expert in range(layout.local_experts)]
 
 
-def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
+def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int, rank_budget: bool):
     def hybrid_ep_dispatch(x, routing_map, probs, group, num_local_experts, num_sms_dispatch_api=None,
                            num_sms_combine_api=None, num_blocks_permute=None, num_blocks_unpermute=None, fused=False,
                            num_permuted_tokens=None, pad_multiple=None, num_sms_preprocessing_api=108):
         """Core's ``hybrid_ep_dispatch`` (fused_a2a.py L519-583) on the stated load: ``routing_map`` holds each
         expert once per expert-TP rank, so a token's top-k counts as many times. Given ``num_permuted_tokens`` (the
         rank budget, or drop-and-pad's capacity), the experts' rows are that many, whatever the counts fill
-        (``local_expert_output_token``, hybrid_ep.cu L312-314)."""
+        (``local_expert_output_token``, hybrid_ep.cu L312-314); under the ``rank_budget`` the load records the
+        tokens the counts hold, not the budget's rows."""
         layout = Layout(x.shape[0], group.size(), num_local_experts)
         each = load.per_expert(x.shape[0], topk * routing_map.shape[1] // experts, routing_map.shape[1])
         counts = _permuted_counts(each, layout, pad_multiple, num_permuted_tokens)
         permuted = sum(counts) if num_permuted_tokens is None else num_permuted_tokens
-        load.routed_tokens.append(permuted)
+        load.routed_tokens.append(sum(counts) if rank_budget else permuted)
         non_blocking = num_permuted_tokens is not None
         hidden, recv_probs, *handle = _DispatchSaves.apply(x.contiguous(), probs, layout, permuted, non_blocking)
         return hidden, recv_probs, None, _host_tensor(counts), _as_handle(layout, tuple(handle), non_blocking)
@@ -232,11 +243,12 @@ def hybridep_kernels(load: RoutedLoad, model) -> Iterator[None]:
     from megatron.core.transformer.moe import token_dispatcher as td
     from megatron.core.transformer.moe.experts import SequentialMLP
 
+    rank_budget = budget(model) is not None
     with mock.patch.object(td, "hybrid_ep_dispatch", _hybrid_ep_dispatch(load, model.moe_router_topk,
-                                                                           model.num_moe_experts)), \
+                                                                           model.num_moe_experts, rank_budget)), \
             mock.patch.object(td, "hybrid_ep_combine", _hybrid_ep_combine), \
             (mock.patch.object(SequentialMLP, "forward", _budget_rows_forward(SequentialMLP.forward))
-             if budget(model) is not None else contextlib.nullcontext()):
+             if rank_budget else contextlib.nullcontext()):
         yield
 
 
@@ -285,9 +297,9 @@ def assumption(model, *, tokens: int) -> Optional[str]:
                              preprocessing_blocks=blocks)
     internode = (f"; across its {group // NVL_DOMAIN} NVLink domains HybridEP's RDMA buffers (HYBRID_EP_MULTINODE "
                  "builds) come on top, not sized" if group > NVL_DOMAIN else "")
-    rows = (f"the rank budget's rows, tokens x top-k x {budget(model)} rounded up (token_dispatcher.py "
-            "L1095-1102), kept whole by the experts as TE's op fuser keeps them" if budget(model) is not None
-            else "one row per (token, local expert) pair")
+    rows = (f"the rank budget's {budget_rows(model, tokens):,} rows (tokens x top-k x {budget(model)} rounded up, "
+            "token_dispatcher.py L1095-1102), kept whole by the experts as TE's op fuser keeps them, whatever the "
+            "routed tokens fill" if budget(model) is not None else "one row per (token, local expert) pair")
     return (f"flex dispatcher on HybridEP: stand-ins for its dispatch and combine keep the handle's tensors "
             f"(DeepEP hybrid-ep 94a9f8f), {rows} (estimate.features.hybridep); "
             f"HybridEP's buffers for the group of {group} (NVLink domains of {NVL_DOMAIN} assumed) are outside "
