@@ -186,20 +186,20 @@ def _permuted_counts(each: int, layout: Layout, pad_multiple: Optional[int], lim
             for expert in range(layout.local_experts)]
 
 
-def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int, rank_budget: bool):
+def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
     def hybrid_ep_dispatch(x, routing_map, probs, group, num_local_experts, num_sms_dispatch_api=None,
                            num_sms_combine_api=None, num_blocks_permute=None, num_blocks_unpermute=None, fused=False,
                            num_permuted_tokens=None, pad_multiple=None, num_sms_preprocessing_api=108):
         """Core's ``hybrid_ep_dispatch`` (fused_a2a.py L519-583) on the stated load: ``routing_map`` holds each
         expert once per expert-TP rank, so a token's top-k counts as many times. Given ``num_permuted_tokens`` (the
         rank budget, or drop-and-pad's capacity), the experts' rows are that many, whatever the counts fill
-        (``local_expert_output_token``, hybrid_ep.cu L312-314); under the ``rank_budget`` the load records the
-        tokens the counts hold, not the budget's rows."""
+        (``local_expert_output_token``, hybrid_ep.cu L312-314): the load records those rows, which the experts'
+        backward gradients have too."""
         layout = Layout(x.shape[0], group.size(), num_local_experts)
         each = load.per_expert(x.shape[0], topk * routing_map.shape[1] // experts, routing_map.shape[1])
         counts = _permuted_counts(each, layout, pad_multiple, num_permuted_tokens)
         permuted = sum(counts) if num_permuted_tokens is None else num_permuted_tokens
-        load.routed_tokens.append(sum(counts) if rank_budget else permuted)
+        load.routed_tokens.append(permuted)
         non_blocking = num_permuted_tokens is not None
         hidden, recv_probs, *handle = _DispatchSaves.apply(x.contiguous(), probs, layout, permuted, non_blocking)
         return hidden, recv_probs, None, _host_tensor(counts), _as_handle(layout, tuple(handle), non_blocking)
@@ -245,7 +245,7 @@ def hybridep_kernels(load: RoutedLoad, model) -> Iterator[None]:
 
     rank_budget = budget(model) is not None
     with mock.patch.object(td, "hybrid_ep_dispatch", _hybrid_ep_dispatch(load, model.moe_router_topk,
-                                                                           model.num_moe_experts, rank_budget)), \
+                                                                           model.num_moe_experts)), \
             mock.patch.object(td, "hybrid_ep_combine", _hybrid_ep_combine), \
             (mock.patch.object(SequentialMLP, "forward", _budget_rows_forward(SequentialMLP.forward))
              if rank_budget else contextlib.nullcontext()):

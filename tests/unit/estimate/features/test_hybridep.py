@@ -262,8 +262,9 @@ def test_a_stash_config_is_estimated_with_the_experts_on_the_budgets_rows():
     """The tiny MoE model on HybridEP under the TE op fuser, with and without the rank budget (factor 1.5) and the
     paged stash it enables (transformer_config.py L1904-1911): without, each MoE layer's experts keep the 256
     (token, local expert) pairs' rows; with, the budget's 128 x 2 x 1.5 = 384 rows rounded up to 512, as many as
-    TE keeps, while the routed tokens stay the 256 pairs; the stash takes nothing (no saved tensor is stamped for it)
-    and HybridEP's handle adds the dispatched-token count on the device [1] int32."""
+    TE keeps, and the rows the experts receive (their backward gradients' rows) are the budget's; the stash takes
+    nothing (no saved tensor is stamped for it) and HybridEP's handle adds the dispatched-token count on the device
+    [1] int32."""
     from megatron_bridge_ext.estimate.trace import EXPERTS, MOE_DISPATCH
 
     plain = _stash_estimate()
@@ -273,7 +274,7 @@ def test_a_stash_config_is_estimated_with_the_experts_on_the_budgets_rows():
     assert stashed.activations_per_microbatch[EXPERTS] == LAYERS * rows * PER_ROW
     assert stashed.activations_per_microbatch[MOE_DISPATCH] - plain.activations_per_microbatch[MOE_DISPATCH] == \
         LAYERS * I32
-    assert stashed.settings.moe.routed_tokens_per_layer == pairs == plain.settings.moe.routed_tokens_per_layer
+    assert (plain.settings.moe.routed_tokens_per_layer, stashed.settings.moe.routed_tokens_per_layer) == (pairs, rows)
     assert any("0 B for the stash" in line for line in stashed.assumptions)
     (line,) = [a for a in stashed.assumptions if a.startswith("flex dispatcher on HybridEP")]
     assert f"rank budget's {rows:,} rows (tokens x top-k x {FACTOR}" in line and "one row per" not in line
