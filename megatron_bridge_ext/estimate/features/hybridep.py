@@ -225,12 +225,12 @@ def _budget_rows_forward(forward):
     the rows by the counts (experts.py L1352-1354): the rows beyond the counts go to the last expert, so the traced
     experts keep as many rows as TE does."""
 
-    def budget_rows(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+    def on_budget_rows(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         counts = tokens_per_expert.tolist()
         counts[-1] += permuted_local_hidden_states.shape[0] - sum(counts)
         return forward(self, permuted_local_hidden_states, _host_tensor(counts), permuted_probs)
 
-    return budget_rows
+    return on_budget_rows
 
 
 @contextlib.contextmanager
