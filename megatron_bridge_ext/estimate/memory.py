@@ -744,7 +744,7 @@ def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage]
     sp = bool(provider.sequence_parallel) and tp > 1
     hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
+            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), _te_checks_in_the_loss(), \
             (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
             (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
             (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
@@ -774,6 +774,16 @@ def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage]
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
             if provider.recompute_granularity == "full" else 0
     return model, traced, routed, vocab_local, recomputed_layer
+
+
+def _te_checks_in_the_loss():
+    """The loss's Transformer Engine version check (Core's ``LanguageModule.compute_language_model_loss`` asserts TE >=
+    2.7.0 for the CUDA-graph capturable cross entropy of ``cuda_graph_impl="full_iteration"``,
+    ``language_module.py`` L171-184) answered for the modelled release, as the config's other checks are
+    (:func:`.te.version_checks_of_the_modelled_release`)."""
+    from megatron.core.models.common.language_module import language_module
+
+    return te.version_checks_of_the_modelled_release(language_module)
 
 
 def _output_weight(model) -> torch.Tensor:
