@@ -129,6 +129,7 @@ def _plan_args(words: list[str]):
 def _beside_the_estimate(result, plan_args, sizes):
     """Build and estimate the config, place the run in the config's layout, and compare; None, or the exit status."""
     from megatron_bridge_ext.diagnose.collect import LayoutError, place
+    from megatron_bridge_ext.diagnose import graph_pools
     from megatron_bridge_ext.diagnose.compare import compare
     from megatron_bridge_ext.diagnose.report import RunDiagnosis
     from megatron_bridge_ext.findings import Refused
@@ -137,7 +138,7 @@ def _beside_the_estimate(result, plan_args, sizes):
         return _fail("--plan: the inputs hold no memory report line to set beside the estimate; give the training log")
     try:
         iterations = sorted({report.iteration for reports in result.reports.values() for report in reports})
-        predictions, config_sizes = _estimate(plan_args, iterations)
+        predictions, config_sizes, pools = _estimate(plan_args, iterations)
     except Refused as refused:
         return _fail(f"--plan: {refused.one_line()}")
     stated = {k: v for k, v in sizes.items() if v is not None}
@@ -150,12 +151,13 @@ def _beside_the_estimate(result, plan_args, sizes):
     except LayoutError as error:
         return _fail(f"{error} (the layout of --plan's config)")
     result.comparison = compare(result, predictions)
+    result.graph_pools = graph_pools.compare(result, pools)
     return None
 
 
 def _estimate(plan_args, iterations: list[int]):
-    """The predicted report lines of the config at the iterations the log's reports were taken after, and the config's
-    parallel sizes (the estimate's phases)."""
+    """The predicted report lines of the config at the iterations the log's reports were taken after, the config's
+    parallel sizes, and each estimated stage's predicted CUDA-graph pool (the estimate's phases)."""
     import contextlib
     import logging
 
@@ -179,7 +181,7 @@ def _estimate(plan_args, iterations: list[int]):
              "cp": model.context_parallel_size or 1, "dp": est.settings.dp, "ep": ep}
     if ep > 1:
         sizes["etp"] = etp
-    return predicted_reports(est, iterations), sizes
+    return predicted_reports(est, iterations), sizes, est.stage_graph_pools
 
 
 def _plot(result, path: str, total) -> int:

@@ -53,6 +53,7 @@ class RunDiagnosis:
     facts: list = field(default_factory=list, repr=False)  # the logs' records, for placing the run again
     layout_notes: list = field(default_factory=list)  # what placing the ranks assumed
     comparison: list = field(default_factory=list)  # rows of :func:`.compare.compare`, with an estimate
+    graph_pools: list = field(default_factory=list)  # rows of :func:`.graph_pools.compare`, with an estimate
 
     # ---- derived views -------------------------------------------------------------------------------
     def last_reports(self) -> dict:
@@ -113,6 +114,10 @@ class RunDiagnosis:
             from megatron_bridge_ext.diagnose.compare import lines as comparison_lines
 
             lines += comparison_lines(self.comparison)
+        if self.graph_pools:
+            from megatron_bridge_ext.diagnose.graph_pools import lines as pool_lines
+
+            lines += pool_lines(self.graph_pools)
         lines += [f"note: {n}" for n in self.notes + self.layout_notes]
         for summary in self.snapshots:
             lines.append("")
@@ -186,6 +191,7 @@ class RunDiagnosis:
             "theoretical": None if self.theoretical is None else self.theoretical.to_dict(),
             "notes": list(self.notes + self.layout_notes),
             "estimate_beside_log": list(self.comparison),
+            "graph_pools_beside_estimate": list(self.graph_pools),
             "snapshots": [s.to_dict() for s in self.snapshots],
         }
 

@@ -271,6 +271,7 @@ def prepare(cfg, *, data_parallel_size: Optional[int], num_microbatches: Optiona
     if problems:
         raise Refused(WHAT, problems)
     not_modelled = (_unsupported(provider) + features.mla.peft_findings(provider, cfg.peft)
+                    + features.expert_offload.peft_findings(provider, cfg.peft)
                     + _unhonoured(optimizer, ddp, _training_dtype(provider)) + fsdp_unmodelled) if modelled_only else []
     if not_modelled:
         raise NotModelled(WHAT, not_modelled)
@@ -505,6 +506,7 @@ def estimate(cfg, *, data_parallel_size: Optional[int] = None, num_microbatches:
     best = max(results, key=lambda r: r.peak_bytes)
     best.stage_peaks = {r.stage: r.peak_bytes for r in results}
     best.stage_phase_peaks = {r.stage: {p.name: (p.peak_bytes, p.after_bytes) for p in r.phases} for r in results}
+    best.stage_graph_pools = {r.stage: phases.graph_pool(r) for r in results}
     best.seconds = time.perf_counter() - start
     return best
 
@@ -698,6 +700,7 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         if fp8_acts is not None and experts is not None:
             fp8_acts = te_fp8.with_experts(fp8_acts, EXPERTS, experts)
     components += _activations(traced, in_flight, contract, fp8_acts)
+    graphs = _graph_buffers(provider, prepared, stage, in_flight, element=element, sp=sp)
     in_flight = in_flight.mean
     components += features.activation_offload.components(traced.offload_groups, provider, in_flight)
     tokens = prepared.local_seq // tp if sp else prepared.local_seq
@@ -706,10 +709,6 @@ def _estimate_stage(prepared: Prepared, stage: int, *, attention: str, impl: str
         components.append(te.te_component(contract, in_flight, shard_shape=shard_shape))
     if fp8_acts is not None and fp8_acts.lora_shards:
         components.append(te_fp8.lora_component(fp8_acts, in_flight, fp8, shard_shape=shard_shape))
-    graphs = cuda_graphs.static_buffers(provider, impl=prepared.graph_impl, tokens=tokens,
-                                        micro_batch=prepared.micro_batch, element=element,
-                                        kinds=stage_layer_kinds(provider, stage),
-                                        in_flight=in_flight, num_microbatches=prepared.num_microbatches)
     if traced.persistent_buffer_bytes:
         components.append(Component(BUFFERS, "global memory buffer", traced.persistent_buffer_bytes,
                                     "measured: Megatron's reusable buffer for sequence-parallel all-gathers, "
@@ -758,7 +757,7 @@ def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage]
     sp = bool(provider.sequence_parallel) and tp > 1
     hybrid = is_hybrid(provider)
     with fake_parallel_world(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, rank=rank, device=device), \
-            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), \
+            routing.balanced_routing(load), routing.in_order_streams(), features.kernels(), _te_checks_in_the_loss(), \
             (mamba.mamba_kernels() if hybrid else contextlib.nullcontext()), \
             (features.context_parallel.rope_chunks_on_the_traced_device() if cp > 1 else contextlib.nullcontext()), \
             (features.flex.deepep_kernels(load, provider) if features.flex.used(provider) else contextlib.nullcontext()), \
@@ -788,6 +787,16 @@ def _trace_stage(prepared: Prepared, stage: int, reduced: Optional[ReducedStage]
         recomputed_layer = _recomputed_layer_bytes(provider, prepared, attention, impl, mode, device) \
             if provider.recompute_granularity == "full" else 0
     return model, traced, routed, vocab_local, recomputed_layer
+
+
+def _te_checks_in_the_loss():
+    """The loss's Transformer Engine version check (Core's ``LanguageModule.compute_language_model_loss`` asserts TE >=
+    2.7.0 for the CUDA-graph capturable cross entropy of ``cuda_graph_impl="full_iteration"``,
+    ``language_module.py`` L171-184) answered for the modelled release, as the config's other checks are
+    (:func:`.te.version_checks_of_the_modelled_release`)."""
+    from megatron.core.models.common.language_module import language_module
+
+    return te.version_checks_of_the_modelled_release(language_module)
 
 
 def _output_weight(model) -> torch.Tensor:
@@ -896,6 +905,22 @@ def _fp8_shapes(provider, prepared: Prepared, sp: bool) -> te_fp8.Shapes:
     return te_fp8.Shapes(seq=prepared.local_seq, micro_batch=prepared.micro_batch, hidden=provider.hidden_size,
                          proj_in=provider.num_attention_heads * provider.kv_channels // tp,
                          ffn=provider.ffn_hidden_size // tp, tp=tp, sequence_parallel=sp, mamba_inner=mamba_inner)
+
+
+def _graph_buffers(provider, prepared: Prepared, stage: int, in_flight: pipeline.InFlight, *, element: int,
+                   sp: bool) -> Optional[Component]:
+    """The static buffers of the config's captured CUDA graphs on ``stage`` (:mod:`.cuda_graphs`)."""
+    tp, pp = provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size
+    shapes = cuda_graphs.Shapes(tokens=prepared.local_seq // tp if sp else prepared.local_seq,
+                                micro_batch=prepared.micro_batch, hidden=provider.hidden_size, element=element,
+                                seq=prepared.seq, cp=provider.context_parallel_size or 1)
+    vpp = len(in_flight.forwards)
+    schedule = cuda_graphs.Schedule(pp=pp, vpp=vpp, stage=stage, num_microbatches=prepared.num_microbatches,
+                                    group=getattr(provider, "microbatch_group_size_per_vp_stage", None) or pp,
+                                    chunk_forwards=in_flight.forwards)
+    return cuda_graphs.static_buffers(provider, impl=prepared.graph_impl, shapes=shapes,
+                                      kinds=stage_layer_kinds(provider, stage), layer_chunks=in_flight.layer_chunks,
+                                      schedule=schedule)
 
 
 def _in_flight(provider, prepared: Prepared, stage: int, layers: int) -> pipeline.InFlight:
@@ -1067,7 +1092,10 @@ def _moe_assumptions(provider, imbalance: float, routed: int) -> list[str]:
         f"saving its own tokens' GEMM and activation inputs) with Core's {provider.moe_token_dispatcher_type} "
         "dispatcher; a grouped GEMM (TEGroupedMLP on Transformer Engine) keeps the same GEMM inputs concatenated, "
         "while its fused activation may keep a different set (not modelled); moe_act recompute as TEGroupedMLP "
-        "applies it (estimate.features.moe_act)",
+        "applies it (estimate.features.moe_act)" + (
+            "; with the experts' groups offloaded, run as TEGroupedMLP: Core's forward on the local experts' weights, "
+            "fc1's input and the activation's inputs whole in one group each per layer "
+            "(estimate.features.expert_offload)" if features.expert_offload.used(provider) else ""),
     ]
 
 
@@ -1181,7 +1209,8 @@ def _assumptions(prepared: Prepared, attention: str, impl: str, device: str, con
                  features.latent_moe.assumption(prepared.provider), features.token_dropping.assumption(prepared.provider),
                  features.context_parallel.assumption(prepared.provider),
                  features.flex.assumption(prepared.provider, static.dtype_bytes(prepared.dtype)),
-                 features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared))]
+                 features.hybridep.assumption(prepared.provider, tokens=_dispatched_tokens(prepared)),
+                 features.paged_stash.assumption(prepared.provider)]
     kernels = features.kernel_notes(prepared.provider, unfused_attention=attention == LOCAL)
     return out + [text for text in described if text] + kernels + prepared.notes
 

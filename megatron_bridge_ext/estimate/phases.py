@@ -28,8 +28,9 @@ and the figures users compare come from different ones:
 * **the steady state** (iteration 2 on): moments and a step's activations together (:mod:`.memory`'s peak);
 * **CUDA-graph capture**: Bridge captures TE's graphs once ``cuda_graph_warmup_steps`` iterations are done
   (``training/train.py`` L429-441; Core's local graphs are recorded and created after as many warmup steps), so
-  from the iteration after the steady state holds the graphs' static buffers too (:mod:`.cuda_graphs`, an upper
-  bound); their pool's intermediates are the traced activations, allocated there instead.
+  from the iteration after the steady state holds the static buffers the graphs keep too (:mod:`.cuda_graphs`:
+  TE's static inputs per the schedule's reuse, one set of output gradients, the last input gradient; the local
+  runners' clones of eager inputs); their pool's intermediates are the traced activations, allocated there instead.
 
 Each phase's peak is its live components plus its transients (the largest one for forward/backward, whose
 transients come one after another; their sum for the step, whose copies are alive together).
@@ -45,7 +46,7 @@ import torch
 
 from megatron_bridge_ext.estimate.fsdp import UNITS as FSDP_UNITS
 from megatron_bridge_ext.estimate.features.activation_offload import KEPT as OFFLOAD_KEPT
-from megatron_bridge_ext.estimate.report import BUFFERS, STATIC, TRANSIENT, Component
+from megatron_bridge_ext.estimate.report import ACTIVATIONS, BUFFERS, STATIC, TRANSIENT, Component
 from megatron_bridge_ext.estimate.settings import Settings
 
 RESUME = "resume: optimizer state loaded"
@@ -245,8 +246,29 @@ def _graphs(est) -> list[Phase]:
     if buffers is None:
         return []
     return [_phase(CUDA_GRAPHS, list(est.components) + [buffers], est.step, transients_together=False,
-                   basis="the steady state + the captured graphs' static buffers (an upper bound); their pool's "
+                   basis="the steady state + the static buffers the captured graphs hold; their pool's "
                          "intermediates are the activations above (estimate.cuda_graphs)")]
+
+
+@dataclass(frozen=True)
+class GraphPool:
+    """The capture phase's prediction of one stage's CUDA-graph private pool (:mod:`.cuda_graphs`): the captured
+    graphs' static buffers (an upper bound) and the captured regions' intermediates, which a replay allocates in the
+    pool: the activations in flight, counted whole (the embedding's and the loss's, run outside the graphs, too); the
+    regions' transients are not counted."""
+
+    static_bytes: int
+    intermediate_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.static_bytes + self.intermediate_bytes
+
+
+def graph_pool(est) -> Optional[GraphPool]:
+    """The pool :class:`GraphPool` predicts for ``est``, None without per-layer graphs (no capture phase)."""
+    buffers = getattr(est, "graph_buffers", None)
+    return None if buffers is None else GraphPool(buffers.bytes, est.total(ACTIVATIONS))
 
 
 def _warmup(components) -> list[Component]:
@@ -319,7 +341,7 @@ def cuda_graph_note(provider) -> Optional[str]:
     if impl == "none":
         return None
     warmup = getattr(provider, "cuda_graph_warmup_steps", 0) or 0
-    counted = ("its static buffers are the '" + CUDA_GRAPHS + "' phase (an upper bound), its intermediates the "
+    counted = ("the static buffers its graphs hold are the '" + CUDA_GRAPHS + "' phase, its intermediates the "
                "traced activations" if impl in ("local", "transformer_engine") else
                "a full-iteration graph's pool holds the step's own allocations, the traced ones")
     return (f"{CUDA_GRAPHS}: cuda_graph_impl={impl!r} captures once cuda_graph_warmup_steps={warmup} iteration(s) "

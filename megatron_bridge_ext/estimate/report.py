@@ -59,6 +59,8 @@ class MemoryEstimate:
     graph_buffers: Optional[Component] = None
     """The static buffers of the config's captured CUDA graphs (:mod:`.cuda_graphs`), alive from the capture on: the
     ``CUDA-graph capture`` phase holds them."""
+    stage_graph_pools: dict[int, Any] = field(default_factory=dict)
+    """Every estimated stage's predicted CUDA-graph pool (:func:`.phases.graph_pool`, None without per-layer graphs)."""
     offload_host_bytes: int = 0
     """The pinned host bytes fine-grained activation offloading copies per microbatch in the steady state (what the
     step-time model sends over the host link, :mod:`megatron_bridge_ext.levers.activation_offload.cost`)."""

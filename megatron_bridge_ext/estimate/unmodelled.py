@@ -12,7 +12,7 @@ them would read as if they were counted:
 * CUDA graphs (``cuda_graph_impl``, or the deprecated ``enable_cuda_graph`` /
   ``external_cuda_graph`` that Core's ``TransformerConfig.__post_init__`` turns into it): the
   graphs allocate from a private pool (static inputs, outputs and the intermediates of the captured
-  regions); our estimate counts the static buffers in its capture phase, as an upper bound
+  regions); our estimate counts the static buffers the graphs hold in its capture phase
   (:mod:`.cuda_graphs`), and the intermediates as the traced activations; the pool's reserved but free
   memory is in no figure, nor is any of it in Bridge's (:func:`cuda_graph_line`).
 """
@@ -142,8 +142,8 @@ def cuda_graph_line(model) -> Optional[str]:
     setting = cuda_graph_setting(model)
     if setting is None:
         return None
-    return (f"CUDA graph memory pools ({setting}) are partly modelled: our capture phase counts the graphs' static "
-            "buffers (an upper bound) and their intermediates as the traced activations; the pool's reserved but "
+    return (f"CUDA graph memory pools ({setting}) are partly modelled: our capture phase counts the static buffers "
+            "the graphs hold, and their intermediates as the traced activations; the pool's reserved but "
             "free memory is in no figure here (ours or Bridge's): leave headroom for it")
 
 

@@ -35,12 +35,12 @@ from unittest import mock
 
 import torch
 
+from megatron_bridge_ext.estimate.features import expert_offload
 from megatron_bridge_ext.estimate.report import ACTIVATIONS, TRANSIENT, Component
 from megatron_bridge_ext.findings import ERROR, Finding
 from megatron_bridge_ext.measure import ModuleStack
 
 SETTING = "model.fine_grained_activation_offloading"
-MOE_GROUPS = ("expert_fc1", "moe_act", "fused_group_mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +73,7 @@ def findings(model) -> list[Finding]:
     :mod:`megatron_bridge_ext.levers.activation_offload.constraints`)."""
     if not used(model):
         return []
-    out = []
-    experts = sorted(set(MOE_GROUPS) & set(getattr(model, "offload_modules", None) or []))
-    if experts and getattr(model, "num_moe_experts", None):
-        out.append(Finding("unsupported_model", ERROR, "model.offload_modules",
-                           f"offloading {experts} is not modelled by the estimate: Core opens those groups in "
-                           "TEGroupedMLP (moe/experts.py L253-283, L673-709, L793-900), the estimate traces the "
-                           "local spec's SequentialMLP experts", f"estimate without {experts}"))
+    out = expert_offload.findings(model)
     if (getattr(model, "pipeline_model_parallel_size", 1) or 1) > 1 and \
             getattr(model, "delta_offload_bytes_across_pp_ranks", 0):
         out.append(Finding("unsupported_model", ERROR, "model.delta_offload_bytes_across_pp_ranks",
@@ -149,7 +143,8 @@ class _Recorder:
 @contextlib.contextmanager
 def recording(model: torch.nn.Module) -> Iterator[_Recorder]:
     """While ``model`` runs a microbatch under the saved-tensor meter: Core's offload interface (offload.py
-    L1356-1470) with :class:`_Recorder`'s hooks, chunk handling a no-op (the trace has one chunk and no streams)."""
+    L1356-1470) with :class:`_Recorder`'s hooks, chunk handling a no-op (the trace has one chunk and no streams); the
+    routed experts run as Core's TEGroupedMLP where it opens the experts' groups (:func:`.expert_offload.grouped`)."""
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
         FineGrainedActivationOffloadingInterface as Interface)
 
@@ -160,7 +155,8 @@ def recording(model: torch.nn.Module) -> Iterator[_Recorder]:
             mock.patch.object(Interface, "__exit__", lambda self, *exc: recorder.exit(self)), \
             mock.patch.object(Interface, "group_offload", lambda self, tensor, *a, **k: tensor), \
             mock.patch.object(Interface, "init_chunk_handler", noop), \
-            mock.patch.object(Interface, "mark_not_offload", staticmethod(_mark_not_offload)):
+            mock.patch.object(Interface, "mark_not_offload", staticmethod(_mark_not_offload)), \
+            expert_offload.grouped(config):
         recorder._stack.install()
         try:
             yield recorder

@@ -21,7 +21,7 @@ def findings(model) -> list[Finding]:
                          f"the {dispatcher!r} token dispatcher is not modelled by the estimate")]
     backend = getattr(model, "moe_flex_dispatcher_backend", None)
     if backend == hybridep.HYBRIDEP:
-        return []
+        return hybridep.findings(model)
     if backend != flex.DEEPEP:
         return [Finding("unsupported_model", ERROR, "model.moe_flex_dispatcher_backend",
                         f"the flex dispatcher's {backend!r} backend is not modelled by the estimate (what its "

@@ -17,8 +17,8 @@ each local expert's tokens to a multiple of the FP8 alignment (``Fp8Padding``, e
   (L623-635, L647-653); a frozen weight saves no input (L636-637). The grouped-tensor path that quantises the
   inputs as one (L116-141) runs only with ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM`` and, under FP8, only on
   Blackwell. ``save_original_input`` (the bf16 input kept, L623-626) is set by Core only under ``moe_act``
-  recompute (refused under FP8 by :mod:`.moe_act`) and, but for MXFP8, when ``expert_fc1`` is offloaded (refused
-  here).
+  recompute (refused under FP8 by :mod:`.moe_act`) and, but for MXFP8, when ``expert_fc1`` is offloaded (the
+  experts' groups under FP8 are refused by :mod:`.expert_offload`).
 
 The local spec that is traced runs ``SequentialMLP``: the same padding (experts.py L1304-1316, L1339-1365), then
 each expert's ``linear_fc1`` keeps its padded bf16 input [rows, hidden] (views of one storage where no padding was
@@ -42,8 +42,8 @@ SOURCE = "TE v2.17.1 module/grouped_linear.py"
 
 def findings(model) -> list[Finding]:
     """FP8 on the MoE variants whose TE linears the contract does not follow: shared experts (TE ``Linear`` modules
-    on the router's input), ``expert_fc1`` offloaded (Core sets ``save_original_input`` on it) and latent MoE's
-    projections around the experts."""
+    on the router's input) and latent MoE's projections around the experts (the experts' offload groups under FP8:
+    :func:`.expert_offload.findings`)."""
     if not (getattr(model, "fp8", None) and _has_moe_layers(model)):
         return []
     out = []
@@ -51,12 +51,6 @@ def findings(model) -> list[Finding]:
         out.append(Finding("unsupported_model", ERROR, "model.fp8",
                            "FP8 on shared experts is not modelled by the estimate (their TE linears' quantised "
                            "weights and inputs are not counted)", "estimate the bf16 config"))
-    if getattr(model, "fine_grained_activation_offloading", False) and "expert_fc1" in (
-            getattr(model, "offload_modules", None) or []):
-        out.append(Finding("unsupported_model", ERROR, "model.offload_modules",
-                           "expert_fc1 offloaded under FP8 is not modelled by the estimate (Core makes the experts' "
-                           "linear_fc1 keep its bf16 input for the offload)",
-                           "leave expert_fc1 out of offload_modules"))
     if getattr(model, "moe_latent_size", None):
         out.append(Finding("unsupported_model", ERROR, "model.fp8",
                            "FP8 on latent MoE's projections is not modelled by the estimate (their TE linears' "

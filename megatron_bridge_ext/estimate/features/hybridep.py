@@ -11,6 +11,13 @@ get its output as it is (``get_permuted_hidden_states_by_experts``, L1203-1204, 
 tensors (:func:`handle_shapes`). The rows the experts receive are the stated load's (:class:`..routing.RoutedLoad`):
 one per (token, local expert) pair, as HybridEP permutes per expert.
 
+Under HybridEP's static rank budget (``moe_expert_rank_capacity_factor``, which the MoE paged stash needs) Core passes
+``tokens x top-k x factor`` rounded up to the alignment (L1095-1102) as HybridEP's permuted-token count: the experts
+get that many rows, the counts fill what the load routes (dropping past the budget as HybridEP's scan does), and the
+rows beyond the counts are kept by the experts as TE's op fuser keeps them (:func:`_budget_rows_forward`). Only the
+experts' activations grow with the budget; the handle is the tokens' (it adds the dispatched-token count on the
+device) and HybridEP's own buffers are sized by the tokens per rank, not the budget (:func:`hybridep_buffer`).
+
 HybridEP's buffers (:func:`hybridep_buffer`) are allocated by HybridEP itself, ``cuMemCreate`` (fabric handles) or
 ``cudaMalloc``, outside PyTorch's caching allocator: the estimate names them in its assumptions
 (:func:`assumption`) for the margin to cover, not as a component.
@@ -32,6 +39,7 @@ import torch
 
 from megatron_bridge_ext.estimate.features.flex import CombineSaves
 from megatron_bridge_ext.estimate.routing import RoutedLoad, _host_tensor
+from megatron_bridge_ext.findings import ERROR, Finding
 from megatron_bridge_ext.sizes import GIB
 
 HYBRIDEP = "hybridep"
@@ -54,6 +62,37 @@ SYNC_BYTES = 2 * (2 * 4 + 2 * 4 + 4 + 4)
 def used(model) -> bool:
     flex = getattr(model, "moe_token_dispatcher_type", None) == "flex"
     return bool(getattr(model, "num_moe_experts", None)) and flex and model.moe_flex_dispatcher_backend == HYBRIDEP
+
+
+def budget(model) -> Optional[float]:
+    """HybridEP's static rank budget, ``moe_expert_rank_capacity_factor`` (None: HybridEP sizes the experts' input to
+    the rows it received, token_dispatcher.py L1166-1169)."""
+    return getattr(model, "moe_expert_rank_capacity_factor", None)
+
+
+def budget_rows(model, tokens: int) -> int:
+    """The rows Core's budget gives the experts for ``tokens`` per rank: tokens x top-k x factor, rounded up to the
+    quantisation alignment, 256 under the TE op fuser the budget needs (token_dispatcher.py L1090-1102, Core's own
+    ``get_align_size_for_quantization``, moe_utils.py L1397-1414)."""
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    rows = int(tokens * model.moe_router_topk * budget(model))
+    return _align(rows, get_align_size_for_quantization(model) or 1)
+
+
+def findings(model) -> list[Finding]:
+    """The rank budget on FP8 or FP4 experts: TE quantises the budget's rows as one grouped tensor
+    (``tex.group_quantize``, TE d0067d0d ``ops/basic/grouped_linear.py`` L1372-1378), or splits them by the counts,
+    which do not fill it (``tex.split_quantize``, L1222-1244), where the FP8 experts' contract (:mod:`.fp8_experts`)
+    counts each expert's routed rows."""
+    if budget(model) is None or not (getattr(model, "fp8", None) or getattr(model, "fp4", None)):
+        return []
+    return [Finding("unsupported_model", ERROR, "model.moe_expert_rank_capacity_factor",
+                    "HybridEP's rank budget on FP8/FP4 experts is not modelled by the estimate: TE's op fuser "
+                    "quantises the budget's rows (TE d0067d0d ops/basic/grouped_linear.py L1372-1378), the estimate's "
+                    "FP8 experts count the routed rows",
+                    "estimate with the experts in bf16 (the budget's rows are modelled there), then add the FP8 "
+                    "inputs' difference")]
 
 
 def ranks(model) -> int:
@@ -132,11 +171,19 @@ def _as_handle(layout: Layout, tensors: tuple, non_blocking: bool) -> tuple:
             layout.tokens, None, overflow)
 
 
-def _permuted_counts(each: int, layout: Layout, pad_multiple: Optional[int]) -> list[int]:
+def _permuted_counts(each: int, layout: Layout, pad_multiple: Optional[int], limit: Optional[int]) -> list[int]:
     """Rows per local expert: ``each`` from every rank, padded to ``pad_multiple`` (``pad_tokens_per_expert``,
-    executor.cu L148-163)."""
+    executor.cu L148-163). Under a permuted-token ``limit`` (Core's rank budget) HybridEP's scan keeps each expert's
+    rows only where the padded rows of the experts before it leave room, in expert order, and drops the rest
+    (``metadata_preprocessing``, hybrid_ep_backend.cuh L5194-5220; built in when a limit is passed, compiler.cu
+    L132-134)."""
     rows = each * layout.ranks
-    return [_align(rows, pad_multiple) if pad_multiple else rows] * layout.local_experts
+
+    def padded(n: int) -> int:
+        return _align(n, pad_multiple) if pad_multiple else n
+
+    return [padded(rows if limit is None else max(0, min(rows, limit - expert * padded(rows))))
+            for expert in range(layout.local_experts)]
 
 
 def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
@@ -144,10 +191,13 @@ def _hybrid_ep_dispatch(load: RoutedLoad, topk: int, experts: int):
                            num_sms_combine_api=None, num_blocks_permute=None, num_blocks_unpermute=None, fused=False,
                            num_permuted_tokens=None, pad_multiple=None, num_sms_preprocessing_api=108):
         """Core's ``hybrid_ep_dispatch`` (fused_a2a.py L519-583) on the stated load: ``routing_map`` holds each
-        expert once per expert-TP rank, so a token's top-k counts as many times."""
+        expert once per expert-TP rank, so a token's top-k counts as many times. Given ``num_permuted_tokens`` (the
+        rank budget, or drop-and-pad's capacity), the experts' rows are that many, whatever the counts fill
+        (``local_expert_output_token``, hybrid_ep.cu L312-314): the load records those rows, which the experts'
+        backward gradients have too."""
         layout = Layout(x.shape[0], group.size(), num_local_experts)
         each = load.per_expert(x.shape[0], topk * routing_map.shape[1] // experts, routing_map.shape[1])
-        counts = _permuted_counts(each, layout, pad_multiple)
+        counts = _permuted_counts(each, layout, pad_multiple, num_permuted_tokens)
         permuted = sum(counts) if num_permuted_tokens is None else num_permuted_tokens
         load.routed_tokens.append(permuted)
         non_blocking = num_permuted_tokens is not None
@@ -162,20 +212,44 @@ def _hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False
     return CombineSaves.apply(x, handle[-3], *(t for t in handle if isinstance(t, torch.Tensor)))
 
 
+def _budget_rows_forward(forward):
+    """``SequentialMLP.forward`` on all the rows HybridEP hands the experts under the rank budget.
+
+    Core hands ``TEGroupedMLP`` the budget's rows whole with the counts (HybridEP pads nothing else: quantisation
+    padding is skipped, experts.py L637-638), and its fused forward gives them whole to TE's op fuser (L702-708).
+    TE's grouped-tensor path (the only one whose splits need not fill the input: the legacy one splits it by the
+    counts with ``torch.split``, TE d0067d0d ``ops/basic/grouped_linear.py`` L1246) multiplies only the counts'
+    rows (``first_dims``) but wraps and saves the whole input (L1381-1389, L1479) and allocates the whole
+    output (L1416-1426); the scaled SwiGLU saves its whole input and scales (``ops/basic/swiglu.py`` L552-555), so
+    fc1's input and output and fc2's input keep the budget's rows, counted or not. The traced local experts split
+    the rows by the counts (experts.py L1352-1354): the rows beyond the counts go to the last expert, so the traced
+    experts keep as many rows as TE does."""
+
+    def on_budget_rows(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        counts = tokens_per_expert.tolist()
+        counts[-1] += permuted_local_hidden_states.shape[0] - sum(counts)
+        return forward(self, permuted_local_hidden_states, _host_tensor(counts), permuted_probs)
+
+    return on_budget_rows
+
+
 @contextlib.contextmanager
 def hybridep_kernels(load: RoutedLoad, model) -> Iterator[None]:
     """Build and trace ``_HybridEPManager`` with the stand-ins above (Core checks for HybridEP when it builds the
-    manager, token_dispatcher.py L1047-1051); restores Core on exit."""
-    from megatron.core.transformer.moe import token_dispatcher as td
+    manager, token_dispatcher.py L1047-1051), and under the rank budget the local experts on its rows
+    (:func:`_budget_rows_forward`); restores Core on exit."""
+    from unittest import mock
 
-    saved = [(name, getattr(td, name)) for name in ("hybrid_ep_dispatch", "hybrid_ep_combine")]
-    td.hybrid_ep_dispatch = _hybrid_ep_dispatch(load, model.moe_router_topk, model.num_moe_experts)
-    td.hybrid_ep_combine = _hybrid_ep_combine
-    try:
+    from megatron.core.transformer.moe import token_dispatcher as td
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    rank_budget = budget(model) is not None
+    with mock.patch.object(td, "hybrid_ep_dispatch", _hybrid_ep_dispatch(load, model.moe_router_topk,
+                                                                           model.num_moe_experts)), \
+            mock.patch.object(td, "hybrid_ep_combine", _hybrid_ep_combine), \
+            (mock.patch.object(SequentialMLP, "forward", _budget_rows_forward(SequentialMLP.forward))
+             if rank_budget else contextlib.nullcontext()):
         yield
-    finally:
-        for name, value in saved:
-            setattr(td, name, value)
 
 
 @dataclass(frozen=True)
@@ -223,8 +297,11 @@ def assumption(model, *, tokens: int) -> Optional[str]:
                              preprocessing_blocks=blocks)
     internode = (f"; across its {group // NVL_DOMAIN} NVLink domains HybridEP's RDMA buffers (HYBRID_EP_MULTINODE "
                  "builds) come on top, not sized" if group > NVL_DOMAIN else "")
+    rows = (f"the rank budget's {budget_rows(model, tokens):,} rows (tokens x top-k x {budget(model)} rounded up, "
+            "token_dispatcher.py L1095-1102), kept whole by the experts as TE's op fuser keeps them, whatever the "
+            "routed tokens fill" if budget(model) is not None else "one row per (token, local expert) pair")
     return (f"flex dispatcher on HybridEP: stand-ins for its dispatch and combine keep the handle's tensors "
-            f"(DeepEP hybrid-ep 94a9f8f), one row per (token, local expert) pair (estimate.features.hybridep); "
+            f"(DeepEP hybrid-ep 94a9f8f), {rows} (estimate.features.hybridep); "
             f"HybridEP's buffers for the group of {group} (NVLink domains of {NVL_DOMAIN} assumed) are outside "
             f"PyTorch's allocator, so neither in this estimate nor in torch's max_memory_allocated, yet on the "
             f"device: {buffer.total / GIB:.2f} GiB by HybridEP's allocator and cudaMalloc (expert buffers "

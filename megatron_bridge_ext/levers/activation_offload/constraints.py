@@ -61,6 +61,10 @@ def _modules(model, modules: list[str]) -> list[Finding]:
         if partial:
             out.append(_refuse(SETTING, f"fused_group_mlp already offloads the whole grouped MLP, with {partial} "
                                "(Core config.py L1898-1903)", f"drop {partial} or fused_group_mlp"))
+    experts = sorted({"expert_fc1", "moe_act", "fused_group_mlp"} & set(modules))
+    if experts and getattr(model, "moe_paged_stash", False):
+        out.append(_refuse(SETTING, f"{experts} with moe_paged_stash: the paged stash covers the experts' activations "
+                           "(Core config.py L1911-1920)", f"drop {experts} or moe_paged_stash"))
     return out
 
 

@@ -155,6 +155,28 @@ def test_plan_predicts_the_iterations_the_log_reports_without_a_log_interval_giv
     assert rows[1]["phase"] == "steady state"
 
 
+def test_plan_sets_a_snapshots_private_pools_beside_the_capture_phases_pool(tmp_path, capsys):
+    """With per-layer TE graphs captured after one warmup iteration, rank 0's snapshot (3 GiB live and 1 GiB free in a
+    private pool, 4 GiB in the default one) is set beside stage 0's predicted pool, named as the capture phase's."""
+    from megatron_bridge_ext.cli import build_parser, plan
+    from megatron_bridge_ext.estimate.memory import estimate
+    from tests.support import snapshots as snap
+
+    graphs = [*PLAN, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_warmup_steps=1",
+              "model.use_te_rng_tracker=true"]
+    gib = 1 << 30
+    pool = [snap.block(3 * gib), snap.block(gib, state="inactive")]
+    shot = snap.dump(snap.snapshot([snap.segment([snap.block(4 * gib)]), snap.segment(pool, pool_id=(7, 1))]),
+                     tmp_path / "oom_rank0.snapshot.pickle")
+    assert main(["diagnose", _reports_log(tmp_path), shot, "--json", "--plan", *graphs]) == 0
+    [row] = json.loads(capsys.readouterr().out)["graph_pools_beside_estimate"]
+    built, options = plan.build_config(build_parser().parse_args(["plan", *graphs, "--gpu-memory", "80GiB"]))
+    predicted = estimate(built.cfg, **options).stage_graph_pools[0]
+    assert (row["rank"], row["stage"], row["pool_bytes"], row["free_bytes"]) == (0, 0, 4 * gib, gib)
+    assert row["predicted_pool_bytes"] == predicted.total_bytes and predicted.static_bytes > 0
+    assert row["verdict"].startswith("within" if 4 * gib <= predicted.total_bytes else "beyond")
+
+
 @pytest.mark.parametrize("extra, plan_words, fragment", [
     ([], ["--tp", "2"], "--plan needs the run's config"),
     (["--tp", "4"], PLAN, "--tp 4 contradicts the config of --plan (tp 2)"),

@@ -179,6 +179,26 @@ def test_the_shipped_two_rank_report_log_is_the_builders_output():
     assert shipped.read_text().splitlines() == want
 
 
+def test_the_shipped_graph_pool_snapshot_is_the_builders_output():
+    """tests/data/diagnose/llama-3-8b-graphs_oom_rank-0.pickle (the docs' CUDA-graph pool example): 4 GiB live in the
+    default pool, 1.5 GiB live and 0.5 GiB free in a private one; the builders' addresses aside."""
+    from pathlib import Path
+
+    from tests.support import snapshots as snap
+
+    def unplaced(data):
+        def drop(record):
+            return {k: v for k, v in record.items() if k != "address"}
+        return [dict(drop(s), blocks=[drop(b) for b in s["blocks"]]) for s in data["segments"]]
+
+    shipped = Path(__file__).resolve().parents[2] / "data" / "diagnose" / "llama-3-8b-graphs_oom_rank-0.pickle"
+    mib = 1 << 20
+    pool = [snap.block(1536 * mib), snap.block(512 * mib, state="inactive")]
+    built = snap.snapshot([snap.segment([snap.block(4096 * mib)]), snap.segment(pool, pool_id=(7, 1))])
+    loaded = pickle.loads(shipped.read_bytes())
+    assert unplaced(loaded) == unplaced(built) and loaded["device_traces"] == built["device_traces"]
+
+
 def test_a_healthy_stats_dump_in_a_run_is_a_note_not_a_failure(tmp_path):
     import json
 

@@ -29,3 +29,20 @@ def test_without_te_the_checks_answer_for_the_modelled_release_and_are_restored(
         assert not module.is_te_min_version("2.18.0")
         assert str(module.get_te_version()) == te.MODELLED_VERSION
     assert (module.is_te_min_version, module.get_te_version) == before
+
+
+def test_the_losss_te_version_check_answers_for_the_modelled_release_while_tracing():
+    """Core's loss asserts TE >= 2.7.0 for the capturable cross entropy of full-iteration CUDA graphs
+    (language_module.py L171-184); without TE installed its check says 0.0.0, which crashed the trace of Bridge's
+    perf recipes that capture full iterations. While a stage is traced it answers for the modelled release."""
+    from packaging.version import Version
+
+    from megatron.core.models.common.language_module import language_module
+
+    from megatron_bridge_ext.estimate import memory, te
+
+    assert Version(te.MODELLED_VERSION) >= Version("2.7.0")
+    assert not language_module.is_te_min_version("2.7.0")  # no Transformer Engine here
+    with memory._te_checks_in_the_loss():
+        assert language_module.is_te_min_version("2.7.0")
+    assert not language_module.is_te_min_version("2.7.0")

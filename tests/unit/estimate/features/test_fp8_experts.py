@@ -101,16 +101,13 @@ def test_fp8_weights_count_each_local_expert_of_the_fp8_layers_by_global_number(
     assert est.component("weights: experts").bytes == (LAYERS - fp8_layers) * E * 2 * FFN * H * BF16
 
 
-def test_fp8_on_shared_experts_latent_moe_and_offloaded_expert_fc1_is_refused_by_name():
+def test_fp8_on_shared_experts_and_latent_moe_is_refused_by_name():
     model = SimpleNamespace(fp8="hybrid", num_moe_experts=8)
     assert fp8_experts.findings(model) == []
     shared = SimpleNamespace(fp8="hybrid", num_moe_experts=8, moe_shared_expert_intermediate_size=64)
     assert ["shared experts" in f.message for f in fp8_experts.findings(shared)] == [True]
     latent = SimpleNamespace(fp8="hybrid", num_moe_experts=8, moe_latent_size=16)
     assert ["latent MoE" in f.message for f in fp8_experts.findings(latent)] == [True]
-    offload = SimpleNamespace(fp8="hybrid", num_moe_experts=8, fine_grained_activation_offloading=True,
-                              offload_modules=["expert_fc1"])
-    assert [f.setting for f in fp8_experts.findings(offload)] == ["model.offload_modules"]
     assert fp8_experts.findings(SimpleNamespace(fp8=None, num_moe_experts=8, moe_latent_size=16)) == []
 
 

@@ -55,15 +55,17 @@ def test_two_nvlink_domains_dispatch_saves_the_handle():
     assert _dispatch_saves(hybridep.Layout(t, g, e), non_blocking=True) == expected
 
 
-def _manager(tokens_per_rank: int, ranks: int, local: int, topk: int):
+def _manager(tokens_per_rank: int, ranks: int, local: int, topk: int, budget=None):
     """Core's ``_HybridEPManager`` built with the stand-ins in place (its constructor's device flag on a fake
-    tensor: nothing here has CUDA), with the config fields its dispatch and combine read."""
+    tensor: nothing here has CUDA), with the config fields its dispatch and combine read; ``budget``: the rank
+    capacity factor, with the TE op fuser it needs (transformer_config.py L1698-1706)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron.core.transformer.moe.token_dispatcher import _HybridEPManager
 
     config = SimpleNamespace(moe_permute_fusion=False, moe_expert_capacity_factor=None,
-                             moe_pad_expert_input_to_capacity=False, moe_expert_rank_capacity_factor=None,
+                             moe_pad_expert_input_to_capacity=False, moe_expert_rank_capacity_factor=budget,
+                             use_transformer_engine_op_fuser=budget is not None,
                              moe_hybridep_pad_uneven_dispatch_inputs=False, moe_router_topk=topk, fp8=None, fp4=None,
                              moe_flex_dispatcher_num_sms=None, moe_hybridep_num_blocks_permute=None,
                              moe_hybridep_num_blocks_unpermute=None, moe_permute_fusion_into_hybridep=False,
@@ -183,3 +185,96 @@ def test_assumption_names_the_buffers_and_what_it_leaves_unsized_across_domains(
     within = hybridep.hybridep_buffer(tokens=4096, hidden=2048, group=8, local_experts=8)
     assert f"{within.total / 2**30:.2f} GiB" in _named(8) and "RDMA" not in _named(8)
     assert "2 NVLink domains" in _named(16) and "not sized" in _named(16)
+
+
+OP_FUSER_ALIGN = 256
+"""Core rounds the rank budget up to this many rows under the TE op fuser (``get_align_size_for_quantization``,
+moe_utils.py L1406-1408), which the budget needs on HybridEP."""
+
+
+def _budget_rows(tokens: int, topk: int, factor: float) -> int:
+    """Core's rank budget: tokens x top-k x factor, rounded up to the alignment (token_dispatcher.py L1095-1102)."""
+    return -(-int(tokens * topk * factor) // OP_FUSER_ALIGN) * OP_FUSER_ALIGN
+
+
+def test_cores_manager_hands_the_experts_the_budgets_rows_and_the_counts_it_received():
+    """96 tokens top-2 of 8 experts over 4 ranks, factor 1.5: Core passes the budget, 288 rounded up to 512 rows, as
+    HybridEP's permuted-token count; the experts get 512 rows of hidden states and fp32 probabilities, with counts
+    summing to the 192 (token, local expert) pairs that arrived; the handle keeps the dispatched-token count on the
+    device (non-blocking)."""
+    t, g, local, topk, h = 96, 4, 2, 2, 16
+    model = SimpleNamespace(moe_router_topk=topk, num_moe_experts=g * local)
+    with hybridep.hybridep_kernels(RoutedLoad(), model):
+        manager = _manager(t, g, local, topk, budget=1.5)
+        manager.over_budget = torch.zeros(1, dtype=torch.bool)  # Core's flag on the CPU the test runs on
+        x = torch.zeros(t, h, dtype=torch.bfloat16, requires_grad=True)
+        probs = torch.rand(t, g * local, dtype=torch.bfloat16, requires_grad=True)
+        manager.setup_metadata(torch.zeros(t, g * local, dtype=torch.bool), probs)
+        hidden, recv_probs = manager.get_permuted_hidden_states_by_experts(manager.dispatch(x))
+        counts = manager.get_number_of_tokens_per_expert().tolist()
+    rows = _budget_rows(t, topk, 1.5)
+    assert tuple(hidden.shape) == (rows, h) and tuple(recv_probs.shape) == (rows,)
+    assert counts == [g * math.ceil(t * topk / (g * local))] * local and sum(counts) == 192
+    assert len(manager.handle) == 11 and manager.handle[3] is not None
+
+
+def test_hybrideps_scan_fills_the_budget_in_expert_order_and_drops_the_rest():
+    """Three local experts of 100 rows each (25 from each of 4 ranks): a 256-row limit keeps 100, 100, then the 56
+    left; padded to 64, each expert takes 128 rows, so the third finds the 256 taken and keeps none; no limit keeps
+    all (hybrid_ep_backend.cuh L5194-5220)."""
+    layout = hybridep.Layout(tokens=50, ranks=4, local_experts=3)
+    assert hybridep._permuted_counts(25, layout, None, 256) == [100, 100, 56]
+    assert hybridep._permuted_counts(25, layout, 64, 256) == [128, 128, 0]
+    assert hybridep._permuted_counts(25, layout, 64, None) == [128, 128, 128]
+
+
+def _fp8(fp8):
+    return SimpleNamespace(**vars(_model("hybridep")), moe_expert_rank_capacity_factor=1.5, fp8=fp8, fp4=None)
+
+
+def test_the_rank_budget_is_modelled_on_bf16_experts_and_refused_by_name_on_fp8_ones():
+    """TE's op fuser quantises the budget's rows as one grouped tensor (grouped_linear.py L1372-1378), which the FP8
+    experts' contract does not count."""
+    assert dispatcher.findings(_fp8(None)) == []
+    [finding] = dispatcher.findings(_fp8("hybrid"))
+    assert finding.setting == "model.moe_expert_rank_capacity_factor" and "FP8" in finding.message
+
+
+FACTOR = 1.5
+PER_ROW = (HIDDEN + 6 * 64) * BF16 + FP32
+"""What the traced local experts keep per row (tests/unit/estimate/features/test_moe_act.py): fc1's input [h], its
+output [2 x moe_ffn], SwiGLU's three unfused saves [moe_ffn each] and fc2's input [moe_ffn] in bf16 (moe_ffn 64 in
+the tiny model), and HybridEP's fp32 probability. TE's op fuser keeps fc1's input, its output (the scaled SwiGLU's
+input) and fc2's input on every row the experts receive too (grouped_linear.py L1381-1389, L1479; swiglu.py
+L552-555)."""
+STASH = ("model.moe_flex_dispatcher_backend=hybridep", "model.use_transformer_engine_op_fuser=true")
+
+
+def _stash_estimate(*extra):
+    from megatron_bridge_ext.estimate import memory
+    from tests.unit.estimate.test_estimate_moe import _tiny
+
+    return memory.estimate(_tiny(tp=1, ep=EP, dp=4, layers=LAYERS, peft="none", dispatcher="flex",
+                                 extra=STASH + extra))
+
+
+def test_a_stash_config_is_estimated_with_the_experts_on_the_budgets_rows():
+    """The tiny MoE model on HybridEP under the TE op fuser, with and without the rank budget (factor 1.5) and the
+    paged stash it enables (transformer_config.py L1904-1911): without, each MoE layer's experts keep the 256
+    (token, local expert) pairs' rows; with, the budget's 128 x 2 x 1.5 = 384 rows rounded up to 512, as many as
+    TE keeps, and the rows the experts receive (their backward gradients' rows) are the budget's; the stash takes
+    nothing (no saved tensor is stamped for it) and HybridEP's handle adds the dispatched-token count on the device
+    [1] int32."""
+    from megatron_bridge_ext.estimate.trace import EXPERTS, MOE_DISPATCH
+
+    plain = _stash_estimate()
+    stashed = _stash_estimate(f"model.moe_expert_rank_capacity_factor={FACTOR}", "model.moe_paged_stash=true")
+    pairs, rows = EP * math.ceil(TOKENS * TOPK / EXPERTS_N) * (EXPERTS_N // EP), _budget_rows(TOKENS, TOPK, FACTOR)
+    assert plain.activations_per_microbatch[EXPERTS] == LAYERS * pairs * PER_ROW
+    assert stashed.activations_per_microbatch[EXPERTS] == LAYERS * rows * PER_ROW
+    assert stashed.activations_per_microbatch[MOE_DISPATCH] - plain.activations_per_microbatch[MOE_DISPATCH] == \
+        LAYERS * I32
+    assert (plain.settings.moe.routed_tokens_per_layer, stashed.settings.moe.routed_tokens_per_layer) == (pairs, rows)
+    assert any("0 B for the stash" in line for line in stashed.assumptions)
+    (line,) = [a for a in stashed.assumptions if a.startswith("flex dispatcher on HybridEP")]
+    assert f"rank budget's {rows:,} rows (tokens x top-k x {FACTOR}" in line and "one row per" not in line

@@ -36,6 +36,7 @@ def test_an_accepted_config_and_the_offload_off_raise_nothing():
     (dict(offload_modules=["fused_group_mlp"]), "model.offload_modules"),
     (dict(offload_modules=["fused_group_mlp", "moe_act"], use_transformer_engine_op_fuser=True),
      "model.offload_modules"),
+    (dict(offload_modules=["moe_act"], moe_paged_stash=True), "model.offload_modules"),
     (dict(activation_offload_fraction=1.5), "model.activation_offload_fraction"),
     (dict(min_offloaded_tensor_size=-1), "model.min_offloaded_tensor_size"),
     (dict(delta_offload_bytes_across_pp_ranks=-1), "model.delta_offload_bytes_across_pp_ranks"),
