@@ -251,12 +251,16 @@ def _plan(args):
 def _search(args):
     """``--search``: the config as given estimated, then every legal candidate of its workload
     (:mod:`megatron_bridge_ext.search.walk`)."""
+    built, options = build_config(args)
+    return search_built(args, built.cfg, options)
+
+
+def search_built(args, cfg, options: dict):
+    """:func:`_search` on the config ``build_config`` built (``options``: the estimate's)."""
     from megatron_bridge_ext import planner
     from megatron_bridge_ext.estimate import estimate
     from megatron_bridge_ext.search import walk
 
-    built, options = build_config(args)
-    cfg = built.cfg
     base = estimate(cfg, **options)
     world = args.gpus  # required with --search (plan_inputs.search_problem)
     expandable = args.expandable_segments == "on"
