@@ -65,7 +65,17 @@ class Bucket:
 
 def buckets(model, ddp, *, dp: int, expert_dp: int, sources: Optional[list[int]] = None) -> list[Bucket]:
     """Core's own grouping and layout of ``model``'s parameters (``_get_parameter_groups``,
-    ``build_data_parallel_buffer_index``), on rank 0 of the DP x CP group (the experts' expert-DP group)."""
+    ``build_data_parallel_buffer_index``), on rank 0 of the DP x CP group (the experts' expert-DP group). Kept on the
+    model for the same DDP config, sizes and sources: a search estimates one traced model under many data-parallel
+    sizes (:mod:`.trace_cache`)."""
+    kept = model.__dict__.setdefault("_mbx_fsdp_buckets", {})
+    key = (repr(ddp), dp, expert_dp, None if sources is None else tuple(sources))
+    if key not in kept:
+        kept[key] = _buckets(model, ddp, dp=dp, expert_dp=expert_dp, sources=sources)
+    return kept[key]
+
+
+def _buckets(model, ddp, *, dp: int, expert_dp: int, sources: Optional[list[int]]) -> list[Bucket]:
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as core
 
     units = _unit_modules(rules.strategy(ddp))
