@@ -126,7 +126,7 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
                           pruned_dominated=dominated, pruned_optimizer_offload=unneeded, traces=trace_cache.misses,
                           trace_reuses=trace_cache.hits, step_times=len(predicted))
     t3 = time.perf_counter()
-    out.seconds = {"enumerate": t1 - t0, "order": t2 - t1, "walk": t3 - t2}
+    out.seconds = {"enumerate": t1 - t0, "order": t2 - t1, "walk": t3 - t2, **out.seconds}
     return out
 
 
@@ -242,6 +242,7 @@ def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: f
     floors: set = set()
     skipped: set = set()
     pruned = dominated = unneeded = 0
+    started = time.perf_counter()
     if out.given in predicted:
         run(out.given)
     answer_at = None
@@ -268,6 +269,7 @@ def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: f
         e = run(c)
         if e is not None and e.fits and answer_at is None:
             answer_at = time.perf_counter()
+            out.seconds["to_first_fit"] = answer_at - started
     return pruned, dominated, unneeded
 
 
