@@ -5,8 +5,8 @@ recompute, SP and the distributed optimizer on hold no more memory on any term):
 
 * a candidate above one that does not fit does not fit either (not estimated);
 * a candidate above a faster estimated one is dominated: no less memory for no less time (not estimated);
-* each layout and recompute's floor (micro-batch 1) is estimated when first reached: when it does not fit, no
-  larger micro-batch of it does;
+* each layout and recompute's floor (micro-batch 1) is estimated when first reached, unless it holds no more than
+  a candidate that fits: when it does not fit, no larger micro-batch of it does;
 * the optimizer is offloaded to the CPU only where the same candidate without it does not fit: one whose twin fits,
   or was dominated, is not estimated (the twin is predicted faster, so it was reached first).
 
@@ -262,7 +262,8 @@ def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: f
         floor = _floor(c)
         if floor is not None and floor not in floors:
             floors.add(floor)
-            run(floor)
+            if not _known_to_fit(floor, out.evaluated):
+                run(floor)
             if floor in run.unfit and floor.below(c):
                 pruned += 1
                 continue
@@ -280,6 +281,12 @@ def _offload_unneeded(c: cands.Candidate, done: dict, skipped: set, given: cands
         return False
     twin = replace(c, optimizer_offload=None, optimizer_overlap=False)
     return twin in skipped or (done.get(twin) is not None and done[twin].fits)
+
+
+def _known_to_fit(c: cands.Candidate, evaluated: list) -> bool:
+    """``c`` holds no more memory than a candidate that fits (:meth:`.candidates.Candidate.below`): it fits too. A
+    floor known to fit prunes nothing, so it is not estimated."""
+    return any(e.fits and c.below(e.candidate) for e in evaluated)
 
 
 def _floor(c: cands.Candidate) -> Optional[cands.Candidate]:

@@ -104,3 +104,34 @@ def test_the_lazy_order_is_the_walk_order_and_predicts_only_what_it_reaches(spac
     few: dict = {}
     list(itertools.islice(lazy_order(branches, lambda c: _predict(base, workload, c), bound, given, few), 10))
     assert len(few) < len(every) / 4
+
+
+def test_a_floor_below_a_fitting_candidate_is_not_estimated():
+    """A micro-batch-1 floor is estimated to prune its family when it does not fit; one that holds no more than a
+    candidate that fits (more recompute, the same layout) fits too, prunes nothing, and is not estimated."""
+    from megatron_bridge_ext.search import walk
+
+    def c(mb, recompute):
+        return cands.Candidate(tp=2, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=4, sp=True, micro_batch=mb,
+                               recompute=recompute, distributed_optimizer=True)
+
+    peak = {c(1, ()): 50, c(2, ()): 90, c(1, ("mlp",)): 40, c(2, ("mlp",)): 80}
+    search = walk.Search(c(4, ()), world=8, global_batch=8, seq=1024, usable=60, usable_expandable=60)
+
+    class Run:
+        def __init__(self):
+            self.done, self.unfit, self.calls = {}, [], []
+
+        def __call__(self, x):
+            self.calls.append(x)
+            e = types.SimpleNamespace(candidate=x, peak_bytes=peak[x], fits=peak[x] <= 60, step_time_s=1.0)
+            self.done[x] = e
+            search.evaluated.append(e)
+            if not e.fits:
+                self.unfit.append(x)
+            return e
+
+    run = Run()
+    order = [c(2, ()), c(2, ("mlp",))]
+    walk._walk(run, search, order, {x: 1.0 for x in order}, budget_s=0.0)
+    assert run.calls == [c(1, ()), c(2, ()), c(2, ("mlp",))]
