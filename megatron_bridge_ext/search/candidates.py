@@ -229,6 +229,22 @@ class Branch:
                          optimizer_offload=share, optimizer_overlap=share is not None)
 
 
+def least_memory_relatives(c: Candidate, recomputes: tuple, offloads: tuple) -> list[Candidate]:
+    """Candidates of ``c``'s layout and optimizer options that hold no more memory than ``c`` on every term and the
+    least among those: the widest recompute sets of ``recomputes`` covering ``c``'s (full recompute only for full)
+    with the widest activation offload of ``offloads`` covering ``c``'s, at micro-batch 1 and at ``c``'s micro-batch.
+    One that does not fit prunes ``c`` (:meth:`Candidate.below`) and every candidate above it."""
+    if c.recompute == FULL:
+        widest = [FULL]
+    else:
+        covering = [rc for rc in recomputes if rc != FULL and covers(rc, c.recompute)]
+        widest = [rc for rc in covering if not any(set(other) > set(rc) for other in covering)]
+    offloading = [o for o in offloads if set(o) >= set(c.offload)]
+    offload = max(offloading, key=len, default=c.offload)
+    out = [replace(c, micro_batch=mb, recompute=rc, offload=offload) for mb in (1, c.micro_batch) for rc in widest]
+    return [r for r in dict.fromkeys(out) if r != c]
+
+
 def enumerate_branches(shape: dict, *, world: int, global_batch: int, modules: list[str], offloads: tuple = ((),),
                        optimizer_offload_allowed: bool = False) -> tuple[int, list[Branch]]:
     """How many combinations were looked at, and the legal ones (:func:`layout_findings` finds nothing) as one

@@ -5,8 +5,10 @@ recompute, SP and the distributed optimizer on hold no more memory on any term):
 
 * a candidate above one that does not fit does not fit either (not estimated);
 * a candidate above a faster estimated one is dominated: no less memory for no less time (not estimated);
-* each layout and recompute's floor (micro-batch 1) is estimated when first reached, unless it holds no more than
-  a candidate that fits: when it does not fit, no larger micro-batch of it does;
+* before a candidate, its least-memory relatives are estimated when first reached, unless one holds no more than a
+  candidate that fits (:func:`.candidates.least_memory_relatives`: its layout and optimizer options with the widest
+  recompute and offload covering its own, at micro-batch 1 and at its own; with ``legal`` given, its micro-batch-1
+  floor): when one does not fit, neither does anything above it;
 * the optimizer is offloaded to the CPU only where the same candidate without it does not fit: one whose twin fits,
   or was dominated, is not estimated (the twin is predicted faster, so it was reached first).
 
@@ -110,18 +112,23 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
         t1 = time.perf_counter()
         predicted = {given: predict(given)} if any(b.contains(given) for b in branches) else {}
         order = lazy_order(branches, predict, lambda b: branch_bound(base, b, shape, gb, gpu, moe), given, predicted)
+        recomputes, offloads = branches[0].recomputes if branches else (), branches[0].offloads if branches else ()
+
+        def relatives(c: cands.Candidate) -> list:
+            return cands.least_memory_relatives(c, recomputes, offloads)
     else:
         out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
                      counts={"enumerated": len(legal), "legal": len(legal)}, layers=shape["layers"])
         t1 = time.perf_counter()
         predicted = {c: predict(c) for c in legal}
         order = iter(rule.walk_order(legal, predicted, given))
+        relatives = _floors
     t2 = time.perf_counter()
     with trace_cache.reuse():
         run = Estimator(cfg, out, gpu=gpu, moe=moe, expandable_on=expandable_on, estimate_options=estimate_options,
                         apply=apply, keep=keep_estimates)
         out.estimator = run
-        pruned, dominated, unneeded = _walk(run, out, order, predicted, budget_s)
+        pruned, dominated, unneeded = _walk(run, out, order, predicted, budget_s, relatives)
         out.counts.update(estimated=len(run.done), not_estimable=len(out.refused), pruned_not_fitting=pruned,
                           pruned_dominated=dominated, pruned_optimizer_offload=unneeded, traces=trace_cache.misses,
                           trace_reuses=trace_cache.hits, step_times=len(predicted))
@@ -235,11 +242,13 @@ class Estimator:
         return e
 
 
-def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: float) -> tuple[int, int, int]:
+def _walk(run: Estimator, out: Search, order, predicted: dict, budget_s: float,
+          relatives=None) -> tuple[int, int, int]:
     """Estimate ``order`` (fastest predicted first) but what the memory order prunes; stop ``budget_s`` after the
     first candidate that fits. Returns how many candidates were pruned as not fitting, as dominated, and as offloading
     the optimizer without need (:func:`_offload_unneeded`)."""
-    floors: set = set()
+    relatives = relatives or _floors
+    probed: set = set()
     skipped: set = set()
     pruned = dominated = unneeded = 0
     started = time.perf_counter()
@@ -259,14 +268,9 @@ def _walk(run: Estimator, out: Search, order: list, predicted: dict, budget_s: f
         if _offload_unneeded(c, run.done, skipped, out.given):
             unneeded += 1
             continue
-        floor = _floor(c)
-        if floor is not None and floor not in floors:
-            floors.add(floor)
-            if not _known_to_fit(floor, out.evaluated):
-                run(floor)
-            if floor in run.unfit and floor.below(c):
-                pruned += 1
-                continue
+        if _a_relative_does_not_fit(c, relatives(c), run, out.evaluated, probed):
+            pruned += 1
+            continue
         e = run(c)
         if e is not None and e.fits and answer_at is None:
             answer_at = time.perf_counter()
@@ -283,10 +287,30 @@ def _offload_unneeded(c: cands.Candidate, done: dict, skipped: set, given: cands
     return twin in skipped or (done.get(twin) is not None and done[twin].fits)
 
 
+def _a_relative_does_not_fit(c: cands.Candidate, relatives: list, run: Estimator, evaluated: list,
+                             probed: set) -> bool:
+    """Whether one of ``c``'s ``relatives`` (candidates holding no more memory than ``c``, least first) does not fit;
+    each estimated the first time it is asked about unless it is known to fit (then it prunes nothing)."""
+    for r in relatives:
+        if r not in probed:
+            probed.add(r)
+            if not _known_to_fit(r, evaluated):
+                run(r)
+        if r in run.unfit and r.below(c):
+            return True
+    return False
+
+
 def _known_to_fit(c: cands.Candidate, evaluated: list) -> bool:
     """``c`` holds no more memory than a candidate that fits (:meth:`.candidates.Candidate.below`): it fits too. A
     floor known to fit prunes nothing, so it is not estimated."""
     return any(e.fits and c.below(e.candidate) for e in evaluated)
+
+
+def _floors(c: cands.Candidate) -> list:
+    """``c``'s micro-batch-1 floor, the relative the walk checks where the candidates are given."""
+    floor = _floor(c)
+    return [] if floor is None else [floor]
 
 
 def _floor(c: cands.Candidate) -> Optional[cands.Candidate]:

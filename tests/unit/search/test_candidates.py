@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 
@@ -116,3 +117,22 @@ def test_fp8_set_by_bridges_mixed_precision_leaves_megatron_fsdp_out_of_the_cand
     _, legal = cands.enumerate_all(shape, world=4, global_batch=8, modules=["core_attn"])
     _, bf16 = cands.enumerate_all(cands.shape_of(model), world=4, global_batch=8, modules=["core_attn"])
     assert {c.fsdp for c in legal} == {None} and {c.fsdp for c in bf16} > {None}
+
+
+def test_a_candidates_least_memory_relatives_hold_no_more_and_are_the_widest_it_covers():
+    """The walk's probes: the widest recompute sets of the space covering the candidate's (with and without ``moe``,
+    which Core refuses beside ``moe_act``) and the widest offload covering its own, at micro-batch 1 and its own;
+    full recompute only for full; each below the candidate."""
+    from megatron_bridge_ext.levers.recompute.advice import INSIDE_MOE
+
+    rcs = tuple(cands.recompute_sets(["core_attn", "layernorm", "moe", *INSIDE_MOE[:1]]))
+    offloads = ((), ATTENTION)
+    c = cands.Candidate(tp=2, pp=1, vpp=None, cp=1, ep=2, etp=1, dp=2, sp=True, micro_batch=4,
+                        recompute=("core_attn",), distributed_optimizer=True)
+    relatives = cands.least_memory_relatives(c, rcs, offloads)
+    widest = {("core_attn", "layernorm", "moe"), ("core_attn", "layernorm", INSIDE_MOE[0])}
+    assert {frozenset(r.recompute) for r in relatives} == {frozenset(w) for w in widest}
+    assert {r.micro_batch for r in relatives} == {1, 4} and len(relatives) == 4
+    assert all(r.offload == ATTENTION and r.below(c) for r in relatives)
+    full = cands.least_memory_relatives(replace(c, recompute=cands.FULL), rcs, offloads)
+    assert [(r.recompute, r.micro_batch) for r in full] == [(cands.FULL, 1), (cands.FULL, 4)]
