@@ -171,8 +171,11 @@ def points_for(tp: int) -> list[GridPoint]:
 
 def measured(point: GridPoint) -> dict:
     """What one forward of the real tiny model saves on this rank (the meter), in total, per category and per
-    layer, as the estimate splits it; backward runs afterwards."""
-    from megatron_bridge_ext.estimate.trace import classifier, moe_layers_of, split
+    layer, as the estimate splits it (full recompute's checkpoints counted by their layer,
+    :func:`~megatron_bridge_ext.estimate.trace.checkpoints_by_layer`); backward runs afterwards."""
+    import contextlib
+
+    from megatron_bridge_ext.estimate.trace import checkpoints_by_layer, classifier, moe_layers_of, split
     from megatron_bridge_ext.measure import SavedActivationMeter
     from megatron_bridge_ext.testing import tiny_model
 
@@ -193,7 +196,9 @@ def measured(point: GridPoint) -> dict:
     tokens: dict[str, int] = {}
     hooks = [module.register_forward_pre_hook(_count_tokens(tokens, name)) for name, module in model.named_modules()
              if _is_local_expert(name)]
-    with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter:
+    full = RECOMPUTE[point.recompute].get("recompute_granularity") == "full"
+    with SavedActivationMeter(model, classifier=classifier(moe_layers_of(model))) as meter, \
+            (checkpoints_by_layer(meter) if full else contextlib.nullcontext()):
         loss = tiny_model.loss_of(model, batch)
     for hook in hooks:
         hook.remove()

@@ -36,7 +36,8 @@ def run(monkeypatch, capsys):
     monkeypatch.setattr(plan_cli, "_plan", lambda args: hand.plan(80 * 2**30, baseline=est))
     monkeypatch.setattr(diagnose_cli, "_estimate",
                         lambda plan_args, iterations: (predicted_reports(est, iterations),
-                                                       {"tp": 2, "pp": 1, "cp": 1, "dp": 2, "ep": 1}))
+                                                       {"tp": 2, "pp": 1, "cp": 1, "dp": 2, "ep": 1},
+                                                       est.stage_graph_pools))
     argv = {"plan": ["plan", *PLAN_WORDS, "--gpu-memory", "80GiB"], "diagnose": ["diagnose", LOG, "--plan", *PLAN_WORDS]}
 
     def output(command: str) -> str:
