@@ -259,6 +259,7 @@ def search_built(args, cfg, options: dict):
     """:func:`_search` on the config ``build_config`` built (``options``: the estimate's)."""
     from megatron_bridge_ext import planner
     from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.levers.lora_input.config import shard_local_wanted
     from megatron_bridge_ext.search import walk
 
     base = estimate(cfg, **options)
@@ -268,7 +269,8 @@ def search_built(args, cfg, options: dict):
     usable = int(args.gpu_memory * (1 - (planner.EXPANDABLE_MARGIN if expandable else margin)))
     return walk.search(cfg, base, world=world, usable=usable,
                        usable_expandable=int(args.gpu_memory * (1 - planner.EXPANDABLE_MARGIN)),
-                       expandable_on=expandable, gpu=args.device, estimate_options=options)
+                       expandable_on=expandable, gpu=args.device, estimate_options=options,
+                       shard_local=shard_local_wanted(cfg))
 
 
 def _search_report(result, args) -> int:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge_ext.config import MemoryConfig
 from megatron_bridge_ext.estimate import trace_cache
-from megatron_bridge_ext.levers.lora_input.config import PEFT_FIELD, is_lora_family, strategy_in_effect
+from megatron_bridge_ext.levers.lora_input.config import PEFT_FIELD, shard_local_wanted
 from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, layout_findings
 from megatron_bridge_ext.levers.parallelism.cost import moe_shape
 from megatron_bridge_ext.levers.step import Option, State
@@ -77,7 +77,7 @@ def answer(planner: Planner, cfg, baseline, *, usable: int, usable_expandable: i
     shape = cands.shape_of(cfg.model, s)
     legal = reachable(given, shape, global_batch=cfg.train.global_batch_size,
                       modules=candidates_for(s, moe_shape(cfg.model)))
-    shard_local = _shard_local_wanted(cfg)
+    shard_local = shard_local_wanted(cfg)
     options = {k: v for k, v in planner.estimate_options.items() if k not in PER_CANDIDATE}
     with trace_cache.reuse():
         found = walk.search(cfg, baseline, world=given.tp * given.pp * given.cp * given.dp, usable=usable,
@@ -108,12 +108,6 @@ def _shard_local_kept(planner: Planner, cfg, given: cands.Candidate, best, with_
         return without, est, False
     saves[f"{PEFT_FIELD} shard_local"] = est.peak_bytes - best.peak_bytes
     return *with_it, True
-
-
-def _shard_local_wanted(cfg) -> bool:
-    """Whether a LoRA-family PEFT runs here with the LoRA-A input ``off`` (``shard_local`` then saves memory and
-    traffic wherever SP is on)."""
-    return cfg.peft is not None and is_lora_family(cfg.peft) and strategy_in_effect(cfg.peft) == "off"
 
 
 FIELDS = {

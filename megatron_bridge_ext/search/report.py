@@ -34,15 +34,20 @@ def row(result, e) -> dict:
     tokens = result.global_batch * result.seq / e.step_time_s / result.world
     return {"candidate": e.candidate.describe(), "overrides": e.candidate.overrides(result.layers, result.given)
             + (["env_vars.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"] if e.expandable else []),
-            "memory_config": memory_config_line(e), "peak_bytes": e.peak_bytes, "peak_phase": e.peak_phase,
-            "fits": e.fits, "step_time_s": e.step_time_s, "tokens_per_s_per_gpu": tokens,
-            "tflops_per_gpu": e.flops / e.step_time_s / 1e12, "changes": changes(result.given, e.candidate)}
+            "memory_config": memory_config_line(e, shard_local=result.shard_local), "peak_bytes": e.peak_bytes,
+            "peak_phase": e.peak_phase, "fits": e.fits, "step_time_s": e.step_time_s, "tokens_per_s_per_gpu": tokens,
+            "tflops_per_gpu": e.flops / e.step_time_s / 1e12,
+            "changes": changes(result.given, e.candidate)
+            + (", LoRA-A input off->shard_local" if result.shard_local and e.candidate.sp else "")}
 
 
-def memory_config_line(e) -> str:
+def memory_config_line(e, *, shard_local: bool = False) -> str:
+    """The MemoryConfig line of candidate ``e``: the allocator, selective recompute, and the LoRA-A input
+    ``shard_local`` where the search set it (``shard_local`` and SP on)."""
     rc = e.candidate.recompute
     modules = list(rc) if isinstance(rc, tuple) and rc else None
-    return f"MemoryConfig(expandable_segments={e.expandable}, recompute_modules={modules!r})"
+    strategy = ", sequence_parallel_input_strategy='shard_local'" if shard_local and e.candidate.sp else ""
+    return f"MemoryConfig(expandable_segments={e.expandable}, recompute_modules={modules!r}{strategy})"
 
 
 def as_dict(result) -> dict:

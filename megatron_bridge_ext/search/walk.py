@@ -67,6 +67,9 @@ class Search:
     counts: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
     layers: int = 0
+    shard_local: bool = False
+    """The LoRA-A input ``shard_local`` on every candidate with SP (a LoRA run whose config leaves it off: it holds
+    less and sends less, :func:`..levers.lora_input.config.shard_local_wanted`); the answer's MemoryConfig sets it."""
     estimator: Optional["Estimator"] = field(default=None, repr=False)
     """What estimated the candidates (more can be estimated through it, inside the same trace reuse)."""
 
@@ -86,11 +89,12 @@ class Search:
 
 def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, expandable_on: bool, gpu,
            estimate_options: dict, budget_s: float = BUDGET_S, legal: Optional[list] = None,
-           apply=cands.apply, keep_estimates: bool = False) -> Search:
+           apply=cands.apply, keep_estimates: bool = False, shard_local: bool = False) -> Search:
     """Search every legal candidate of ``cfg``'s workload on ``world`` GPUs (``base_est``: the estimate of ``cfg`` as
     given, whose settings the step times are moved from), or the candidates ``legal`` where given. ``apply`` sets a
     candidate on a copy of ``cfg``. ``budget_s=0`` stops at the first candidate that fits: the answer.
-    ``keep_estimates``: keep each estimate and config on ``search.estimator`` (the plain plan's answer needs them)."""
+    ``keep_estimates``: keep each estimate and config on ``search.estimator`` (the plain plan's answer needs them).
+    ``shard_local``: every candidate with SP runs the LoRA-A input ``shard_local`` (:attr:`Search.shard_local`)."""
     from megatron_bridge_ext.levers.recompute.advice import candidates_for
 
     t0 = time.perf_counter()
@@ -123,6 +127,9 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
         predicted = {c: predict(c) for c in legal}
         order = iter(rule.walk_order(legal, predicted, given))
         relatives = _floors
+    out.shard_local = shard_local
+    if shard_local:
+        apply = _with_shard_local(apply)
     t2 = time.perf_counter()
     with trace_cache.reuse():
         run = Estimator(cfg, out, gpu=gpu, moe=moe, expandable_on=expandable_on, estimate_options=estimate_options,
@@ -135,6 +142,19 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     t3 = time.perf_counter()
     out.seconds = {"enumerate": t1 - t0, "order": t2 - t1, "walk": t3 - t2, **out.seconds}
     return out
+
+
+def _with_shard_local(apply):
+    """``apply``, then the LoRA-A input ``shard_local`` where the candidate runs SP, as the answer's MemoryConfig line
+    sets it."""
+    from megatron_bridge_ext.config import MemoryConfig
+
+    def applied(cfg, c: cands.Candidate):
+        out = apply(cfg, c)
+        if c.sp:
+            MemoryConfig(sequence_parallel_input_strategy="shard_local", expandable_segments=False).apply(out)
+        return out
+    return applied
 
 
 def branch_bound(base, branch: cands.Branch, shape: dict, global_batch: int, gpu, moe: Optional[dict]) -> float:

@@ -35,6 +35,12 @@ def strategy_in_effect(peft) -> str:
     return sp_lora.REGATHER if getattr(peft, UPSTREAM_FLAG, False) else sp_lora.OFF
 
 
+def shard_local_wanted(cfg) -> bool:
+    """Whether a LoRA-family PEFT runs in ``cfg`` with the LoRA-A input ``off`` (``shard_local`` then saves memory
+    and traffic wherever SP is on)."""
+    return cfg.peft is not None and is_lora_family(cfg.peft) and strategy_in_effect(cfg.peft) == "off"
+
+
 def is_lora_family(peft) -> bool:
     """Bridge's LoRA, DoRA or CanonicalLoRA (ours derive from them)."""
     return kinds.kind_of(peft) is not None

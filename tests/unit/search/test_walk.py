@@ -135,3 +135,37 @@ def test_a_floor_below_a_fitting_candidate_is_not_estimated():
     order = [c(2, ()), c(2, ("mlp",))]
     walk._walk(run, search, order, {x: 1.0 for x in order}, budget_s=0.0)
     assert run.calls == [c(1, ()), c(2, ()), c(2, ("mlp",))]
+
+
+def test_a_lora_search_runs_the_lora_a_input_shard_local_wherever_sp_is_on():
+    """A LoRA config with the LoRA-A input off: the search sets ``shard_local`` on every candidate with SP (it keeps
+    the adapters' input shard instead of the gathered input: less memory, no gather), off elsewhere, and the answer's
+    MemoryConfig line says so."""
+    import math
+
+    from megatron_bridge_ext.estimate import estimate
+    from megatron_bridge_ext.levers import steptime
+    from megatron_bridge_ext.levers.lora_input.config import shard_local_wanted
+    from megatron_bridge_ext.peft import LoRA
+    from megatron_bridge_ext.search import report, walk
+    from megatron_bridge_ext.testing.tiny_model import TinyGPTShape, tiny_config
+
+    shape = TinyGPTShape(layers=2, hidden=64, ffn=256, heads=4, kv_heads=2, seq=256, micro_batch=1, vocab=128, tp=1,
+                         sequence_parallel=False, dtype="bfloat16", swiglu=True)
+    cfg = tiny_config(shape, LoRA(target_modules=list(shape.lora_targets), dim=8, alpha=8))
+    cfg.data_parallel_size, cfg.train.global_batch_size = 1, 2
+    assert shard_local_wanted(cfg)
+    result = walk.search(cfg, estimate(cfg), world=2, usable=1 << 40, usable_expandable=1 << 40, expandable_on=True,
+                         gpu=steptime.gpu(), estimate_options={}, budget_s=math.inf, keep_estimates=True,
+                         shard_local=True)
+    kept = result.estimator.estimates
+    assert {c.sp for c in kept} == {True, False}
+    for c, (c_cfg, _) in kept.items():
+        assert c_cfg.peft.strategy_in_effect == ("shard_local" if c.sp else "off"), c.describe()
+    sp = next(c for c in kept if c.sp)
+    without = estimate(cands.apply(cfg, sp), data_parallel_size=sp.dp,
+                       num_microbatches=2 // (sp.micro_batch * sp.dp))
+    assert kept[sp][1].peak_bytes < without.peak_bytes
+    row = report.row(result, next(e for e in result.evaluated if e.candidate == sp))
+    assert "sequence_parallel_input_strategy='shard_local'" in row["memory_config"]
+    assert row["changes"].endswith("LoRA-A input off->shard_local")
