@@ -39,24 +39,32 @@ def _measured(offload: bool):
     """One forward of Core's real tiny GPTModel (local spec) on CPU tensors under the meter, modules inside the
     groups classified apart; with ``offload`` under :func:`activation_offload.recording`, every tensor admitted
     (min_offloaded_tensor_size 0)."""
+    result, groups, _ = _run(_shape(), dict(OFFLOAD, min_offloaded_tensor_size=0) if offload else {}, _in_group,
+                             offload)
+    return result, groups
+
+
+def _run(shape, fields: dict, classify, offload: bool):
+    """One forward and backward of Core's real tiny GPTModel of ``shape`` and model ``fields`` on CPU tensors under
+    the meter (modules classified by ``classify``), with ``offload`` under :func:`activation_offload.recording`: the
+    meter's result, the groups and the parameters' gradients."""
     import contextlib
 
     from megatron_bridge_ext.estimate.fake import fake_parallel_world
     from megatron_bridge_ext.measure import SavedActivationMeter
     from megatron_bridge_ext.testing import tiny_model
 
-    shape = _shape()
-    fields = dict(OFFLOAD, min_offloaded_tensor_size=0) if offload else {}
     with fake_parallel_world(tp=1, pp=1, cp=1, rank=0, device="cpu"):
         model = tiny_model.build_gpt(shape, **fields)
         batch = {name: tensor.contiguous() for name, tensor in tiny_model.synthetic_batch(shape).items()}
-        with SavedActivationMeter(model, classifier=_in_group) as meter, \
+        with SavedActivationMeter(model, classifier=classify) as meter, \
                 (activation_offload.recording(model) if offload else contextlib.nullcontext()) as recorder:
             loss = tiny_model.loss_of(model, batch)
         result = meter.result()
         groups = recorder.result(meter.counted) if offload else ()
         loss.backward()
-    return result, groups
+        grads = [p.grad.clone() for p in model.parameters()]
+    return result, groups, grads
 
 
 def test_what_leaves_the_count_is_what_the_meter_counts_for_the_modules_in_the_groups():
@@ -204,26 +212,8 @@ def _measured_experts(offload: bool, **extra):
     """One forward and backward of Core's real tiny MoE GPTModel (local spec, SequentialMLP experts) on CPU under the
     meter; with ``offload`` under :func:`activation_offload.recording`, every tensor admitted. Returns the meter's
     result, the groups and the parameters' gradients."""
-    import contextlib
-
-    from megatron_bridge_ext.estimate.fake import fake_parallel_world
-    from megatron_bridge_ext.measure import SavedActivationMeter
-    from megatron_bridge_ext.testing import tiny_model
-
-    shape = _moe_shape()
     fields = dict(EXPERT_GROUPS, min_offloaded_tensor_size=0) if offload else dict(bias_activation_fusion=True)
-    fields.update(extra)
-    with fake_parallel_world(tp=1, pp=1, cp=1, rank=0, device="cpu"):
-        model = tiny_model.build_gpt(shape, **fields)
-        batch = {name: tensor.contiguous() for name, tensor in tiny_model.synthetic_batch(shape).items()}
-        with SavedActivationMeter(model, classifier=_expert_part) as meter, \
-                (activation_offload.recording(model) if offload else contextlib.nullcontext()) as recorder:
-            loss = tiny_model.loss_of(model, batch)
-        result = meter.result()
-        groups = recorder.result(meter.counted) if offload else ()
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-    return result, groups, grads
+    return _run(_moe_shape(), {**fields, **extra}, _expert_part, offload)
 
 
 def test_the_experts_groups_hold_what_cores_experts_save_for_fc1_and_the_activation():
