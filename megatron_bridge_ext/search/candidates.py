@@ -10,8 +10,10 @@ from typing import Optional, Union
 
 from megatron_bridge_ext.levers import fsdp, optimizer_offload
 from megatron_bridge_ext.levers.activation_offload.cost import ATTENTION as ATTENTION_OFFLOAD
+from megatron_bridge_ext.levers.activation_offload.cost import EXPERTS as EXPERT_OFFLOAD
 from megatron_bridge_ext.levers.parallelism.constraints import MAX_TP, expert_sizes, layout_findings, uneven_split
 from megatron_bridge_ext.levers.recompute.advice import INSIDE_MOE
+from megatron_bridge_ext.levers.recompute.config import offloaded_inside_moe
 
 FULL = "full"
 """Full recompute: Core's ``uniform`` method, every layer (``recompute_num_layers=1``)."""
@@ -180,12 +182,25 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def offload_sets(model) -> list[tuple]:
+def offload_sets(model, *, fp8: bool = False) -> list[tuple]:
     """No offload, and the attention's inputs offloaded where Bridge allows it (Transformer Engine's layers, no
-    layer-level CPU offloading: :mod:`megatron_bridge_ext.levers.activation_offload.constraints`)."""
+    layer-level CPU offloading: :mod:`megatron_bridge_ext.levers.activation_offload.constraints`); on an MoE model
+    whose experts open their groups (:func:`..estimate.features.expert_offload.groups_open`), not in FP8 (not
+    modelled) and without the paged stash (Core refuses them together), the experts' groups too, alone and with the
+    attention's."""
+    from megatron_bridge_ext.estimate.features.expert_offload import groups_open
+
     if getattr(model, "transformer_impl", None) != "transformer_engine" or getattr(model, "cpu_offloading", False):
         return [()]
-    return [(), ATTENTION_OFFLOAD]
+    if fp8 or getattr(model, "moe_paged_stash", False) or not groups_open(model):
+        return [(), ATTENTION_OFFLOAD]
+    return [(), ATTENTION_OFFLOAD, EXPERT_OFFLOAD, ATTENTION_OFFLOAD + EXPERT_OFFLOAD]
+
+
+def compatible(recompute, offload: tuple) -> bool:
+    """Core takes the recompute set and the offloaded modules together (not ``moe`` recompute beside the experts'
+    groups: :func:`..levers.recompute.config.offloaded_inside_moe`)."""
+    return recompute == FULL or not offloaded_inside_moe(recompute, offload)
 
 
 @dataclass(frozen=True)
@@ -205,7 +220,11 @@ class Branch:
     def members(self) -> list[Candidate]:
         return [Candidate(*self.layout, rc, do, strategy, moments, offload=off, optimizer_offload=share,
                           optimizer_overlap=share is not None)
-                for rc in self.recomputes for do, strategy, moments, share in self.memory for off in self.offloads]
+                for rc, off in self._pairs() for do, strategy, moments, share in self.memory]
+
+    def _pairs(self) -> list[tuple]:
+        """The (recompute, offload) pairs Core takes together (:func:`compatible`)."""
+        return [(rc, off) for rc in self.recomputes for off in self.offloads if compatible(rc, off)]
 
     def children(self) -> list:
         """One branch per recompute set, or the candidates once there is one."""
@@ -214,12 +233,13 @@ class Branch:
         return self.members()
 
     def size(self) -> int:
-        return len(self.recomputes) * len(self.memory) * len(self.offloads)
+        return len(self._pairs()) * len(self.memory)
 
     def contains(self, c: Candidate) -> bool:
         return (c.layout + (c.sp, c.micro_batch) == self.layout and c.recompute in self.recomputes
                 and (c.distributed_optimizer, c.fsdp, c.bf16_moments, c.optimizer_offload) in self.memory
-                and c.offload in self.offloads and c.optimizer_overlap == (c.optimizer_offload is not None))
+                and c.offload in self.offloads and compatible(c.recompute, c.offload)
+                and c.optimizer_overlap == (c.optimizer_offload is not None))
 
     def fastest_settings(self) -> Candidate:
         """The branch's first recompute set (none at the top: :func:`recompute_sets`) on its first optimizer option
@@ -232,16 +252,20 @@ class Branch:
 def least_memory_relatives(c: Candidate, recomputes: tuple, offloads: tuple) -> list[Candidate]:
     """Candidates of ``c``'s layout and optimizer options that hold no more memory than ``c`` on every term and the
     least among those: the widest recompute sets of ``recomputes`` covering ``c``'s (full recompute only for full)
-    with the widest activation offload of ``offloads`` covering ``c``'s, at micro-batch 1 and at ``c``'s micro-batch.
+    with the widest activation offload of ``offloads`` covering ``c``'s that Core takes with each
+    (:func:`compatible`), at micro-batch 1 and at ``c``'s micro-batch.
     One that does not fit prunes ``c`` (:meth:`Candidate.below`) and every candidate above it."""
     if c.recompute == FULL:
         widest = [FULL]
     else:
         covering = [rc for rc in recomputes if rc != FULL and covers(rc, c.recompute)]
         widest = [rc for rc in covering if not any(set(other) > set(rc) for other in covering)]
-    offloading = [o for o in offloads if set(o) >= set(c.offload)]
-    offload = max(offloading, key=len, default=c.offload)
-    out = [replace(c, micro_batch=mb, recompute=rc, offload=offload) for mb in (1, c.micro_batch) for rc in widest]
+    out = []
+    for rc in widest:
+        offloading = [o for o in offloads if set(o) >= set(c.offload) and compatible(rc, o)]
+        if offloading:
+            out += [replace(c, micro_batch=mb, recompute=rc, offload=max(offloading, key=len))
+                    for mb in (1, c.micro_batch)]
     return [r for r in dict.fromkeys(out) if r != c]
 
 
@@ -261,7 +285,7 @@ def enumerate_branches(shape: dict, *, world: int, global_batch: int, modules: l
         eps = [e for e in divisors(experts) if e <= tp * cp * dp] if experts else [1]
         memory = tuple((do, *option) for do in (True, False)
                        for option in _optimizer_options(shape, do, dp * cp, optimizer_offload_allowed))
-        size = len(rcs) * len(memory) * len(offloads)
+        size = sum(compatible(rc, off) for rc in rcs for off in offloads) * len(memory)
         for vpp, ep, etp, sp in itertools.product(vpps, eps, sorted({1, tp}) if experts else [tp], (False, True)):
             for mb in divisors(global_batch // dp) if global_batch % dp == 0 else [1]:
                 seen += size

@@ -109,7 +109,7 @@ def search(cfg, base_est, *, world: int, usable: int, usable_expandable: int, ex
     if legal is None:
         seen, branches = cands.enumerate_branches(
             shape, world=world, global_batch=gb, modules=candidates_for(base, moe),
-            offloads=tuple(cands.offload_sets(cfg.model)),
+            offloads=tuple(cands.offload_sets(cfg.model, fp8=shape["fp8"])),
             optimizer_offload_allowed=optimizer_offload.searchable(cfg.optimizer, cfg.ddp))
         out = Search(given, world, gb, shape["seq"], usable, usable_expandable,
                      counts={"enumerated": seen, "legal": sum(b.size() for b in branches)}, layers=shape["layers"])

@@ -44,9 +44,15 @@ def _offloaded(model) -> set:
 
 
 def used(model) -> bool:
-    """The experts open Core's groups: ``expert_fc1`` or ``moe_act`` offloaded on grouped-GEMM experts, not fused by
-    Transformer Engine's op fuser (whose forward opens only ``fused_group_mlp``, experts.py L753-763)."""
-    return (bool(_offloaded(model) & set(GROUPS)) and bool(getattr(model, "moe_grouped_gemm", False))
+    """The experts open Core's groups: ``expert_fc1`` or ``moe_act`` offloaded on experts that open them
+    (:func:`groups_open`)."""
+    return bool(_offloaded(model) & set(GROUPS)) and groups_open(model)
+
+
+def groups_open(model) -> bool:
+    """An MoE model's experts open ``expert_fc1`` and ``moe_act``: grouped-GEMM experts (``TEGroupedMLP``), not fused
+    by Transformer Engine's op fuser (whose forward opens only ``fused_group_mlp``, experts.py L753-763)."""
+    return (bool(getattr(model, "num_moe_experts", None)) and bool(getattr(model, "moe_grouped_gemm", False))
             and not getattr(model, "use_transformer_engine_op_fuser", False))
 
 

@@ -127,8 +127,9 @@ def _moe_findings(model, modules: list[str]) -> list[Finding]:
         out.append(Finding("moe_recompute_ep_overlap", ERROR, "recompute_modules",
                            "'moe' recompute cannot work with model.overlap_moe_expert_parallel_comm",
                            "drop 'moe' or set model.overlap_moe_expert_parallel_comm=False"))
-    offloaded = sorted({"moe_act", "expert_fc1", "fused_group_mlp"} & set(getattr(model, "offload_modules", None) or []))
-    if "moe" in modules and offloaded and getattr(model, "fine_grained_activation_offloading", False):
+    offloaded = offloaded_inside_moe(modules, getattr(model, "offload_modules", None) or []) \
+        if getattr(model, "fine_grained_activation_offloading", False) else []
+    if offloaded:
         out.append(Finding("moe_recompute_offload", ERROR, "recompute_modules",
                            f"'moe' recompute checkpoints the whole MoE layer, and model.offload_modules offloads "
                            f"{offloaded} inside it", f"drop 'moe' or remove {offloaded} from model.offload_modules"))
@@ -137,6 +138,14 @@ def _moe_findings(model, modules: list[str]) -> list[Finding]:
                            "'moe_act' recompute is not supported with FP8 delayed scaling",
                            "drop 'moe_act' or use another model.fp8_recipe"))
     return out
+
+
+def offloaded_inside_moe(modules, offload_modules) -> list[str]:
+    """The offloaded modules Core refuses beside ``moe`` recompute, which checkpoints the whole MoE layer: the
+    experts' offload groups (``moe_act``, ``expert_fc1``, ``fused_group_mlp``); none without ``moe`` in ``modules``."""
+    if "moe" not in modules:
+        return []
+    return sorted({"moe_act", "expert_fc1", "fused_group_mlp"} & set(offload_modules))
 
 
 def module_list(value, setting: str) -> list[str]:

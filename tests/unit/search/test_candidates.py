@@ -136,3 +136,41 @@ def test_a_candidates_least_memory_relatives_hold_no_more_and_are_the_widest_it_
     assert all(r.offload == ATTENTION and r.below(c) for r in relatives)
     full = cands.least_memory_relatives(replace(c, recompute=cands.FULL), rcs, offloads)
     assert [(r.recompute, r.micro_batch) for r in full] == [(cands.FULL, 1), (cands.FULL, 4)]
+
+
+def _moe_te_model(**fields):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"transformer_impl": "transformer_engine", "cpu_offloading": False, "num_moe_experts": 8,
+                              "moe_grouped_gemm": True, "use_transformer_engine_op_fuser": False,
+                              "moe_paged_stash": False, **fields})
+
+
+def test_the_experts_groups_are_tried_where_the_experts_open_them():
+    """Grouped-GEMM experts without TE's op fuser open expert_fc1 and moe_act; not under FP8 (not modelled), the op
+    fuser (fused_group_mlp only) or the paged stash (Core refuses them together)."""
+    experts = ("expert_fc1", "moe_act")
+    assert cands.offload_sets(_moe_te_model()) == [(), ATTENTION, experts, ATTENTION + experts]
+    for model, fp8 in [(_moe_te_model(), True), (_moe_te_model(use_transformer_engine_op_fuser=True), False),
+                       (_moe_te_model(moe_paged_stash=True), False), (_moe_te_model(moe_grouped_gemm=False), False)]:
+        assert cands.offload_sets(model, fp8=fp8) == [(), ATTENTION]
+
+
+def test_moe_recompute_is_never_paired_with_the_experts_groups_and_the_relatives_say_so():
+    """Core refuses 'moe' recompute beside the experts' groups: no branch member pairs them, the branch's size counts
+    what it holds, and a candidate's least-memory relative with 'moe' takes the widest offload Core allows with it."""
+    experts = ("expert_fc1", "moe_act")
+    shape = {"heads": 4, "query_groups": 2, "layers": 4, "seq": 256, "experts": 4, "bias": False}
+    offloads = tuple(cands.offload_sets(_moe_te_model()))
+    _, branches = cands.enumerate_branches(shape, world=4, global_batch=8, modules=["core_attn", "moe", "moe_act"],
+                                           offloads=offloads)
+    members = [c for b in branches for c in b.members()]
+    assert sum(b.size() for b in branches) == len(members)
+    assert not any("moe" in c.recompute and set(c.offload) & set(experts) for c in members if c.recompute != cands.FULL)
+    assert any(c.recompute == ("moe",) for c in members) and any(c.offload == experts for c in members)
+    c = next(c for c in members if c.recompute == () and c.offload == () and c.micro_batch > 1)
+    relatives = cands.least_memory_relatives(c, branches[0].recomputes, offloads)
+    by_rc = {frozenset(r.recompute): r.offload for r in relatives}
+    assert by_rc == {frozenset({"core_attn", "moe"}): ATTENTION,
+                     frozenset({"core_attn", "moe_act"}): ATTENTION + experts}
+    assert all(r.below(c) and cands.compatible(r.recompute, r.offload) for r in relatives)

@@ -35,3 +35,15 @@ def test_the_copies_cost_what_exceeds_the_compute_and_at_least_one_layers_share(
     big_bytes = int(4 * compute * gpu.pcie)
     big = steptime.step_time(s, gpu, offload_bytes=big_bytes)
     assert big.offload_exposed == pytest.approx(big_bytes / gpu.pcie - compute)
+
+
+def test_the_predicted_host_bytes_of_the_experts_groups_are_fc1s_input_and_the_activations_per_moe_layer():
+    """TP 2 with SP, s 1024, b 1, h 1024, 2 MoE layers of 8 experts, top-2, expert FFN 512, ETP 1, bf16: each rank's
+    512 tokens x 2 reach the experts; fc1's input [1024, h] and the fused activation's input [1024, 2 x 512]."""
+    from tests.support.settings import experts
+
+    s = gpt_stage(moe=experts(2))
+    routed = 1024 // 2 * 2
+    assert cost.predicted_host_bytes(s, ("expert_fc1",)) == routed * 1024 * 2 * 2
+    assert cost.predicted_host_bytes(s, cost.EXPERTS) == routed * (1024 + 2 * 512) * 2 * 2
+    assert cost.predicted_host_bytes(gpt_stage(), cost.EXPERTS) == 0
